@@ -1,0 +1,1 @@
+"""Command-line tools: ``coat train`` and friends (entry point: ``coat.cli.main:main``)."""

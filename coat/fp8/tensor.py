@@ -1,0 +1,71 @@
+"""Containers for quantized tensors: the codes plus what it takes to dequantize them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _ops
+
+
+@dataclass
+class Fp8Tensor:
+    """FP8 codes with per-tensor or per-group (1 x group_size along the last dim) scales.
+
+    ``x ~= data.float() * scale`` (scales broadcast over their group). ``scale`` is fp32 ``[1]`` for
+    per-tensor; ``[..., K / group_size]`` fp32 or uint8 E8M0 (``2 ** (b - 127)``) per group.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    group_size: int | None = None
+    data_t: torch.Tensor | None = None  # [K, M] transpose of data, when asked for
+    amax: torch.Tensor | None = None  # the amax the scale came from, when computed in the call
+
+    @property
+    def fmt(self) -> str:
+        return "e4m3" if self.data.dtype == torch.float8_e4m3fn else "e5m2"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def scale_float(self) -> torch.Tensor:
+        """The scales as fp32 (E8M0 bytes decoded)."""
+        if self.scale.dtype == torch.uint8:
+            return torch.ldexp(torch.ones_like(self.scale, dtype=torch.float32), self.scale.int() - 127)
+        return self.scale
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.group_size is None:
+            return _ops.dequantize_per_tensor(self.data, self.scale, dtype)
+        return _ops.dequantize_per_group(self.data, self.scale, self.group_size, dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
+
+
+@dataclass
+class DreTensor:
+    """FP8 codes with Dynamic Range Expansion: per group of 128 consecutive elements its largest
+    magnitude ``gmax`` (fp32) and exponent ``k = k16 / 16`` (uint8). 1 + 5/128 bytes per element.
+    Decodes as ``sign(q) * gmax * (|q| / fmt_max) ** (1 / k)``."""
+
+    data: torch.Tensor
+    gmax: torch.Tensor
+    k16: torch.Tensor
+
+    @property
+    def fmt(self) -> str:
+        return "e4m3" if self.data.dtype == torch.float8_e4m3fn else "e5m2"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return _ops.dre_dequantize(self.data, self.gmax, self.k16)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.gmax, self.k16))

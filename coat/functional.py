@@ -1,0 +1,119 @@
+"""Stateless FP8 functions over torch tensors (CPU and CUDA).
+
+The numerics are specified in docs/numerics.md: scales are dequantization multipliers
+(``x ~= q * scale``), rounding is to nearest even, values beyond the format's max saturate and NaN
+stays NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C, _ops
+from .fp8.formats import DTYPES, GROUP_SIZES, SCALE_KINDS, format_name
+from .fp8.tensor import DreTensor, Fp8Tensor
+
+__all__ = [
+    "quantize_per_tensor",
+    "quantize_per_group",
+    "dequantize",
+    "dre_quantize",
+    "dre_dequantize",
+    "DRE_GROUP_SIZE",
+]
+
+DRE_GROUP_SIZE: int = _C.DRE_GROUP_SIZE
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_input(x: torch.Tensor, arg: str = "x", dtypes=_FLOAT_DTYPES) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{arg} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{arg} must be {names}, got {str(x.dtype).replace('torch.', '')}")
+    if not x.is_contiguous():
+        raise ValueError(f"{arg} must be contiguous (call {arg}.contiguous() first)")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{arg} must be on a CPU or CUDA device, got {x.device}")
+
+
+def quantize_per_tensor(
+    x: torch.Tensor,
+    fmt: str | torch.dtype = "e4m3",
+    *,
+    scale: torch.Tensor | None = None,
+    transpose: bool = False,
+) -> Fp8Tensor:
+    """Quantizes ``x`` with one scale for the whole tensor.
+
+    With ``scale=None`` the amax is computed in the same call, on the device (no host sync), and
+    ``scale = amax / fmt_max``. With ``transpose=True`` the result also carries ``data_t``, the
+    codes of ``x.reshape(-1, K).T`` written in the same pass (the layout a weight-gradient GEMM
+    reads).
+    """
+    _check_input(x)
+    dt = DTYPES[format_name(fmt)]
+    if scale is None:
+        q, q_t, s, amax = _ops.quantize_per_tensor_amax(x, dt, transpose)
+        return Fp8Tensor(q, s, None, q_t if transpose else None, amax)
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError("scale must be a float32 tensor with one element")
+    if scale.device != x.device:
+        raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
+    scale = scale.reshape(1)
+    if transpose:
+        q, q_t = _ops.quantize_per_tensor_t(x, scale, dt)
+        return Fp8Tensor(q, scale, None, q_t)
+    return Fp8Tensor(_ops.quantize_per_tensor(x, scale, dt), scale)
+
+
+def quantize_per_group(
+    x: torch.Tensor,
+    group_size: int = 128,
+    fmt: str | torch.dtype = "e4m3",
+    *,
+    scale_kind: str = "fp32",
+) -> Fp8Tensor:
+    """Quantizes ``x`` in groups of ``group_size`` consecutive elements along the last dimension,
+    each with its own scale ``amax / fmt_max`` (``scale_kind="fp32"``) or the smallest power of two
+    at least that (``"e8m0"``, one byte per group)."""
+    _check_input(x)
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if scale_kind not in SCALE_KINDS:
+        raise ValueError(f"scale_kind must be 'fp32' or 'e8m0', got {scale_kind!r}")
+    if x.dim() == 0 or x.shape[-1] % group_size:
+        last = x.shape[-1] if x.dim() else "a 0-d tensor"
+        raise ValueError(f"group_size {group_size} does not divide the last dimension of x ({last})")
+    q, s = _ops.quantize_per_group(x, group_size, DTYPES[format_name(fmt)], scale_kind == "e8m0")
+    return Fp8Tensor(q, s, group_size)
+
+
+def dequantize(t: Fp8Tensor | DreTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of the quantize functions (DRE tensors always decode to fp32)."""
+    if isinstance(t, DreTensor):
+        return t.dequantize() if dtype == torch.float32 else t.dequantize().to(dtype)
+    if not isinstance(t, Fp8Tensor):
+        raise ValueError(f"t must be an Fp8Tensor or DreTensor, got {type(t).__name__}")
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    return t.dequantize(dtype)
+
+
+def dre_quantize(x: torch.Tensor, fmt: str | torch.dtype = "e4m3", *, log2_range: float | None = None) -> DreTensor:
+    """FP8 with Dynamic Range Expansion over groups of 128 consecutive elements of the flattened
+    fp32 tensor (COAT's optimizer-state format). ``log2_range`` is log2 of the span of magnitudes
+    expansion may fill within a group; the default depends on the format."""
+    _check_input(x, dtypes=(torch.float32,))
+    name = format_name(fmt)
+    if log2_range is None:
+        log2_range = _C.DRE_LOG2_RANGE_E4M3 if name == "e4m3" else _C.DRE_LOG2_RANGE_E5M2
+    if not (0.0 < float(log2_range) < 64.0):
+        raise ValueError(f"log2_range must be in (0, 64), got {log2_range}")
+    q, gmax, k16 = _ops.dre_quantize(x, DTYPES[name], float(log2_range))
+    return DreTensor(q, gmax, k16)
+
+
+def dre_dequantize(t: DreTensor) -> torch.Tensor:
+    return t.dequantize()

@@ -1,0 +1,61 @@
+// Argument checking for the nanobind layer: tensors arrive as DLPack arrays (FP8 data as uint8
+// views), are validated with the Python argument's name in every message, and are handed to the
+// core as raw pointers. std::invalid_argument surfaces in Python as ValueError.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "coat/common.h"
+
+namespace coat {
+namespace bind {
+
+namespace nb = nanobind;
+using Array = nb::ndarray<nb::ro>;
+using MutArray = nb::ndarray<>;
+
+enum class Kind { kFloat32, kBFloat16, kFloat16, kUInt8, kOther };
+
+struct View {
+  void* data = nullptr;
+  Kind kind = Kind::kOther;
+  bool cuda = false;
+  int device = 0;
+  std::vector<int64_t> shape;
+  int64_t numel = 1;
+  const char* name = "";
+
+  int64_t last_dim() const { return shape.empty() ? 1 : shape.back(); }
+  int64_t rows() const { return shape.empty() ? 1 : numel / (shape.back() == 0 ? 1 : shape.back()); }
+};
+
+const char* kind_name(Kind k);
+std::string shape_str(const std::vector<int64_t>& s);
+
+// Reads an array: requires C-contiguous layout and a CPU or CUDA device.
+template <typename A>
+View view_of(const A& a, const char* name);
+
+// x must hold fp32, bf16 or fp16.
+DType float_dtype(const View& v);
+void expect_kind(const View& v, Kind k);
+void expect_numel(const View& v, int64_t n, const std::string& what);
+void expect_same_shape(const View& v, const View& ref);
+// All views on the device of the first; returns whether that is CUDA (and makes it current).
+bool same_device(std::initializer_list<const View*> views);
+Fp8Format fp8_format(int f);
+ScaleKind scale_kind(int k);
+inline cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+// Raises when the build has no CUDA kernels and a CUDA tensor was passed.
+void require_cuda_build();
+
+}  // namespace bind
+}  // namespace coat

@@ -1,0 +1,99 @@
+// FP8 quantization: per-tensor, per-group (1 x G along the last dimension) and Dynamic Range
+// Expansion (DRE) for optimizer states.
+//
+// Numerics (docs/numerics.md has the full contract):
+// - A scale s is a dequantization multiplier: x ~= q * s. Quantization computes
+//   q = fp8(x * (1/s)) with 1/s rounded to fp32 once, round-to-nearest-even, saturating to the
+//   format's max magnitude (infinities too); NaN becomes the canonical NaN code 0x7F.
+// - Scales derived from an amax: s = max(amax / fmt_max, 2^-126), and s = 1 when amax is 0.
+//   amax ignores NaN and infinities (they cannot be represented by any scale anyway).
+// - E8M0 group scales are the smallest power of two >= amax / fmt_max, stored as the biased
+//   exponent byte (s = 2^(b-127)).
+// - Tensors are row-major [rows, cols]; any leading dimensions are folded into rows. FP8 data is
+//   one byte per element (uint8 codes). All sizes may be 0. Pointers need no particular alignment:
+//   aligned data takes the vectorized path.
+#pragma once
+
+#include <cstdint>
+
+#include "coat/common.h"
+
+namespace coat {
+
+// Group size of the DRE quantizer (elements per group, consecutive in the flattened tensor).
+constexpr int kDreGroupSize = 128;
+// log2 of the dynamic range that expansion may fill, per format (max / min |y| within a group).
+// E4M3: 448^2/2 as NVlabs COAT chose; E5M2: the span from its max to its smallest normal.
+constexpr float kDreLog2RangeE4M3 = 16.6147098441f;
+constexpr float kDreLog2RangeE5M2 = 29.807354922f;
+// k is stored as k16 = round_down(16 k) in one byte, so k lies in [1, 255/16].
+constexpr int kDreMinK16 = 16;
+constexpr int kDreMaxK16 = 255;
+
+// ---- per-tensor ------------------------------------------------------------------------------
+
+// q[r,c] = fp8(x[r,c] / scale[0]); if q_t is not null also q_t[c,r] = q[r,c] ([cols, rows]).
+void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t cols, Fp8Format fmt,
+                         const float* scale, uint8_t* q, uint8_t* q_t, cudaStream_t stream);
+
+// Same, with amax[0] = max |x| (finite values) and scale[0] = amax / fmt_max computed in the same
+// call, on the device, without a host synchronisation: one pass for the amax, one to quantize.
+void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_t cols,
+                              Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t,
+                              cudaStream_t stream);
+
+// y[i] = q[i] * scale[0], written as out_dtype (rounded to nearest even).
+void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
+                           DType out_dtype, cudaStream_t stream);
+
+// ---- per-group (1 x group along cols) ---------------------------------------------------------
+
+// group in {16, 32, 64, 128} and divides cols. scales is [rows, cols/group] of fp32 or of E8M0
+// bytes (scale_kind). Each group gets s = scale from its own amax.
+void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols, int group,
+                        Fp8Format fmt, ScaleKind scale_kind, void* scales, uint8_t* q,
+                        cudaStream_t stream);
+
+void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t cols, int group,
+                          ScaleKind scale_kind, const void* scales, void* y, DType out_dtype,
+                          cudaStream_t stream);
+
+// ---- Dynamic Range Expansion (groups of kDreGroupSize consecutive elements) ----------------------
+
+// For each group g: gmax[g] = max |x| and k16[g] = 16 k, where
+// k = clamp(log2_range / log2(max/min), 1, 255/16) over the group's non-zero |x|, rounded down to
+// a multiple of 1/16. Each element is stored as q = fp8(sign(x) fmt_max (|x|/gmax)^k): DRE's
+// y = (|x|/c)^k with its per-group scale s = (gmax/c)^k / fmt_max folded in, so c cancels and
+// each group costs 5 bytes of metadata. Zeros stay zero, |x| == gmax is stored as +-fmt_max and
+// decodes to gmax exactly (so constant groups are exact), non-finite inputs never enter gmax or
+// the minimum, and no finite input produces NaN or Inf.
+// n may be any size; the last group may be partial. Groups: ceil(n / 128).
+void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, uint8_t* q,
+                  float* gmax, uint8_t* k16, cudaStream_t stream);
+
+// x = sign(q) gmax (|q| / fmt_max)^(1/k).
+void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int64_t n,
+                    Fp8Format fmt, float* y, cudaStream_t stream);
+
+inline float dre_default_log2_range(Fp8Format fmt) {
+  return fmt == Fp8Format::kE4M3 ? kDreLog2RangeE4M3 : kDreLog2RangeE5M2;
+}
+
+namespace ref {
+void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t cols, Fp8Format fmt,
+                         const float* scale, uint8_t* q, uint8_t* q_t);
+void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_t cols,
+                              Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t);
+void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
+                           DType out_dtype);
+void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols, int group,
+                        Fp8Format fmt, ScaleKind scale_kind, void* scales, uint8_t* q);
+void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t cols, int group,
+                          ScaleKind scale_kind, const void* scales, void* y, DType out_dtype);
+void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, uint8_t* q,
+                  float* gmax, uint8_t* k16);
+void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int64_t n,
+                    Fp8Format fmt, float* y);
+}  // namespace ref
+
+}  // namespace coat

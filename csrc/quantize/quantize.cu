@@ -1,0 +1,420 @@
+// CUDA kernels of the quantize family. Every kernel is a grid-stride loop with 64-bit indices; the
+// vectorized paths move 16-byte loads (8 bf16 or 4+4 fp32) and 8-byte FP8 stores per thread and are
+// taken only when pointers are aligned; otherwise a scalar path computes the same bits.
+#include <cfloat>
+
+#include "common/cuda_utils.cuh"
+#include "common/dre.h"
+#include "quantize_args.h"
+
+namespace coat {
+namespace {
+
+using cuda::grid_for;
+using detail::ceil_div;
+
+constexpr int kThreads = 256;
+
+template <typename F>
+void dispatch_in(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
+    case DType::kBFloat16: f(static_cast<bf16_t*>(nullptr)); return;
+    case DType::kFloat16: f(static_cast<fp16_t*>(nullptr)); return;
+  }
+  throw_invalid("unsupported dtype");
+}
+
+__device__ __forceinline__ float finite_abs(float v) {
+  const float a = fabsf(v);
+  return a <= FLT_MAX ? a : 0.0f;  // NaN and inf compare false
+}
+
+// The scale a per-tensor kernel applies: given, or derived from an amax computed by an earlier
+// launch on the same stream (block 0 publishes it).
+__device__ __forceinline__ float tensor_scale(const float* scale, const float* amax, float* scale_out,
+                                              Fp8Format fmt) {
+  if (amax == nullptr) return *scale;
+  const float s = scale_for(*amax, fmt);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = s;
+  return s;
+}
+
+// amax: thread t reads 8-element chunks t, t + stride, ... walking from the END of the tensor, so
+// that the chunks read last (the head) are still in L2 when the quantize pass starts there.
+// Bytes: n * sizeof(T) read. Partial maxima combine with an integer atomicMax on the float bits
+// (valid for non-negative floats); *amax must be zero beforehand.
+template <typename T>
+__global__ void amax_kernel(const T* __restrict__ x, int64_t n, bool vec, float* amax) {
+  float m = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunks = vec ? n / 8 : 0;
+  for (int64_t c = chunks - 1 - tid; c >= 0; c -= stride) {
+    float v[8];
+    cuda::load8(x + c * 8, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m = fmaxf(m, finite_abs(v[i]));
+  }
+  for (int64_t i = chunks * 8 + tid; i < n; i += stride) m = fmaxf(m, finite_abs(Elem<T>::load(x[i])));
+  m = cuda::warp_max(m);
+  __shared__ float part[32];
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0f;
+    m = cuda::warp_max(m);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
+  }
+}
+
+// Per-tensor quantize, row-major output only. Thread t handles 8-element chunks; bytes moved:
+// n * sizeof(T) read + n written.
+template <typename T>
+__global__ void quantize_tensor_kernel(const T* __restrict__ x, int64_t n, bool vec, Fp8Format fmt,
+                                       const float* scale, const float* amax, float* scale_out,
+                                       uint8_t* __restrict__ q) {
+  const float inv = 1.0f / tensor_scale(scale, amax, scale_out, fmt);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunks = vec ? n / 8 : 0;
+  for (int64_t c = tid; c < chunks; c += stride) {
+    float v[8];
+    cuda::load8(x + c * 8, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] *= inv;
+    reinterpret_cast<uint2*>(q)[c] = cuda::encode8(v, fmt);
+  }
+  for (int64_t i = chunks * 8 + tid; i < n; i += stride) q[i] = encode_fp8(Elem<T>::load(x[i]) * inv, fmt);
+}
+
+// Per-tensor quantize writing q [rows, cols] and q_t [cols, rows]. One block per 64x64 tile:
+// codes go through shared memory so that both outputs are written along their rows.
+constexpr int kTile = 64;
+template <typename T>
+__global__ void quantize_tensor_t_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                         Fp8Format fmt, const float* scale, const float* amax,
+                                         float* scale_out, uint8_t* __restrict__ q,
+                                         uint8_t* __restrict__ q_t) {
+  __shared__ uint8_t tile[kTile][kTile + 4];
+  const float inv = 1.0f / tensor_scale(scale, amax, scale_out, fmt);
+  const int64_t tiles_c = ceil_div(cols, kTile);
+  const int64_t tiles = ceil_div(rows, kTile) * tiles_c;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_c) * kTile, c0 = (t % tiles_c) * kTile;
+    for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
+      const int rr = i / kTile, cc = i % kTile;
+      const int64_t r = r0 + rr, c = c0 + cc;
+      if (r < rows && c < cols) {
+        const uint8_t code = encode_fp8(Elem<T>::load(x[r * cols + c]) * inv, fmt);
+        q[r * cols + c] = code;
+        tile[rr][cc] = code;
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
+      const int cc = i / kTile, rr = i % kTile;
+      const int64_t r = r0 + rr, c = c0 + cc;
+      if (r < rows && c < cols) q_t[c * rows + r] = tile[rr][cc];
+    }
+    __syncthreads();
+  }
+}
+
+// Per-group quantize, G/8 consecutive lanes per group, 8 elements per lane; the group's amax is a
+// shuffle reduction over those lanes. Whole warps iterate together so shuffles never miss a lane.
+// Bytes: n * sizeof(T) read, n + groups * scale bytes written.
+template <typename T, int G>
+__global__ void quantize_group_kernel(const T* __restrict__ x, int64_t n, Fp8Format fmt,
+                                      ScaleKind kind, void* __restrict__ scales,
+                                      uint8_t* __restrict__ q) {
+  constexpr int L = G / 8;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t chunks = n / 8;
+  for (int64_t base = warp * 32; base < chunks; base += warps * 32) {
+    const int64_t c = base + lane;
+    const bool active = c < chunks;
+    float v[8];
+    float m = 0.0f;
+    if (active) {
+      cuda::load8(x + c * 8, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, finite_abs(v[i]));
+    }
+    m = cuda::warp_max(m, L);
+    if (!active) continue;
+    float s;
+    if (kind == ScaleKind::kE8M0) {
+      const uint8_t b = e8m0_scale_for(m, fmt);
+      s = e8m0_to_float(b);
+      if (lane % L == 0) static_cast<uint8_t*>(scales)[c / L] = b;
+    } else {
+      s = scale_for(m, fmt);
+      if (lane % L == 0) static_cast<float*>(scales)[c / L] = s;
+    }
+    const float inv = 1.0f / s;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] *= inv;
+    reinterpret_cast<uint2*>(q)[c] = cuda::encode8(v, fmt);
+  }
+}
+
+// Unaligned fallback: one thread per group.
+template <typename T>
+__global__ void quantize_group_scalar_kernel(const T* __restrict__ x, int64_t n, int group,
+                                             Fp8Format fmt, ScaleKind kind, void* scales,
+                                             uint8_t* q) {
+  const int64_t groups = n / group;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const T* xg = x + g * group;
+    float m = 0.0f;
+    for (int i = 0; i < group; ++i) m = fmaxf(m, finite_abs(Elem<T>::load(xg[i])));
+    float s;
+    if (kind == ScaleKind::kE8M0) {
+      const uint8_t b = e8m0_scale_for(m, fmt);
+      static_cast<uint8_t*>(scales)[g] = b;
+      s = e8m0_to_float(b);
+    } else {
+      s = scale_for(m, fmt);
+      static_cast<float*>(scales)[g] = s;
+    }
+    const float inv = 1.0f / s;
+    for (int i = 0; i < group; ++i) q[g * group + i] = encode_fp8(Elem<T>::load(xg[i]) * inv, fmt);
+  }
+}
+
+// Dequantize, per tensor (group == 0) or per group: 8 codes per thread per step.
+// Bytes: n read + n * sizeof(T) written (+ scales).
+template <typename T>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ q, int64_t n, bool vec, Fp8Format fmt,
+                                  int group, ScaleKind kind, const void* __restrict__ scales,
+                                  T* __restrict__ y) {
+  auto scale_at = [&](int64_t i) -> float {
+    if (group == 0) return *static_cast<const float*>(scales);
+    const int64_t g = i / group;
+    return kind == ScaleKind::kE8M0 ? e8m0_to_float(static_cast<const uint8_t*>(scales)[g])
+                                    : static_cast<const float*>(scales)[g];
+  };
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunks = vec ? n / 8 : 0;
+  for (int64_t c = tid; c < chunks; c += stride) {
+    float v[8];
+    cuda::decode8(reinterpret_cast<const uint2*>(q)[c], fmt, v);
+    const float s = scale_at(c * 8);  // groups are multiples of 8: one scale per chunk
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] *= s;
+    cuda::store8(y + c * 8, v);
+  }
+  for (int64_t i = chunks * 8 + tid; i < n; i += stride) y[i] = Elem<T>::store(decode_fp8(q[i], fmt) * scale_at(i));
+}
+
+// DRE: one warp per group of 128, 4 elements per lane (one 16-byte load when the group is whole
+// and aligned). Bytes: 4n read, n + 5 per group written.
+__global__ void dre_quantize_kernel(const float* __restrict__ x, int64_t n, bool vec, Fp8Format fmt,
+                                    float log2_range, uint8_t* __restrict__ q,
+                                    float* __restrict__ gmax, uint8_t* __restrict__ k16) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  const int64_t groups = ceil_div(n, kDreGroupSize);
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       g < groups; g += warps) {
+    const int64_t i0 = g * kDreGroupSize + lane * 4;
+    const bool whole = vec && g * kDreGroupSize + kDreGroupSize <= n;
+    float v[4];
+    if (whole) {
+      const float4 a = *reinterpret_cast<const float4*>(x + i0);
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = i0 + j < n ? x[i0 + j] : 0.0f;
+    }
+    float mx = 0.0f, mn = INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float a = fabsf(v[j]);
+      if (dre_counts(a)) {
+        mx = fmaxf(mx, a);
+        if (a > 0.0f) mn = fminf(mn, a);
+      }
+    }
+    mx = cuda::warp_max(mx);
+    mn = cuda::warp_min(mn);
+    const uint8_t k = dre_k16(mx, mn, log2_range);
+    if (lane == 0) {
+      gmax[g] = mx;
+      k16[g] = k;
+    }
+    uint8_t c[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[j] = dre_encode(v[j], mx, k, fmt);
+    if (whole) {
+      *reinterpret_cast<uchar4*>(q + i0) = make_uchar4(c[0], c[1], c[2], c[3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (i0 + j < n) q[i0 + j] = c[j];
+    }
+  }
+}
+
+// One thread per element; gmax/k16 are per-group reads that stay in L1. Bytes: n + 5/128 n read,
+// 4n written.
+__global__ void dre_dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ gmax,
+                                      const uint8_t* __restrict__ k16, int64_t n, Fp8Format fmt,
+                                      float* __restrict__ y) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int64_t g = i / kDreGroupSize;
+    y[i] = dre_decode(q[i], gmax[g], k16[g], fmt);
+  }
+}
+
+template <typename T>
+void launch_quantize_tensor(const T* x, int64_t rows, int64_t cols, Fp8Format fmt,
+                            const float* scale, const float* amax, float* scale_out, uint8_t* q,
+                            uint8_t* q_t, cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (q_t != nullptr) {
+    const int64_t tiles = ceil_div(rows, kTile) * ceil_div(cols, kTile);
+    quantize_tensor_t_kernel<T><<<grid_for(tiles, 1, 16), kThreads, 0, stream>>>(
+        x, rows, cols, fmt, scale, amax, scale_out, q, q_t);
+  } else {
+    const bool vec = cuda::aligned(x, 16) && cuda::aligned(q, 8);
+    quantize_tensor_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
+        x, n, vec, fmt, scale, amax, scale_out, q);
+  }
+  COAT_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t cols, Fp8Format fmt,
+                         const float* scale, uint8_t* q, uint8_t* q_t, cudaStream_t stream) {
+  detail::check_shape(rows, cols);
+  detail::check_ptr(x, rows * cols, "x");
+  detail::check_ptr(q, rows * cols, "q");
+  COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
+  if (rows * cols == 0) return;
+  dispatch_in(x_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launch_quantize_tensor(static_cast<const T*>(x), rows, cols, fmt, scale, nullptr, nullptr, q,
+                           q_t, stream);
+  });
+}
+
+void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_t cols,
+                              Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t,
+                              cudaStream_t stream) {
+  detail::check_shape(rows, cols);
+  const int64_t n = rows * cols;
+  detail::check_ptr(x, n, "x");
+  detail::check_ptr(q, n, "q");
+  COAT_CHECK_ARG(amax != nullptr && scale != nullptr, "amax and scale must not be null");
+  COAT_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  dispatch_in(x_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xt = static_cast<const T*>(x);
+    const bool vec = cuda::aligned(x, 16);
+    // Both launches also run for n == 0: they then publish amax = 0 and scale = 1.
+    amax_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(xt, n, vec, amax);
+    COAT_CHECK_LAUNCH();
+    launch_quantize_tensor(xt, rows, cols, fmt, nullptr, amax, scale, q, q_t, stream);
+  });
+}
+
+void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
+                           DType out_dtype, cudaStream_t stream) {
+  COAT_CHECK_ARG(n >= 0, "n must be >= 0");
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(y, n, "y");
+  COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
+  if (n == 0) return;
+  dispatch_in(out_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vec = cuda::aligned(q, 8) && cuda::aligned(y, 16);
+    dequantize_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
+        q, n, vec, fmt, 0, ScaleKind::kFloat32, scale, static_cast<T*>(y));
+    COAT_CHECK_LAUNCH();
+  });
+}
+
+void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols, int group,
+                        Fp8Format fmt, ScaleKind scale_kind, void* scales, uint8_t* q,
+                        cudaStream_t stream) {
+  detail::check_shape(rows, cols);
+  detail::check_group(cols, group);
+  const int64_t n = rows * cols;
+  detail::check_ptr(x, n, "x");
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(scales, n, "scales");
+  if (n == 0) return;
+  dispatch_in(x_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xt = static_cast<const T*>(x);
+    if (!(cuda::aligned(x, 16) && cuda::aligned(q, 8))) {
+      quantize_group_scalar_kernel<T><<<grid_for(n / group, kThreads), kThreads, 0, stream>>>(
+          xt, n, group, fmt, scale_kind, scales, q);
+    } else {
+      const unsigned blocks = grid_for(n / 8, kThreads);
+      switch (group) {
+        case 16: quantize_group_kernel<T, 16><<<blocks, kThreads, 0, stream>>>(xt, n, fmt, scale_kind, scales, q); break;
+        case 32: quantize_group_kernel<T, 32><<<blocks, kThreads, 0, stream>>>(xt, n, fmt, scale_kind, scales, q); break;
+        case 64: quantize_group_kernel<T, 64><<<blocks, kThreads, 0, stream>>>(xt, n, fmt, scale_kind, scales, q); break;
+        default: quantize_group_kernel<T, 128><<<blocks, kThreads, 0, stream>>>(xt, n, fmt, scale_kind, scales, q); break;
+      }
+    }
+    COAT_CHECK_LAUNCH();
+  });
+}
+
+void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t cols, int group,
+                          ScaleKind scale_kind, const void* scales, void* y, DType out_dtype,
+                          cudaStream_t stream) {
+  detail::check_shape(rows, cols);
+  detail::check_group(cols, group);
+  const int64_t n = rows * cols;
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(y, n, "y");
+  detail::check_ptr(scales, n, "scales");
+  if (n == 0) return;
+  dispatch_in(out_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vec = cuda::aligned(q, 8) && cuda::aligned(y, 16);
+    dequantize_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
+        q, n, vec, fmt, group, scale_kind, scales, static_cast<T*>(y));
+    COAT_CHECK_LAUNCH();
+  });
+}
+
+void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, uint8_t* q,
+                  float* gmax, uint8_t* k16, cudaStream_t stream) {
+  detail::check_dre(n, log2_range);
+  detail::check_ptr(x, n, "x");
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(gmax, n, "gmax");
+  detail::check_ptr(k16, n, "k16");
+  if (n == 0) return;
+  const bool vec = cuda::aligned(x, 16) && cuda::aligned(q, 4);
+  const int64_t groups = ceil_div(n, kDreGroupSize);
+  dre_quantize_kernel<<<grid_for(groups * 32, kThreads), kThreads, 0, stream>>>(
+      x, n, vec, fmt, log2_range, q, gmax, k16);
+  COAT_CHECK_LAUNCH();
+}
+
+void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int64_t n,
+                    Fp8Format fmt, float* y, cudaStream_t stream) {
+  COAT_CHECK_ARG(n >= 0, "n must be >= 0");
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(gmax, n, "gmax");
+  detail::check_ptr(k16, n, "k16");
+  detail::check_ptr(y, n, "y");
+  if (n == 0) return;
+  dre_dequantize_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(q, gmax, k16, n, fmt, y);
+  COAT_CHECK_LAUNCH();
+}
+
+}  // namespace coat

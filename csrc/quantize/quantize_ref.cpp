@@ -1,0 +1,190 @@
+// CPU reference of the quantize family: plain loops over the same scalar helpers the kernels use,
+// so every FP8 code matches the GPU bit for bit.
+#include <algorithm>
+#include <cmath>
+
+#include "common/dre.h"
+#include "common/fp8.h"
+#include "quantize_args.h"
+
+namespace coat {
+namespace ref {
+namespace {
+
+using detail::ceil_div;
+
+template <typename F>
+void dispatch_in(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
+    case DType::kBFloat16: f(static_cast<HostBf16*>(nullptr)); return;
+    case DType::kFloat16: f(static_cast<HostFp16*>(nullptr)); return;
+  }
+  throw_invalid("unsupported dtype");
+}
+
+float finite_abs(float v) {
+  const float a = std::fabs(v);
+  return dre_counts(a) ? a : 0.0f;
+}
+
+template <typename T>
+float amax_of(const T* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, finite_abs(Elem<T>::load(x[i])));
+  return m;
+}
+
+template <typename T>
+void quantize_tensor_impl(const T* x, int64_t rows, int64_t cols, Fp8Format fmt, float inv,
+                          uint8_t* q, uint8_t* q_t) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t code = encode_fp8(Elem<T>::load(x[r * cols + c]) * inv, fmt);
+      q[r * cols + c] = code;
+      if (q_t) q_t[c * rows + r] = code;
+    }
+  }
+}
+
+template <typename T>
+void store_out(void* y, int64_t i, float v) {
+  static_cast<T*>(y)[i] = Elem<T>::store(v);
+}
+
+}  // namespace
+
+void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t cols, Fp8Format fmt,
+                         const float* scale, uint8_t* q, uint8_t* q_t) {
+  detail::check_shape(rows, cols);
+  const int64_t n = rows * cols;
+  detail::check_ptr(x, n, "x");
+  detail::check_ptr(q, n, "q");
+  COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
+  if (n == 0) return;
+  const float inv = 1.0f / scale[0];
+  dispatch_in(x_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    quantize_tensor_impl(static_cast<const T*>(x), rows, cols, fmt, inv, q, q_t);
+  });
+}
+
+void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_t cols,
+                              Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t) {
+  detail::check_shape(rows, cols);
+  const int64_t n = rows * cols;
+  detail::check_ptr(x, n, "x");
+  detail::check_ptr(q, n, "q");
+  COAT_CHECK_ARG(amax != nullptr && scale != nullptr, "amax and scale must not be null");
+  dispatch_in(x_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xt = static_cast<const T*>(x);
+    amax[0] = amax_of(xt, n);
+    scale[0] = scale_for(amax[0], fmt);
+    if (n > 0) quantize_tensor_impl(xt, rows, cols, fmt, 1.0f / scale[0], q, q_t);
+  });
+}
+
+void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
+                           DType out_dtype) {
+  COAT_CHECK_ARG(n >= 0, "n must be >= 0");
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(y, n, "y");
+  COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
+  const float s = scale[0];
+  dispatch_in(out_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (int64_t i = 0; i < n; ++i) store_out<T>(y, i, decode_fp8(q[i], fmt) * s);
+  });
+}
+
+void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols, int group,
+                        Fp8Format fmt, ScaleKind scale_kind, void* scales, uint8_t* q) {
+  detail::check_shape(rows, cols);
+  detail::check_group(cols, group);
+  const int64_t n = rows * cols;
+  detail::check_ptr(x, n, "x");
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(scales, n, "scales");
+  const int64_t groups = n / group;
+  dispatch_in(x_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xt = static_cast<const T*>(x);
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* xg = xt + g * group;
+      const float amax = amax_of(xg, group);
+      float s;
+      if (scale_kind == ScaleKind::kE8M0) {
+        const uint8_t b = e8m0_scale_for(amax, fmt);
+        static_cast<uint8_t*>(scales)[g] = b;
+        s = e8m0_to_float(b);
+      } else {
+        s = scale_for(amax, fmt);
+        static_cast<float*>(scales)[g] = s;
+      }
+      const float inv = 1.0f / s;
+      for (int i = 0; i < group; ++i) q[g * group + i] = encode_fp8(Elem<T>::load(xg[i]) * inv, fmt);
+    }
+  });
+}
+
+void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t cols, int group,
+                          ScaleKind scale_kind, const void* scales, void* y, DType out_dtype) {
+  detail::check_shape(rows, cols);
+  detail::check_group(cols, group);
+  const int64_t n = rows * cols;
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(y, n, "y");
+  detail::check_ptr(scales, n, "scales");
+  dispatch_in(out_dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t g = i / group;
+      const float s = scale_kind == ScaleKind::kE8M0
+                          ? e8m0_to_float(static_cast<const uint8_t*>(scales)[g])
+                          : static_cast<const float*>(scales)[g];
+      store_out<T>(y, i, decode_fp8(q[i], fmt) * s);
+    }
+  });
+}
+
+void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, uint8_t* q,
+                  float* gmax, uint8_t* k16) {
+  detail::check_dre(n, log2_range);
+  detail::check_ptr(x, n, "x");
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(gmax, n, "gmax");
+  detail::check_ptr(k16, n, "k16");
+  const int64_t groups = ceil_div(n, kDreGroupSize);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t begin = g * kDreGroupSize;
+    const int64_t end = std::min(n, begin + kDreGroupSize);
+    float mx = 0.0f, mn = INFINITY;
+    for (int64_t i = begin; i < end; ++i) {
+      const float a = std::fabs(x[i]);
+      if (!dre_counts(a)) continue;
+      mx = std::max(mx, a);
+      if (a > 0.0f) mn = std::min(mn, a);
+    }
+    const uint8_t k = dre_k16(mx, mn, log2_range);
+    gmax[g] = mx;
+    k16[g] = k;
+    for (int64_t i = begin; i < end; ++i) q[i] = dre_encode(x[i], mx, k, fmt);
+  }
+}
+
+void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int64_t n,
+                    Fp8Format fmt, float* y) {
+  COAT_CHECK_ARG(n >= 0, "n must be >= 0");
+  detail::check_ptr(q, n, "q");
+  detail::check_ptr(gmax, n, "gmax");
+  detail::check_ptr(k16, n, "k16");
+  detail::check_ptr(y, n, "y");
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = i / kDreGroupSize;
+    y[i] = dre_decode(q[i], gmax[g], k16[g], fmt);
+  }
+}
+
+}  // namespace ref
+}  // namespace coat
