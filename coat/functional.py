@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _C, _ops
+from . import _C
+from ._ops import quantize as _ops
 from .fp8.formats import DTYPES, GROUP_SIZES, SCALE_KINDS, format_name
 from .fp8.tensor import DreTensor, Fp8Tensor
 

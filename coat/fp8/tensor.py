@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _ops
+from .._ops import quantize as _ops
 
 
 @dataclass

@@ -1,5 +1,6 @@
 // nanobind registration of the quantize family.
 #include "coat/quantize.h"
+#include "registry.h"
 #include "tensor_args.h"
 
 namespace coat {
@@ -171,9 +172,10 @@ void dre_dequantize_py(const Array& q_, const Array& gmax_, const Array& k16_, M
     ref::dre_dequantize(qd, gd, kd, q.numel, fmt, yd);
 }
 
-}  // namespace
-
 void register_quantize(nb::module_& m) {
+  m.attr("DRE_GROUP_SIZE") = kDreGroupSize;
+  m.attr("DRE_LOG2_RANGE_E4M3") = kDreLog2RangeE4M3;
+  m.attr("DRE_LOG2_RANGE_E5M2") = kDreLog2RangeE5M2;
   m.def("quantize_per_tensor", &quantize_per_tensor_py, arg("x"), arg("scale"), arg("q"),
         arg("q_t").none(), arg("fmt"), arg("stream"));
   m.def("quantize_per_tensor_amax", &quantize_per_tensor_amax_py, arg("x"), arg("amax"),
@@ -189,6 +191,10 @@ void register_quantize(nb::module_& m) {
   m.def("dre_dequantize", &dre_dequantize_py, arg("q"), arg("gmax"), arg("k16"), arg("y"),
         arg("fmt"), arg("stream"));
 }
+
+}  // namespace
+
+COAT_REGISTER_BINDINGS(quantize, register_quantize);
 
 }  // namespace bind
 }  // namespace coat

@@ -1,36 +1,18 @@
-"""torch.library custom ops over the compiled core (the only module that calls coat._C).
-
-Every op is functional (returns new tensors) and has a fake implementation, so it works with
-torch.compile and FakeTensor tracing. FP8 data crosses into the core as uint8 views.
-"""
+"""Custom ops of the quantize family (FP8 per-tensor, per-group and DRE quantization)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from . import _C
-from .fp8.formats import CORE_ID, format_of_dtype
+from .. import _C
+from ._util import dev_ctx as _dev_ctx
+from ._util import fmt_id as _fmt_id
+from ._util import stream as _stream
+from ._util import u8 as _u8
 
 _DRE_GROUP = _C.DRE_GROUP_SIZE
 
 
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
-
-
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
-
-
-def _fmt_id(dtype: torch.dtype, arg: str = "fp8_dtype") -> int:
-    return CORE_ID[format_of_dtype(dtype, arg)]
-
-
-def _dev_ctx(t: torch.Tensor):
-    # DLPack export needs the tensor's device to be the current one.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 # ---- per-tensor -------------------------------------------------------------------------------
