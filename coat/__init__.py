@@ -1,7 +1,7 @@
 """coat: memory-efficient FP8 training for PyTorch (COAT: FP8 optimizer states and activations)."""
 
 from . import _C, functional
-from .fp8 import DreTensor, Fp8Tensor
+from .fp8.tensor import DreTensor, Fp8Tensor
 
 __version__ = "0.1.0"
 

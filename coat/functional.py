@@ -11,7 +11,7 @@ import torch
 
 from . import _C
 from ._ops import quantize as _ops
-from .fp8.formats import DTYPES, GROUP_SIZES, SCALE_KINDS, format_name
+from .fp8.formats import CORE_ID, DTYPES, GROUP_SIZES, SCALE_KINDS, format_name
 from .fp8.tensor import DreTensor, Fp8Tensor
 
 __all__ = [
@@ -54,19 +54,20 @@ def quantize_per_tensor(
     reads).
     """
     _check_input(x)
-    dt = DTYPES[format_name(fmt)]
+    name = format_name(fmt)
+    dt, fid = DTYPES[name], CORE_ID[name]
     if scale is None:
-        q, q_t, s, amax = _ops.quantize_per_tensor_amax(x, dt, transpose)
-        return Fp8Tensor(q, s, None, q_t if transpose else None, amax)
+        q, q_t, s, amax = _ops.quantize_per_tensor_amax(x, fid, transpose)
+        return Fp8Tensor(q.view(dt), s, None, q_t.view(dt) if transpose else None, amax)
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
         raise ValueError("scale must be a float32 tensor with one element")
     if scale.device != x.device:
         raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
     scale = scale.reshape(1)
     if transpose:
-        q, q_t = _ops.quantize_per_tensor_t(x, scale, dt)
-        return Fp8Tensor(q, scale, None, q_t)
-    return Fp8Tensor(_ops.quantize_per_tensor(x, scale, dt), scale)
+        q, q_t = _ops.quantize_per_tensor_t(x, scale, fid)
+        return Fp8Tensor(q.view(dt), scale, None, q_t.view(dt))
+    return Fp8Tensor(_ops.quantize_per_tensor(x, scale, fid).view(dt), scale)
 
 
 def quantize_per_group(
@@ -87,8 +88,9 @@ def quantize_per_group(
     if x.dim() == 0 or x.shape[-1] % group_size:
         last = x.shape[-1] if x.dim() else "a 0-d tensor"
         raise ValueError(f"group_size {group_size} does not divide the last dimension of x ({last})")
-    q, s = _ops.quantize_per_group(x, group_size, DTYPES[format_name(fmt)], scale_kind == "e8m0")
-    return Fp8Tensor(q, s, group_size)
+    name = format_name(fmt)
+    q, s = _ops.quantize_per_group(x, group_size, CORE_ID[name], scale_kind == "e8m0")
+    return Fp8Tensor(q.view(DTYPES[name]), s, group_size)
 
 
 def dequantize(t: Fp8Tensor | DreTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -112,8 +114,8 @@ def dre_quantize(x: torch.Tensor, fmt: str | torch.dtype = "e4m3", *, log2_range
         log2_range = _C.DRE_LOG2_RANGE_E4M3 if name == "e4m3" else _C.DRE_LOG2_RANGE_E5M2
     if not (0.0 < float(log2_range) < 64.0):
         raise ValueError(f"log2_range must be in (0, 64), got {log2_range}")
-    q, gmax, k16 = _ops.dre_quantize(x, DTYPES[name], float(log2_range))
-    return DreTensor(q, gmax, k16)
+    q, gmax, k16 = _ops.dre_quantize(x, CORE_ID[name], float(log2_range))
+    return DreTensor(q.view(DTYPES[name]), gmax, k16)
 
 
 def dre_dequantize(t: DreTensor) -> torch.Tensor:

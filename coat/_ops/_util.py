@@ -20,6 +20,7 @@ def u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def fmt_id(dtype: torch.dtype, arg: str = "fp8_dtype") -> int:
+    """The core's format enum for a torch FP8 dtype."""
     return CORE_ID[format_of_dtype(dtype, arg)]
 
 

@@ -1,6 +1,5 @@
-"""FP8 formats and containers for quantized tensors."""
+"""FP8 formats (coat.fp8.formats) and containers for quantized tensors (coat.fp8.tensor)."""
 
 from .formats import DTYPES, MAX, format_name
-from .tensor import DreTensor, Fp8Tensor
 
-__all__ = ["DTYPES", "MAX", "format_name", "Fp8Tensor", "DreTensor"]
+__all__ = ["DTYPES", "MAX", "format_name"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .._ops import quantize as _ops
+from .._ops._util import fmt_id, u8
 
 
 @dataclass
@@ -38,9 +39,10 @@ class Fp8Tensor:
         return self.scale
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        fmt = fmt_id(self.data.dtype, "data")
         if self.group_size is None:
-            return _ops.dequantize_per_tensor(self.data, self.scale, dtype)
-        return _ops.dequantize_per_group(self.data, self.scale, self.group_size, dtype)
+            return _ops.dequantize_per_tensor(u8(self.data), self.scale, fmt, dtype)
+        return _ops.dequantize_per_group(u8(self.data), self.scale, self.group_size, fmt, dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
@@ -65,7 +67,7 @@ class DreTensor:
         return self.data.shape
 
     def dequantize(self) -> torch.Tensor:
-        return _ops.dre_dequantize(self.data, self.gmax, self.k16)
+        return _ops.dre_dequantize(u8(self.data), self.gmax, self.k16, fmt_id(self.data.dtype, "data"))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.gmax, self.k16))

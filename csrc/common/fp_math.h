@@ -73,7 +73,12 @@ COAT_HD float det_exp2(float t) {
   p = fadd(1.0f, fmul(u, p));
   p = fadd(1.0f, fmul(u, p));
   int ni = static_cast<int>(n);
-  // Apply 2^ni in at most two exact steps so that results in the subnormal range stay correct.
+  // Apply 2^ni in at most two steps: 2^128 itself is not a float, and results in the subnormal
+  // range must not be flushed.
+  if (ni > 127) {
+    p = fmul(p, 2.0f);
+    ni -= 1;
+  }
   if (ni < -126) {
     p = fmul(p, 1.17549435e-38f);  // 2^-126
     ni += 126;

@@ -1,0 +1,195 @@
+// CPU reference of the quantize family: semantics, edge cases and argument checks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "coat/quantize.h"
+#include "common/dre.h"
+#include "common/fp8.h"
+
+using namespace coat;
+
+namespace {
+
+std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+}  // namespace
+
+TEST(PerTensor, AmaxScaleAndCodes) {
+  const int64_t rows = 7, cols = 33;
+  auto x = randn(rows * cols, 1, 3.0f);
+  x[5] = NAN;
+  x[6] = INFINITY;
+  std::vector<uint8_t> q(x.size()), qt(x.size());
+  float amax = -1, scale = -1;
+  ref::quantize_per_tensor_amax(x.data(), DType::kFloat32, rows, cols, Fp8Format::kE4M3, &amax,
+                                &scale, q.data(), qt.data());
+  float expect = 0;
+  for (float v : x)
+    if (std::isfinite(v)) expect = std::max(expect, std::fabs(v));
+  EXPECT_EQ(amax, expect) << "amax ignores NaN and inf";
+  EXPECT_EQ(scale, expect / 448.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = r * cols + c;
+      EXPECT_EQ(q[i], encode_fp8(x[i] * (1.0f / scale), Fp8Format::kE4M3));
+      EXPECT_EQ(qt[c * rows + r], q[i]);
+    }
+  EXPECT_EQ(q[5], kFp8NaN);
+  EXPECT_EQ(q[6], 0x7E) << "inf saturates";
+}
+
+TEST(PerTensor, EmptyAndZeroTensors) {
+  float amax = -1, scale = -1;
+  ref::quantize_per_tensor_amax(nullptr, DType::kBFloat16, 0, 5, Fp8Format::kE5M2, &amax, &scale,
+                                nullptr, nullptr);
+  EXPECT_EQ(amax, 0.0f);
+  EXPECT_EQ(scale, 1.0f);
+  std::vector<float> z(16, 0.0f);
+  std::vector<uint8_t> q(16, 0xAA);
+  ref::quantize_per_tensor_amax(z.data(), DType::kFloat32, 1, 16, Fp8Format::kE4M3, &amax, &scale,
+                                q.data(), nullptr);
+  EXPECT_EQ(scale, 1.0f);
+  for (auto c : q) EXPECT_EQ(c, 0);
+}
+
+TEST(PerTensor, DequantizeToBf16AndHalf) {
+  std::vector<uint8_t> q(256);
+  for (int i = 0; i < 256; ++i) q[i] = static_cast<uint8_t>(i);
+  const float s = 0.5f;
+  std::vector<uint16_t> yb(256), yh(256);
+  ref::dequantize_per_tensor(q.data(), Fp8Format::kE4M3, 256, &s, yb.data(), DType::kBFloat16);
+  ref::dequantize_per_tensor(q.data(), Fp8Format::kE4M3, 256, &s, yh.data(), DType::kFloat16);
+  for (int i = 0; i < 256; ++i) {
+    const float v = decode_fp8(q[i], Fp8Format::kE4M3) * s;
+    if (std::isnan(v)) continue;
+    EXPECT_EQ(host_bf16_to_float(yb[i]), v);  // FP8 values times 0.5 are exact in bf16 and fp16
+    EXPECT_EQ(host_half_to_float(yh[i]), v);
+  }
+}
+
+TEST(PerGroup, Fp32AndE8M0Scales) {
+  const int64_t rows = 3, cols = 96;
+  for (int group : {16, 32}) {
+    auto x = randn(rows * cols, 2 + group, 10.0f);
+    for (int64_t c = 0; c < 16; ++c) x[c] = 0.0f;  // an all-zero group gets scale 1
+    std::vector<uint8_t> q(x.size()), qe(x.size()), se(x.size() / group);
+    std::vector<float> s(x.size() / group);
+    ref::quantize_per_group(x.data(), DType::kFloat32, rows, cols, group, Fp8Format::kE4M3,
+                            ScaleKind::kFloat32, s.data(), q.data());
+    ref::quantize_per_group(x.data(), DType::kFloat32, rows, cols, group, Fp8Format::kE4M3,
+                            ScaleKind::kE8M0, se.data(), qe.data());
+    for (size_t g = 0; g < s.size(); ++g) {
+      float amax = 0;
+      for (int i = 0; i < group; ++i) amax = std::max(amax, std::fabs(x[g * group + i]));
+      EXPECT_EQ(s[g], amax > 0 ? amax / 448.0f : 1.0f);
+      const float p2 = e8m0_to_float(se[g]);
+      if (amax > 0) {
+        EXPECT_GE(p2 * 448.0f, amax) << "E8M0 scale never saturates the group max";
+        EXPECT_LT(p2 * 0.5f * 448.0f, amax) << "and is the smallest such power of two";
+      }
+    }
+    std::vector<float> y(x.size());
+    ref::dequantize_per_group(q.data(), Fp8Format::kE4M3, rows, cols, group, ScaleKind::kFloat32,
+                              s.data(), y.data(), DType::kFloat32);
+    EXPECT_LT(rel_err(y, x), 0.04);
+  }
+}
+
+TEST(PerGroup, RejectsBadGroups) {
+  std::vector<float> x(48);
+  std::vector<uint8_t> q(48);
+  std::vector<float> s(3);
+  EXPECT_THROW(ref::quantize_per_group(x.data(), DType::kFloat32, 1, 48, 32, Fp8Format::kE4M3,
+                                       ScaleKind::kFloat32, s.data(), q.data()),
+               std::invalid_argument);
+  EXPECT_THROW(ref::quantize_per_group(x.data(), DType::kFloat32, 1, 48, 24, Fp8Format::kE4M3,
+                                       ScaleKind::kFloat32, s.data(), q.data()),
+               std::invalid_argument);
+  EXPECT_THROW(ref::quantize_per_tensor(x.data(), DType::kFloat32, -1, 4, Fp8Format::kE4M3,
+                                        s.data(), q.data(), nullptr),
+               std::invalid_argument);
+}
+
+TEST(Dre, ZerosConstantsAndMaximaAreExact) {
+  const int64_t n = 3 * 128 + 50;  // partial last group
+  auto x = randn(n, 7, 1e-3f);
+  x[0] = 0.0f;  // a zero first element must not enter the minimum (NVlabs COAT's defect)
+  for (int i = 128; i < 256; ++i) x[i] = (i % 3 == 0) ? 0.0f : ((i % 2) ? -0.37f : 0.37f);
+  for (int i = 256; i < 384; ++i) x[i] = 0.0f;
+  std::vector<uint8_t> q(n), k(4);
+  std::vector<float> gmax(4), y(n);
+  ref::dre_quantize(x.data(), n, Fp8Format::kE4M3, kDreLog2RangeE4M3, q.data(), gmax.data(), k.data());
+  ref::dre_dequantize(q.data(), gmax.data(), k.data(), n, Fp8Format::kE4M3, y.data());
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] == 0.0f) EXPECT_EQ(y[i], 0.0f);
+    if (std::fabs(x[i]) == gmax[i / 128]) EXPECT_EQ(y[i], x[i]) << "the group max decodes exactly";
+    if (i >= 128 && i < 256) EXPECT_EQ(y[i], x[i]) << "constant-magnitude group is exact";
+  }
+  EXPECT_GT(k[0], kDreMinK16) << "a zero in the group must not collapse k";
+  for (int g = 0; g < 4; ++g) {
+    EXPECT_GE(k[g], kDreMinK16);
+    EXPECT_LE(k[g], kDreMaxK16);
+  }
+}
+
+TEST(Dre, NoNonFiniteFromFiniteInput) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<uint32_t> bits(0, 0x7F7FFFFFu);  // any finite magnitude
+  const int64_t n = 128 * 64;
+  std::vector<float> x(n);
+  for (auto& v : x) v = float_of(bits(rng) | ((rng() & 1u) << 31));
+  for (auto fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    std::vector<uint8_t> q(n), k(64);
+    std::vector<float> gmax(64), y(n);
+    ref::dre_quantize(x.data(), n, fmt, dre_default_log2_range(fmt), q.data(), gmax.data(), k.data());
+    ref::dre_dequantize(q.data(), gmax.data(), k.data(), n, fmt, y.data());
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(std::isfinite(y[i])) << x[i];
+      ASSERT_EQ(std::signbit(y[i]) && y[i] != 0.0f, std::signbit(x[i]) && y[i] != 0.0f);
+    }
+  }
+}
+
+TEST(Dre, BeatsPlainGroupQuantizationOnNarrowGroups) {
+  // Adam's first moment: values within a group span a modest range, where expansion helps.
+  const int64_t n = 128 * 256;
+  auto x = randn(n, 11, 1e-4f);
+  std::vector<uint8_t> q(n), k(256), qp(n);
+  std::vector<float> gmax(256), y(n), s(256), yp(n);
+  ref::dre_quantize(x.data(), n, Fp8Format::kE4M3, kDreLog2RangeE4M3, q.data(), gmax.data(), k.data());
+  ref::dre_dequantize(q.data(), gmax.data(), k.data(), n, Fp8Format::kE4M3, y.data());
+  ref::quantize_per_group(x.data(), DType::kFloat32, 1, n, 128, Fp8Format::kE4M3, ScaleKind::kFloat32,
+                          s.data(), qp.data());
+  ref::dequantize_per_group(qp.data(), Fp8Format::kE4M3, 1, n, 128, ScaleKind::kFloat32, s.data(),
+                            yp.data(), DType::kFloat32);
+  EXPECT_LT(rel_err(y, x), 0.8 * rel_err(yp, x));
+}
+
+TEST(Dre, RejectsBadArguments) {
+  std::vector<float> x(10);
+  std::vector<uint8_t> q(10), k(1);
+  std::vector<float> g(1);
+  EXPECT_THROW(ref::dre_quantize(x.data(), 10, Fp8Format::kE4M3, 0.0f, q.data(), g.data(), k.data()),
+               std::invalid_argument);
+  EXPECT_THROW(ref::dre_quantize(x.data(), 10, Fp8Format::kE4M3, 8.0f, nullptr, g.data(), k.data()),
+               std::invalid_argument);
+}
