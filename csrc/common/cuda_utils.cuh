@@ -23,7 +23,7 @@
 namespace coat {
 namespace cuda {
 
-inline bool aligned(const void* p, size_t bytes) {
+__host__ __device__ inline bool aligned(const void* p, size_t bytes) {
   return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
 }
 

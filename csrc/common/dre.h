@@ -1,6 +1,8 @@
-// Dynamic Range Expansion: per-element encode/decode and the per-group exponent, shared by the
+// Dynamic Range Expansion: per-group parameters and per-element encode/decode, shared by the
 // quantize kernels, the fused AdamW step and their CPU references (host and device give the same
-// bits: see fp_math.h).
+// bits: see fp_math.h). Per-group work (log2 of the group max, 1/k) is hoisted into DreGroup; the
+// log2 of an FP8 code's magnitude comes from a 128-entry table (dre_log2_code) that kernels keep in
+// shared memory, so decoding costs one exp2.
 #pragma once
 
 #include "coat/quantize.h"
@@ -21,38 +23,60 @@ COAT_HD uint8_t dre_k16(float mx, float mn, float log2_range) {
   using namespace detail;
   if (!(mx > mn) || !(mn > 0.0f)) return kDreMinK16;  // constant, empty or all-zero group: k is moot
   const float span = fsub(det_log2(mx), det_log2(mn));
-  const float k16 = floorf(fdiv(fmul(16.0f, log2_range), span));  // +inf when span rounds to 0
+  if (!(span > 0.0f)) return kDreMaxK16;
+  const float k16 = floorf(fdiv(fmul(16.0f, log2_range), span));
   if (!(k16 < static_cast<float>(kDreMaxK16))) return kDreMaxK16;
   return k16 < static_cast<float>(kDreMinK16) ? kDreMinK16 : static_cast<uint8_t>(k16);
 }
 
+struct DreGroup {
+  float mx;       // largest finite |x| of the group (0 for an all-zero group)
+  float log2_mx;  // log2(mx), 0 when mx == 0
+  float k;        // k16 / 16
+  float inv_k;    // 16 / k16
+};
+
+COAT_HD DreGroup dre_group(float mx, uint8_t k16) {
+  using namespace detail;
+  DreGroup g;
+  g.mx = mx;
+  g.log2_mx = mx > 0.0f ? det_log2(mx) : 0.0f;
+  g.k = fmul(static_cast<float>(k16), 0.0625f);
+  g.inv_k = fdiv(16.0f, static_cast<float>(k16));
+  return g;
+}
+
+// log2 of the magnitude of FP8 code `mag` (1..127): the table entries kernels and the CPU share.
+COAT_HD float dre_log2_code(uint8_t mag, Fp8Format fmt) { return det_log2(decode_fp8(mag, fmt)); }
+
 // q = fp8(sign(x) fmt_max (|x|/mx)^k), computed as 2^(k (log2|x| - log2 mx) + log2 fmt_max).
-COAT_HD uint8_t dre_encode(float x, float mx, uint8_t k16, Fp8Format fmt) {
+COAT_HD uint8_t dre_encode(float x, const DreGroup& g, Fp8Format fmt) {
   using namespace detail;
   const float a = fabsf(x);
   if (a != a) return kFp8NaN;
   if (a == 0.0f) return 0;
   const uint8_t sign = x < 0.0f ? 0x80 : 0x00;
-  if (a >= mx) return sign | fp8_max_code(fmt);  // the group max (and +-inf) decode to mx exactly
-  const float k = fmul(static_cast<float>(k16), 0.0625f);
-  const float t = fadd(fmul(k, fsub(det_log2(a), det_log2(mx))), fp8_log2_max(fmt));
-  return encode_fp8(sign ? -det_exp2(t) : det_exp2(t), fmt);
+  if (a >= g.mx) return sign | fp8_max_code(fmt);  // the group max (and +-inf) decode to mx exactly
+  const float t = fadd(fmul(g.k, fsub(det_log2(a), g.log2_mx)), fp8_log2_max(fmt));
+  const float y = det_exp2(t);
+  return encode_fp8(sign ? -y : y, fmt);
 }
 
-// x = sign(q) mx (|q| / fmt_max)^(1/k).
-COAT_HD float dre_decode(uint8_t c, float mx, uint8_t k16, Fp8Format fmt) {
+// x = sign(q) mx (|q| / fmt_max)^(1/k); log2_lut[mag] = dre_log2_code(mag, fmt).
+COAT_HD float dre_decode(uint8_t c, const DreGroup& g, Fp8Format fmt, const float* log2_lut) {
   using namespace detail;
   const uint8_t mag = c & 0x7F;
   if (mag == 0) return 0.0f;
   const float sign = (c & 0x80) ? -1.0f : 1.0f;
   if (mag >= fp8_max_code(fmt)) {
     if (fmt == Fp8Format::kE4M3 ? mag == 0x7F : mag > 0x7C) return float_of(0x7FC00000u);  // NaN
-    return sign * mx;
+    return sign * g.mx;
   }
-  const float lq = det_log2(decode_fp8(mag, fmt));
-  const float k = fmul(static_cast<float>(k16), 0.0625f);
-  const float t = fadd(det_log2(mx), fdiv(fsub(lq, fp8_log2_max(fmt)), k));
+  const float t = fadd(g.log2_mx, fmul(fsub(log2_lut[mag], fp8_log2_max(fmt)), g.inv_k));
   return sign * det_exp2(t);
 }
+
+// Host copy of the code-log2 tables (built once, with the same function the device uses).
+const float* dre_host_log2_lut(Fp8Format fmt);
 
 }  // namespace coat

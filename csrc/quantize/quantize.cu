@@ -41,16 +41,24 @@ __device__ __forceinline__ float tensor_scale(const float* scale, const float* a
 }
 
 // amax: thread t reads 8-element chunks t, t + stride, ... walking from the END of the tensor, so
-// that the chunks read last (the head) are still in L2 when the quantize pass starts there.
-// Bytes: n * sizeof(T) read. Partial maxima combine with an integer atomicMax on the float bits
-// (valid for non-negative floats); *amax must be zero beforehand.
+// that the chunks read last (the head) are still in L2 when the quantize pass starts there; two
+// 16-byte loads are in flight per thread. Bytes: n * sizeof(T) read. Partial maxima combine with an
+// integer atomicMax on the float bits (valid for non-negative floats); *amax must be zero before.
 template <typename T>
 __global__ void amax_kernel(const T* __restrict__ x, int64_t n, bool vec, float* amax) {
   float m = 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t chunks = vec ? n / 8 : 0;
-  for (int64_t c = chunks - 1 - tid; c >= 0; c -= stride) {
+  int64_t c = chunks - 1 - tid;
+  for (; c - stride >= 0; c -= 2 * stride) {
+    float v[8], w[8];
+    cuda::load8(x + c * 8, v);
+    cuda::load8(x + (c - stride) * 8, w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m = fmaxf(m, fmaxf(finite_abs(v[i]), finite_abs(w[i])));
+  }
+  if (c >= 0) {
     float v[8];
     cuda::load8(x + c * 8, v);
 #pragma unroll
@@ -78,7 +86,20 @@ __global__ void quantize_tensor_kernel(const T* __restrict__ x, int64_t n, bool 
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t chunks = vec ? n / 8 : 0;
-  for (int64_t c = tid; c < chunks; c += stride) {
+  int64_t c = tid;
+  for (; c + stride < chunks; c += 2 * stride) {  // two 16-byte loads in flight
+    float v[8], w[8];
+    cuda::load8(x + c * 8, v);
+    cuda::load8(x + (c + stride) * 8, w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] *= inv;
+      w[i] *= inv;
+    }
+    reinterpret_cast<uint2*>(q)[c] = cuda::encode8(v, fmt);
+    reinterpret_cast<uint2*>(q)[c + stride] = cuda::encode8(w, fmt);
+  }
+  if (c < chunks) {
     float v[8];
     cuda::load8(x + c * 8, v);
 #pragma unroll
@@ -88,34 +109,63 @@ __global__ void quantize_tensor_kernel(const T* __restrict__ x, int64_t n, bool 
   for (int64_t i = chunks * 8 + tid; i < n; i += stride) q[i] = encode_fp8(Elem<T>::load(x[i]) * inv, fmt);
 }
 
-// Per-tensor quantize writing q [rows, cols] and q_t [cols, rows]. One block per 64x64 tile:
-// codes go through shared memory so that both outputs are written along their rows.
+// Per-tensor quantize writing q [rows, cols] and q_t [cols, rows]. One 256-thread block per 64x64
+// tile: each thread loads two 8-element chunks (16 B each), writes their codes to q (8 B stores)
+// and to a shared tile, then writes 16 consecutive bytes of one q_t row. Partial or misaligned
+// tiles take a per-element path. Bytes: n * sizeof(T) read, 2n written.
 constexpr int kTile = 64;
 template <typename T>
-__global__ void quantize_tensor_t_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
-                                         Fp8Format fmt, const float* scale, const float* amax,
-                                         float* scale_out, uint8_t* __restrict__ q,
-                                         uint8_t* __restrict__ q_t) {
-  __shared__ uint8_t tile[kTile][kTile + 4];
+__global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
+    const T* __restrict__ x, int64_t rows, int64_t cols, bool vec, Fp8Format fmt, const float* scale,
+    const float* amax, float* scale_out, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t) {
+  __shared__ __align__(16) uint8_t tile[kTile][kTile + 16];
   const float inv = 1.0f / tensor_scale(scale, amax, scale_out, fmt);
   const int64_t tiles_c = ceil_div(cols, kTile);
   const int64_t tiles = ceil_div(rows, kTile) * tiles_c;
+  const int tid = threadIdx.x;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t r0 = (t / tiles_c) * kTile, c0 = (t % tiles_c) * kTile;
-    for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
-      const int rr = i / kTile, cc = i % kTile;
-      const int64_t r = r0 + rr, c = c0 + cc;
-      if (r < rows && c < cols) {
-        const uint8_t code = encode_fp8(Elem<T>::load(x[r * cols + c]) * inv, fmt);
-        q[r * cols + c] = code;
-        tile[rr][cc] = code;
+    const bool full = vec && r0 + kTile <= rows && c0 + kTile <= cols;
+    if (full) {
+      float v[2][8];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int id = tid + 256 * i, rr = id >> 3, cc = (id & 7) * 8;
+        cuda::load8(x + (r0 + rr) * cols + c0 + cc, v[i]);
       }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
-      const int cc = i / kTile, rr = i % kTile;
-      const int64_t r = r0 + rr, c = c0 + cc;
-      if (r < rows && c < cols) q_t[c * rows + r] = tile[rr][cc];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int id = tid + 256 * i, rr = id >> 3, cc = (id & 7) * 8;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[i][j] *= inv;
+        const uint2 codes = cuda::encode8(v[i], fmt);
+        *reinterpret_cast<uint2*>(q + (r0 + rr) * cols + c0 + cc) = codes;
+        *reinterpret_cast<uint2*>(&tile[rr][cc]) = codes;
+      }
+      __syncthreads();
+      const int cc = tid >> 2, rr = (tid & 3) * 16;
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        w[j] = tile[rr + 4 * j][cc] | (tile[rr + 4 * j + 1][cc] << 8) |
+               (tile[rr + 4 * j + 2][cc] << 16) | (static_cast<uint32_t>(tile[rr + 4 * j + 3][cc]) << 24);
+      *reinterpret_cast<uint4*>(q_t + (c0 + cc) * rows + r0 + rr) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      for (int i = tid; i < kTile * kTile; i += blockDim.x) {
+        const int rr = i / kTile, cc = i % kTile;
+        const int64_t r = r0 + rr, c = c0 + cc;
+        if (r < rows && c < cols) {
+          const uint8_t code = encode_fp8(Elem<T>::load(x[r * cols + c]) * inv, fmt);
+          q[r * cols + c] = code;
+          tile[rr][cc] = code;
+        }
+      }
+      __syncthreads();
+      for (int i = tid; i < kTile * kTile; i += blockDim.x) {
+        const int cc = i / kTile, rr = i % kTile;
+        const int64_t r = r0 + rr, c = c0 + cc;
+        if (r < rows && c < cols) q_t[c * rows + r] = tile[rr][cc];
+      }
     }
     __syncthreads();
   }
@@ -125,39 +175,49 @@ __global__ void quantize_tensor_t_kernel(const T* __restrict__ x, int64_t rows, 
 // shuffle reduction over those lanes. Whole warps iterate together so shuffles never miss a lane.
 // Bytes: n * sizeof(T) read, n + groups * scale bytes written.
 template <typename T, int G>
+__device__ __forceinline__ void quantize_group_chunk(float (&v)[8], bool active, int64_t c, int lane,
+                                                     Fp8Format fmt, ScaleKind kind, void* scales,
+                                                     uint8_t* q) {
+  constexpr int L = G / 8;
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = fmaxf(m, finite_abs(v[i]));
+  m = cuda::warp_max(m, L);
+  if (!active) return;
+  float s;
+  if (kind == ScaleKind::kE8M0) {
+    const uint8_t b = e8m0_scale_for(m, fmt);
+    s = e8m0_to_float(b);
+    if (lane % L == 0) static_cast<uint8_t*>(scales)[c / L] = b;
+  } else {
+    s = scale_for(m, fmt);
+    if (lane % L == 0) static_cast<float*>(scales)[c / L] = s;
+  }
+  const float inv = 1.0f / s;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] *= inv;
+  reinterpret_cast<uint2*>(q)[c] = cuda::encode8(v, fmt);
+}
+
+template <typename T, int G>
 __global__ void quantize_group_kernel(const T* __restrict__ x, int64_t n, Fp8Format fmt,
                                       ScaleKind kind, void* __restrict__ scales,
                                       uint8_t* __restrict__ q) {
-  constexpr int L = G / 8;
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int64_t chunks = n / 8;
-  for (int64_t base = warp * 32; base < chunks; base += warps * 32) {
-    const int64_t c = base + lane;
-    const bool active = c < chunks;
-    float v[8];
-    float m = 0.0f;
-    if (active) {
-      cuda::load8(x + c * 8, v);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) m = fmaxf(m, finite_abs(v[i]));
-    }
-    m = cuda::warp_max(m, L);
-    if (!active) continue;
-    float s;
-    if (kind == ScaleKind::kE8M0) {
-      const uint8_t b = e8m0_scale_for(m, fmt);
-      s = e8m0_to_float(b);
-      if (lane % L == 0) static_cast<uint8_t*>(scales)[c / L] = b;
-    } else {
-      s = scale_for(m, fmt);
-      if (lane % L == 0) static_cast<float*>(scales)[c / L] = s;
-    }
-    const float inv = 1.0f / s;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] *= inv;
-    reinterpret_cast<uint2*>(q)[c] = cuda::encode8(v, fmt);
+  const int64_t step = warps * 32;
+  for (int64_t base = warp * 32; base < chunks; base += 2 * step) {
+    // Whole warps iterate together (the group amax is a shuffle over G/8 lanes); chunk counts are
+    // multiples of G/8, so a group is either wholly active or wholly inactive.
+    const int64_t c0 = base + lane, c1 = base + step + lane;
+    const bool a0 = c0 < chunks, a1 = c1 < chunks;
+    float v0[8] = {}, v1[8] = {};
+    if (a0) cuda::load8(x + c0 * 8, v0);
+    if (a1) cuda::load8(x + c1 * 8, v1);
+    quantize_group_chunk<T, G>(v0, a0, c0, lane, fmt, kind, scales, q);
+    if (base + step < chunks) quantize_group_chunk<T, G>(v1, a1, c1, lane, fmt, kind, scales, q);
   }
 }
 
@@ -213,25 +273,32 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ q, int64_t n, bool
 }
 
 // DRE: one warp per group of 128, 4 elements per lane (one 16-byte load when the group is whole
-// and aligned). Bytes: 4n read, n + 5 per group written.
-__global__ void dre_quantize_kernel(const float* __restrict__ x, int64_t n, bool vec, Fp8Format fmt,
+// and aligned); the loads of the warp's next group are issued before this group's math.
+// Bytes: 4n read, n + 5 per group written.
+__device__ __forceinline__ void dre_load4(const float* x, int64_t i0, int64_t n, bool whole, float (&v)[4]) {
+  if (whole) {
+    const float4 a = *reinterpret_cast<const float4*>(x + i0);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = i0 + j < n ? x[i0 + j] : 0.0f;
+  }
+}
+
+__global__ void dre_quantize_kernel(const float* __restrict__ x, int64_t n, bool vec, bool qvec, Fp8Format fmt,
                                     float log2_range, uint8_t* __restrict__ q,
                                     float* __restrict__ gmax, uint8_t* __restrict__ k16) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
   const int64_t groups = ceil_div(n, kDreGroupSize);
-  for (int64_t g = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       g < groups; g += warps) {
+  int64_t g = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  float next[4];
+  auto whole = [&](int64_t grp) { return vec && grp * kDreGroupSize + kDreGroupSize <= n; };
+  if (g < groups) dre_load4(x, g * kDreGroupSize + lane * 4, n, whole(g), next);
+  for (; g < groups; g += warps) {
     const int64_t i0 = g * kDreGroupSize + lane * 4;
-    const bool whole = vec && g * kDreGroupSize + kDreGroupSize <= n;
-    float v[4];
-    if (whole) {
-      const float4 a = *reinterpret_cast<const float4*>(x + i0);
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = i0 + j < n ? x[i0 + j] : 0.0f;
-    }
+    float v[4] = {next[0], next[1], next[2], next[3]};
+    if (g + warps < groups) dre_load4(x, (g + warps) * kDreGroupSize + lane * 4, n, whole(g + warps), next);
     float mx = 0.0f, mn = INFINITY;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -248,10 +315,11 @@ __global__ void dre_quantize_kernel(const float* __restrict__ x, int64_t n, bool
       gmax[g] = mx;
       k16[g] = k;
     }
+    const DreGroup grp = dre_group(mx, k);
     uint8_t c[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) c[j] = dre_encode(v[j], mx, k, fmt);
-    if (whole) {
+    for (int j = 0; j < 4; ++j) c[j] = dre_encode(v[j], grp, fmt);
+    if (whole(g) && qvec) {
       *reinterpret_cast<uchar4*>(q + i0) = make_uchar4(c[0], c[1], c[2], c[3]);
     } else {
 #pragma unroll
@@ -261,15 +329,40 @@ __global__ void dre_quantize_kernel(const float* __restrict__ x, int64_t n, bool
   }
 }
 
-// One thread per element; gmax/k16 are per-group reads that stay in L1. Bytes: n + 5/128 n read,
-// 4n written.
+// DRE decode: one warp per group, 4 codes per lane (4-byte load, 16-byte store when whole and
+// aligned), code log2 from a shared-memory table. Bytes: n + 5 per group read, 4n written.
 __global__ void dre_dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ gmax,
-                                      const uint8_t* __restrict__ k16, int64_t n, Fp8Format fmt,
-                                      float* __restrict__ y) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const int64_t g = i / kDreGroupSize;
-    y[i] = dre_decode(q[i], gmax[g], k16[g], fmt);
+                                      const uint8_t* __restrict__ k16, int64_t n, bool vec,
+                                      Fp8Format fmt, float* __restrict__ y) {
+  __shared__ float lut[128];
+  for (int i = threadIdx.x; i < 128; i += blockDim.x) lut[i] = i ? dre_log2_code(i, fmt) : 0.0f;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  const int64_t groups = ceil_div(n, kDreGroupSize);
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       g < groups; g += warps) {
+    const int64_t i0 = g * kDreGroupSize + lane * 4;
+    const bool whole = vec && g * kDreGroupSize + kDreGroupSize <= n;
+    uint8_t c[4];
+    if (whole) {
+      const uchar4 w = *reinterpret_cast<const uchar4*>(q + i0);
+      c[0] = w.x; c[1] = w.y; c[2] = w.z; c[3] = w.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) c[j] = i0 + j < n ? q[i0 + j] : 0;
+    }
+    const DreGroup grp = dre_group(gmax[g], k16[g]);
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = dre_decode(c[j], grp, fmt, lut);
+    if (whole) {
+      *reinterpret_cast<float4*>(y + i0) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (i0 + j < n) y[i0 + j] = v[j];
+    }
   }
 }
 
@@ -280,8 +373,10 @@ void launch_quantize_tensor(const T* x, int64_t rows, int64_t cols, Fp8Format fm
   const int64_t n = rows * cols;
   if (q_t != nullptr) {
     const int64_t tiles = ceil_div(rows, kTile) * ceil_div(cols, kTile);
-    quantize_tensor_t_kernel<T><<<grid_for(tiles, 1, 16), kThreads, 0, stream>>>(
-        x, rows, cols, fmt, scale, amax, scale_out, q, q_t);
+    const bool vec = cuda::aligned(x, 16) && cuda::aligned(q, 8) && cuda::aligned(q_t, 16) &&
+                     cols % 8 == 0 && rows % 16 == 0;
+    quantize_tensor_t_kernel<T><<<grid_for(tiles, 1, 8), kThreads, 0, stream>>>(
+        x, rows, cols, vec, fmt, scale, amax, scale_out, q, q_t);
   } else {
     const bool vec = cuda::aligned(x, 16) && cuda::aligned(q, 8);
     quantize_tensor_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
@@ -398,10 +493,10 @@ void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, ui
   detail::check_ptr(gmax, n, "gmax");
   detail::check_ptr(k16, n, "k16");
   if (n == 0) return;
-  const bool vec = cuda::aligned(x, 16) && cuda::aligned(q, 4);
+  const bool vec = cuda::aligned(x, 16);
   const int64_t groups = ceil_div(n, kDreGroupSize);
   dre_quantize_kernel<<<grid_for(groups * 32, kThreads), kThreads, 0, stream>>>(
-      x, n, vec, fmt, log2_range, q, gmax, k16);
+      x, n, vec, cuda::aligned(q, 4), fmt, log2_range, q, gmax, k16);
   COAT_CHECK_LAUNCH();
 }
 
@@ -413,7 +508,9 @@ void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int
   detail::check_ptr(k16, n, "k16");
   detail::check_ptr(y, n, "y");
   if (n == 0) return;
-  dre_dequantize_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(q, gmax, k16, n, fmt, y);
+  const bool vec = cuda::aligned(q, 4) && cuda::aligned(y, 16);
+  dre_dequantize_kernel<<<grid_for(ceil_div(n, kDreGroupSize) * 32, kThreads), kThreads, 0, stream>>>(
+      q, gmax, k16, n, vec, fmt, y);
   COAT_CHECK_LAUNCH();
 }
 

@@ -169,7 +169,8 @@ void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, ui
     const uint8_t k = dre_k16(mx, mn, log2_range);
     gmax[g] = mx;
     k16[g] = k;
-    for (int64_t i = begin; i < end; ++i) q[i] = dre_encode(x[i], mx, k, fmt);
+    const DreGroup grp = dre_group(mx, k);
+    for (int64_t i = begin; i < end; ++i) q[i] = dre_encode(x[i], grp, fmt);
   }
 }
 
@@ -180,11 +181,29 @@ void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int
   detail::check_ptr(gmax, n, "gmax");
   detail::check_ptr(k16, n, "k16");
   detail::check_ptr(y, n, "y");
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t g = i / kDreGroupSize;
-    y[i] = dre_decode(q[i], gmax[g], k16[g], fmt);
+  const float* lut = dre_host_log2_lut(fmt);
+  for (int64_t g = 0; g * kDreGroupSize < n; ++g) {
+    const DreGroup grp = dre_group(gmax[g], k16[g]);
+    const int64_t end = std::min(n, (g + 1) * kDreGroupSize);
+    for (int64_t i = g * kDreGroupSize; i < end; ++i) y[i] = dre_decode(q[i], grp, fmt, lut);
   }
 }
 
 }  // namespace ref
+
+const float* dre_host_log2_lut(Fp8Format fmt) {
+  struct Tables {
+    float t[2][128];
+    Tables() {
+      for (int f = 0; f < 2; ++f) {
+        t[f][0] = 0.0f;
+        for (int c = 1; c < 128; ++c)
+          t[f][c] = dre_log2_code(static_cast<uint8_t>(c), static_cast<Fp8Format>(f));
+      }
+    }
+  };
+  static const Tables tables;  // thread-safe initialisation
+  return tables.t[fmt == Fp8Format::kE4M3 ? 0 : 1];
+}
+
 }  // namespace coat
