@@ -27,8 +27,8 @@ void quantize_per_tensor_py(const Array& x_, const Array& scale_, MutArray q_,
   const bool cuda = q_t_ ? same_device({&x, &scale, &q, &q_t}) : same_device({&x, &scale, &q});
   auto* qt = static_cast<uint8_t*>(q_t.data);
   if (cuda)
-    quantize_per_tensor(x.data, dt, x.rows(), x.last_dim(), fmt, static_cast<const float*>(scale.data),
-                        static_cast<uint8_t*>(q.data), qt, stream_of(stream));
+    COAT_GPU_CALL(quantize_per_tensor(x.data, dt, x.rows(), x.last_dim(), fmt, static_cast<const float*>(scale.data),
+                        static_cast<uint8_t*>(q.data), qt, stream_of(stream)));
   else
     ref::quantize_per_tensor(x.data, dt, x.rows(), x.last_dim(), fmt,
                              static_cast<const float*>(scale.data), static_cast<uint8_t*>(q.data), qt);
@@ -58,8 +58,8 @@ void quantize_per_tensor_amax_py(const Array& x_, MutArray amax_, MutArray scale
   auto* a = static_cast<float*>(amax.data);
   auto* s = static_cast<float*>(scale.data);
   if (cuda)
-    quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s,
-                             static_cast<uint8_t*>(q.data), qt, stream_of(stream));
+    COAT_GPU_CALL(quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s,
+                             static_cast<uint8_t*>(q.data), qt, stream_of(stream)));
   else
     ref::quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s,
                                   static_cast<uint8_t*>(q.data), qt);
@@ -77,7 +77,7 @@ void dequantize_per_tensor_py(const Array& q_, const Array& scale_, MutArray y_,
   const auto* s = static_cast<const float*>(scale.data);
   const auto* qd = static_cast<const uint8_t*>(q.data);
   if (same_device({&q, &scale, &y}))
-    dequantize_per_tensor(qd, fmt, q.numel, s, y.data, out, stream_of(stream));
+    COAT_GPU_CALL(dequantize_per_tensor(qd, fmt, q.numel, s, y.data, out, stream_of(stream)));
   else
     ref::dequantize_per_tensor(qd, fmt, q.numel, s, y.data, out);
 }
@@ -103,8 +103,8 @@ void quantize_per_group_py(const Array& x_, MutArray scales_, MutArray q_, int g
   expect_same_shape(q, x);
   auto* qd = static_cast<uint8_t*>(q.data);
   if (same_device({&x, &scales, &q}))
-    quantize_per_group(x.data, dt, x.rows(), x.last_dim(), group, fmt, kind, scales.data, qd,
-                       stream_of(stream));
+    COAT_GPU_CALL(quantize_per_group(x.data, dt, x.rows(), x.last_dim(), group, fmt, kind, scales.data, qd,
+                       stream_of(stream)));
   else
     ref::quantize_per_group(x.data, dt, x.rows(), x.last_dim(), group, fmt, kind, scales.data, qd);
 }
@@ -120,8 +120,8 @@ void dequantize_per_group_py(const Array& q_, const Array& scales_, MutArray y_,
   expect_same_shape(y, q);
   const auto* qd = static_cast<const uint8_t*>(q.data);
   if (same_device({&q, &scales, &y}))
-    dequantize_per_group(qd, fmt, q.rows(), q.last_dim(), group, kind, scales.data, y.data, out,
-                         stream_of(stream));
+    COAT_GPU_CALL(dequantize_per_group(qd, fmt, q.rows(), q.last_dim(), group, kind, scales.data, y.data, out,
+                         stream_of(stream)));
   else
     ref::dequantize_per_group(qd, fmt, q.rows(), q.last_dim(), group, kind, scales.data, y.data, out);
 }
@@ -148,7 +148,7 @@ void dre_quantize_py(const Array& x_, MutArray q_, MutArray gmax_, MutArray k16_
   auto* gd = static_cast<float*>(gmax.data);
   auto* kd = static_cast<uint8_t*>(k16.data);
   if (same_device({&x, &q, &gmax, &k16}))
-    dre_quantize(xd, x.numel, fmt, log2_range, qd, gd, kd, stream_of(stream));
+    COAT_GPU_CALL(dre_quantize(xd, x.numel, fmt, log2_range, qd, gd, kd, stream_of(stream)));
   else
     ref::dre_quantize(xd, x.numel, fmt, log2_range, qd, gd, kd);
 }
@@ -167,7 +167,7 @@ void dre_dequantize_py(const Array& q_, const Array& gmax_, const Array& k16_, M
   const auto* kd = static_cast<const uint8_t*>(k16.data);
   auto* yd = static_cast<float*>(y.data);
   if (same_device({&q, &gmax, &k16, &y}))
-    dre_dequantize(qd, gd, kd, q.numel, fmt, yd, stream_of(stream));
+    COAT_GPU_CALL(dre_dequantize(qd, gd, kd, q.numel, fmt, yd, stream_of(stream)));
   else
     ref::dre_dequantize(qd, gd, kd, q.numel, fmt, yd);
 }

@@ -57,5 +57,12 @@ inline cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_
 // Raises when the build has no CUDA kernels and a CUDA tensor was passed.
 void require_cuda_build();
 
+// Wraps a call of a CUDA launcher: a build without CUDA has no launchers to link against.
+#ifdef COAT_WITH_CUDA
+#define COAT_GPU_CALL(...) __VA_ARGS__
+#else
+#define COAT_GPU_CALL(...) ::coat::bind::require_cuda_build()
+#endif
+
 }  // namespace bind
 }  // namespace coat
