@@ -1,11 +1,11 @@
-// CPU reference of the FP8 GEMM: decode both operands exactly to fp32 (table lookup), fp32 dot
-// products over K, then alpha = a_scale * b_scale, bias and the output rounding -- the same
-// sequence cuBLASLt applies, so CPU and GPU differ by summation order only.
+// CPU reference of the FP8 GEMM: decode both operands exactly to fp32 (table lookup), sum the
+// (exact) products over K in fp32, then alpha = a_scale * b_scale, bias and the output rounding --
+// the sequence cuBLASLt applies, so CPU and GPU differ by summation order only. Here every output
+// is the plain sequential sum over k = 0..K-1, whatever the blocking.
 //
-// Cache blocking: tiles of kMB rows of A x kNB rows of B x kKB of K are decoded into small fp32
-// panels (2 x 64 KiB) and multiplied with a 1 x 4 register block (one A row against four B rows,
-// eight partial sums each: vectorizable without reassociating anything the compiler must keep).
-// `coat train` on a CPU runs through here, so it is blocked rather than naive; it is single-threaded.
+// Cache blocking: tiles of kMB rows of A x kNB rows of B x kKB of K are decoded into fp32 panels
+// (64 KiB each; B's transposed so the inner loop runs along N) and multiplied by a 4 x 8 register
+// block. `coat train` on a CPU runs through here, so it is blocked rather than naive; one thread.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -17,7 +17,7 @@ namespace coat {
 namespace ref {
 namespace {
 
-constexpr int64_t kMB = 64, kNB = 64, kKB = 256, kLanes = 8;
+constexpr int64_t kMB = 64, kNB = 64, kKB = 256;
 
 struct Lut {
   float v[256];
@@ -26,52 +26,49 @@ struct Lut {
   }
 };
 
-// Sum of the eight lanes in a fixed tree order.
-inline float reduce8(const float* s) {
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
-
-// acc[j] += dot(a, b_j) for four rows b0..b3 of length n.
-inline void dot1x4(const float* a, const float* b0, const float* b1, const float* b2,
-                   const float* b3, int64_t n, float* acc) {
-  float s0[kLanes] = {0}, s1[kLanes] = {0}, s2[kLanes] = {0}, s3[kLanes] = {0};
-  int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const float x = a[t + l];
-      s0[l] += x * b0[t + l];
-      s1[l] += x * b1[t + l];
-      s2[l] += x * b2[t + l];
-      s3[l] += x * b3[t + l];
-    }
-  }
-  for (; t < n; ++t) {
-    s0[0] += a[t] * b0[t];
-    s1[0] += a[t] * b1[t];
-    s2[0] += a[t] * b2[t];
-    s3[0] += a[t] * b3[t];
-  }
-  acc[0] += reduce8(s0);
-  acc[1] += reduce8(s1);
-  acc[2] += reduce8(s2);
-  acc[3] += reduce8(s3);
-}
-
-inline float dot1(const float* a, const float* b, int64_t n) {
-  float s[kLanes] = {0};
-  int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes)
-    for (int l = 0; l < kLanes; ++l) s[l] += a[t + l] * b[t + l];
-  for (; t < n; ++t) s[0] += a[t] * b[t];
-  return reduce8(s);
-}
-
-void decode_panel(const uint8_t* q, int64_t ld, int64_t rows, int64_t k0, int64_t kb,
-                  const Lut& lut, float* dst) {
+// Row panel: dst[r * kb + t] = value of q[r, k0 + t].
+void decode_rows(const uint8_t* q, int64_t ld, int64_t rows, int64_t k0, int64_t kb, const Lut& lut,
+                 float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* src = q + r * ld + k0;
     for (int64_t t = 0; t < kb; ++t) dst[r * kb + t] = lut.v[src[t]];
   }
+}
+
+// Transposed panel: dst[t * kNB + r] = value of q[r, k0 + t], so the inner loop runs along N.
+void decode_cols(const uint8_t* q, int64_t ld, int64_t rows, int64_t k0, int64_t kb, const Lut& lut,
+                 float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = q + r * ld + k0;
+    for (int64_t t = 0; t < kb; ++t) dst[t * kNB + r] = lut.v[src[t]];
+  }
+}
+
+// acc[i][j] += sum_t a[i][t] * b[t][j] for a 4 x 8 block, t in order: eight independent
+// accumulator vectors the compiler keeps in registers (no reassociation involved).
+inline void micro_4x8(const float* pa, int64_t kb, const float* pb, float* acc) {
+  float c[4][8];
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < 8; ++j) c[r][j] = acc[r * kNB + j];
+  for (int64_t t = 0; t < kb; ++t) {
+    const float* b = pb + t * kNB;
+    const float a0 = pa[t], a1 = pa[kb + t], a2 = pa[2 * kb + t], a3 = pa[3 * kb + t];
+    for (int j = 0; j < 8; ++j) {
+      c[0][j] += a0 * b[j];
+      c[1][j] += a1 * b[j];
+      c[2][j] += a2 * b[j];
+      c[3][j] += a3 * b[j];
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < 8; ++j) acc[r * kNB + j] = c[r][j];
+}
+
+// Same sums, one element at a time (edges of the tile).
+inline void scalar_1x1(const float* pa, int64_t kb, const float* pb, float* acc) {
+  float c = *acc;
+  for (int64_t t = 0; t < kb; ++t) c += pa[t] * pb[t * kNB];
+  *acc = c;
 }
 
 }  // namespace
@@ -98,18 +95,15 @@ void gemm_fp8(const Fp8GemmArgs& g) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t k0 = 0; k0 < K; k0 += kKB) {
         const int64_t kb = std::min(kKB, K - k0);
-        decode_panel(g.a + i0 * K, K, mb, k0, kb, lut_a, pa.data());
-        decode_panel(g.b + j0 * K, K, nb, k0, kb, lut_b, pb.data());
-        for (int64_t i = 0; i < mb; ++i) {
-          const float* ar = pa.data() + i * kb;
-          float* ac = acc.data() + i * kNB;
-          int64_t j = 0;
-          for (; j + 4 <= nb; j += 4) {
-            const float* b = pb.data() + j * kb;
-            dot1x4(ar, b, b + kb, b + 2 * kb, b + 3 * kb, kb, ac + j);
-          }
-          for (; j < nb; ++j) ac[j] += dot1(ar, pb.data() + j * kb, kb);
-        }
+        decode_rows(g.a + i0 * K, K, mb, k0, kb, lut_a, pa.data());
+        decode_cols(g.b + j0 * K, K, nb, k0, kb, lut_b, pb.data());
+        const int64_t mb4 = mb / 4 * 4, nb8 = nb / 8 * 8;
+        for (int64_t i = 0; i < mb4; i += 4)
+          for (int64_t j = 0; j < nb8; j += 8)
+            micro_4x8(pa.data() + i * kb, kb, pb.data() + j, acc.data() + i * kNB + j);
+        for (int64_t i = 0; i < mb; ++i)
+          for (int64_t j = (i < mb4 ? nb8 : 0); j < nb; ++j)
+            scalar_1x1(pa.data() + i * kb, kb, pb.data() + j, acc.data() + i * kNB + j);
       }
       // Epilogue: alpha, bias, amax, output rounding.
       for (int64_t i = 0; i < mb; ++i) {

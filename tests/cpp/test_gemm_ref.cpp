@@ -93,6 +93,27 @@ TEST_P(GemmRefShapes, Fp32MatchesDouble) {
   }
 }
 
+// The blocking never changes the summation order: each output is the sequential fp32 sum over k.
+TEST_P(GemmRefShapes, Fp32IsSequentialSum) {
+  const Shape s = GetParam();
+  const Problem p = make(s.m, s.n, s.k, Fp8Format::kE4M3, Fp8Format::kE5M2, 11u);
+  std::vector<float> out(static_cast<size_t>(s.m * s.n));
+  Fp8GemmArgs g = args_of(p);
+  g.out = out.data();
+  g.out_type = GemmOut::kFloat32;
+  ref::gemm_fp8(g);
+  const float alpha = p.sa * p.sb;
+  for (int64_t i = 0; i < s.m; ++i)
+    for (int64_t j = 0; j < s.n; ++j) {
+      float acc = 0.0f;
+      for (int64_t t = 0; t < s.k; ++t) {
+        const float prod = decode_fp8(p.a[i * s.k + t], p.fa) * decode_fp8(p.b[j * s.k + t], p.fb);
+        acc += prod;
+      }
+      ASSERT_EQ(out[i * s.n + j], acc * alpha) << "at (" << i << ", " << j << ")";
+    }
+}
+
 // bf16 output with bias: exactly the bf16 rounding of the fp32 result plus bias computed the same
 // way, and within bf16 rounding of the double product.
 TEST_P(GemmRefShapes, Bf16WithBias) {
