@@ -305,8 +305,11 @@ void run_lt(const Fp8GemmArgs& g, const LtCall& c, DeviceState& ds, int dev, voi
   static const float kOne = 1.0f, kZero = 0.0f;
   const void* alpha = c.bf16_path ? static_cast<const void*>(c.alpha_dev) : &kOne;
   const void* beta = c.bf16_path ? static_cast<const void*>(c.alpha_dev + 1) : &kZero;
+  // C is never needed (beta = 0). The FP8 path passes none (its C type differs from D's for FP8
+  // output); the bf16 path's beta lives on the device, so it gets a valid C: D itself, same layout.
+  const void* cptr = c.bf16_path ? c.d : nullptr;
   COAT_CUBLAS_CHECK(cublasLtMatmul(ds.handle, p->desc, alpha, c.a_op, p->la, c.b_op, p->lb, beta,
-                                   c.d, p->lc, c.d, p->ld, &p->algo, ws, ws_bytes, stream));
+                                   cptr, p->lc, c.d, p->ld, &p->algo, ws, ws_bytes, stream));
 }
 
 size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
