@@ -112,13 +112,13 @@ def _gemm(a, b, sa, sb, out_dtype, bias=None):
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w8, w8_t, w_scale, out_dtype):
+    def forward(ctx, x, weight, bias, w8, w8_t, w_scale, out_dtype, need_wgrad):
         k = x.shape[-1]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        need_wgrad = weight.requires_grad
+        # x8^T (for dW) is written in the same pass as x8, and only when dW will be needed.
         xq = F.quantize_per_tensor(x2, "e4m3", transpose=need_wgrad)
         y = _gemm(xq.data, w8, xq.scale, w_scale, out_dtype, bias)
         ctx.save_for_backward(xq.data_t if need_wgrad else None, xq.scale, w8_t, w_scale)
@@ -145,7 +145,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             dw = _gemm(dq.data_t, x8_t, dq.scale, x_scale, ctx.w_dtype)
         if need_b and ctx.has_bias:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -184,8 +184,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     w8, w8_t, w_scale = _weight_fp8(weight)
+    need_wgrad = torch.is_grad_enabled() and weight.requires_grad
     with torch.autocast(dev, enabled=False):
-        return _Fp8LinearFn.apply(x, weight, bias, w8, w8_t, w_scale, out_dtype)
+        return _Fp8LinearFn.apply(x, weight, bias, w8, w8_t, w_scale, out_dtype, need_wgrad)
 
 
 class Fp8Linear(nn.Linear):

@@ -232,3 +232,15 @@ def test_compile_traces(gen):
     out.sum().backward()
     assert torch.equal(out, eager)
     assert torch.equal(x.grad, gx) and torch.equal(f8.weight.grad, gw)
+
+
+def test_no_grad_and_autocast(gen):
+    _, f8 = _pair(32, 16, torch.float32)
+    x = torch.randn(5, 32, generator=gen)
+    y = f8(x)
+    with torch.no_grad():
+        assert torch.equal(f8(x), y)  # no transpose written, same result
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = f8(x)
+    assert ya.dtype == torch.bfloat16  # like nn.Linear under autocast
+    assert rel(ya, y) < 1e-2  # bf16 rounding of the same fp32 GEMM result (+ bias added in bf16)
