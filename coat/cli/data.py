@@ -140,7 +140,8 @@ def _save_atomic(path: Path, arr: np.ndarray) -> None:
 
 
 def _load_text_corpus(
-    files: list[Path], source: str, tokenizer: str, vocab_size: int, val_fraction: float, cache_dir: Path, log
+    files: list[Path], source: str, tokenizer: str, vocab_size: int, val_fraction: float, cache_dir: Path,
+    log: Callable[[str], None],
 ) -> Corpus:
     if not files:
         raise ValueError(f"no text files found in {source}")

@@ -44,8 +44,8 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 # A CPU run has to finish in minutes on a laptop; a GPU run can afford a model large
 # enough for throughput and memory numbers to mean something, in about the same time.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": dict(model="small", steps=150, batch_size=16, seq_len=128, lr=2e-3, warmup_steps=15),
-    "cuda": dict(model="base", steps=1000, batch_size=32, seq_len=1024, lr=6e-4, warmup_steps=100),
+    "cpu": dict(model="small", steps=250, batch_size=8, seq_len=128, lr=2e-3, warmup_steps=25, eval_batches=8),
+    "cuda": dict(model="base", steps=1000, batch_size=32, seq_len=1024, lr=6e-4, warmup_steps=100, eval_batches=8),
 }
 
 
@@ -83,7 +83,7 @@ class TrainConfig:
     vocab_size: int = 4096
     val_fraction: float = 0.05
     eval_every: int | None = None
-    eval_batches: int = 8
+    eval_batches: int | None = None
     log_every: int = 10
     out: str | None = None
     cache_dir: str | None = None
@@ -102,11 +102,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _available_cpus() -> int:
-    # The affinity mask respects taskset/cgroup limits, unlike os.cpu_count().
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+def _default_threads() -> int:
+    # torch's default ignores the affinity mask (taskset, cpusets): running more threads
+    # than usable CPUs makes every step wait on descheduled threads.
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(torch.get_num_threads(), allowed)
 
 
 def resolve_config(cfg: TrainConfig) -> TrainConfig:
@@ -124,7 +124,7 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
         min_lr=cfg.lr * 0.1 if cfg.min_lr is None else cfg.min_lr,
         eval_every=max(1, cfg.steps // 10) if cfg.eval_every is None else cfg.eval_every,
         dtype=("bf16" if device == "cuda" else "fp32") if cfg.dtype == "auto" else cfg.dtype,
-        threads=cfg.threads or _available_cpus(),
+        threads=_default_threads() if cfg.threads is None else cfg.threads,
         out=cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")),
     )
 
@@ -246,7 +246,8 @@ def _environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
     env = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "numpy": np.__version__, "cpu_count": os.cpu_count()}
+           "transformers": transformers.__version__, "numpy": np.__version__, "cpu_count": os.cpu_count(),
+           "coat": getattr(sys.modules.get("coat"), "__version__", None)}
     if device.type == "cuda":
         env |= {"cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(device)}
     return env
@@ -339,7 +340,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             t_log = time.perf_counter()  # excludes evaluation from the next tokens/s figure
         bar.close()
 
-    plot_loss(paths["metrics"], paths["plot"], title=f"{n_params / 1e6:.1f}M Llama, {cfg.recipe}, {cfg.optim} AdamW")
+    plot_loss(paths["metrics"], paths["plot"],
+              title=f"{n_params / 1e6:.1f}M Llama, {device.type} {cfg.dtype}, {cfg.optim} AdamW")
     results = {"initial_val_loss": initial_val, "final_val_loss": rec["val_loss"], "final_train_loss": rec["loss"],
                "steps": cfg.steps, "tokens": cfg.steps * tokens_per_step, "n_params": n_params,
                "train_time_s": time.perf_counter() - train_start, "wall_time_s": time.perf_counter() - t0,
@@ -358,43 +360,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train a small Llama from scratch and plot its loss",
                               description=__doc__)
     cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
+    n, x = dict(type=int, metavar="N"), dict(type=float, metavar="X")
 
     def by_device(name: str) -> str:
         return f"(default: {cpu[name]} on CPU, {gpu[name]} on GPU)"
 
     def from_preset(name: str) -> str:
-        return "(default: from the --model preset: " + ", ".join(
-            f"{k} {v[name]}" for k, v in MODEL_PRESETS.items()) + ")"
+        return "(default: from --model: " + ", ".join(f"{k} {v[name]}" for k, v in MODEL_PRESETS.items()) + ")"
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=list(MODEL_PRESETS), help="model size preset " + by_device("model"))
-    g.add_argument("--hidden-size", type=int, help=from_preset("hidden_size"))
-    g.add_argument("--layers", type=int, help=from_preset("layers"))
-    g.add_argument("--heads", type=int, help=from_preset("heads"))
-    g.add_argument("--intermediate-size", type=int, help="MLP width " + from_preset("intermediate_size"))
-    g.add_argument("--max-positions", type=int, help="max sequence length " + from_preset("max_positions"))
+    g.add_argument("--hidden-size", **n, help=from_preset("hidden_size"))
+    g.add_argument("--layers", **n, help=from_preset("layers"))
+    g.add_argument("--heads", **n, help=from_preset("heads"))
+    g.add_argument("--intermediate-size", **n, help="MLP width " + from_preset("intermediate_size"))
+    g.add_argument("--max-positions", **n, help="longest sequence " + from_preset("max_positions"))
 
     g = p.add_argument_group("data")
-    g.add_argument("--data", help="a text file, a folder of text files, or a token array (.npy, or .bin of "
-                                  "uint16) (default: the Python standard library source)")
+    g.add_argument("--data", metavar="PATH", help="a text file, a folder of text files, or a token array (.npy, "
+                   "or .bin of uint16) (default: the Python standard library source)")
     g.add_argument("--tokenizer", choices=TOKENIZERS, default="byte",
                    help="byte: 256 byte values + EOS; bpe: byte-level BPE trained on the training files")
-    g.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size of --tokenizer bpe")
-    g.add_argument("--val-fraction", type=float, default=0.05, help="held-out share (last files, else last tokens)")
-    g.add_argument("--cache-dir", help="where tokenized corpora are cached (default: ~/.cache/coat/corpus)")
+    g.add_argument("--vocab-size", **n, default=4096, help="vocabulary size of --tokenizer bpe")
+    g.add_argument("--val-fraction", **x, default=0.05, help="held-out share (last files, else last tokens)")
+    g.add_argument("--cache-dir", metavar="DIR", help="tokenized corpus cache (default: ~/.cache/coat/corpus)")
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, help="optimizer steps " + by_device("steps"))
-    g.add_argument("--batch-size", type=int, help="sequences per step " + by_device("batch_size"))
-    g.add_argument("--seq-len", type=int, help="tokens per sequence " + by_device("seq_len"))
-    g.add_argument("--lr", type=float, help="peak learning rate " + by_device("lr"))
-    g.add_argument("--min-lr", type=float, help="final learning rate (default: lr / 10)")
-    g.add_argument("--warmup-steps", type=int, help="linear warmup steps " + by_device("warmup_steps"))
+    g.add_argument("--steps", **n, help="optimizer steps " + by_device("steps"))
+    g.add_argument("--batch-size", **n, help="sequences per step " + by_device("batch_size"))
+    g.add_argument("--seq-len", **n, help="tokens per sequence " + by_device("seq_len"))
+    g.add_argument("--lr", **x, help="peak learning rate " + by_device("lr"))
+    g.add_argument("--min-lr", **x, help="final learning rate (default: lr / 10)")
+    g.add_argument("--warmup-steps", **n, help="linear warmup steps " + by_device("warmup_steps"))
     g.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="decay after warmup")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
-    g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
-    g.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 disables clipping)")
+    g.add_argument("--weight-decay", **x, default=0.1, help="AdamW weight decay (matrices only)")
+    g.add_argument("--beta1", **x, default=0.9, help="AdamW beta1")
+    g.add_argument("--beta2", **x, default=0.95, help="AdamW beta2")
+    g.add_argument("--grad-clip", **x, default=1.0, help="max gradient norm (0 disables clipping)")
     g.add_argument("--optim", choices=OPTIMIZERS, default="torch",
                    help="torch: torch.optim.AdamW; coat: coat.optim.AdamW (needs the built extension)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default="fp32",
@@ -402,18 +404,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     g = p.add_argument_group("precision and runtime")
     g.add_argument("--recipe", choices=RECIPES, default="bf16",
-                   help="precision recipe of the linear layers; bf16 is the plain PyTorch baseline")
+                   help="precision recipe of the linear layers; bf16: stock PyTorch layers under --dtype autocast")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="autocast dtype (auto: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda when available")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--threads", type=int, help="CPU threads (default: the CPUs this process may use)")
-    g.add_argument("--seed", type=int, default=0, help="seeds model init and batch sampling")
+    g.add_argument("--threads", **n, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
+    g.add_argument("--seed", **n, default=0, help="seeds model init and batch sampling")
 
     g = p.add_argument_group("evaluation and output")
-    g.add_argument("--eval-every", type=int, help="steps between validation evaluations (default: steps / 10)")
-    g.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
-    g.add_argument("--log-every", type=int, default=10, help="steps per metrics.jsonl record")
-    g.add_argument("--out", help="output folder (default: runs/<timestamp>)")
+    g.add_argument("--eval-every", **n, help="steps between validation evaluations (default: steps / 10)")
+    g.add_argument("--eval-batches", **n, help="validation batches per evaluation " + by_device("eval_batches"))
+    g.add_argument("--log-every", **n, default=10, help="steps per metrics.jsonl record")
+    g.add_argument("--out", metavar="DIR", help="output folder (default: runs/<timestamp>)")
     g.add_argument("--quiet", action="store_true", help="no progress bar or messages")
     p.set_defaults(handler=lambda args: _run(args, p))
 
