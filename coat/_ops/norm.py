@@ -23,7 +23,7 @@ def rmsnorm_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, rstd, q, scales); q and scales are empty unless ``quantize``."""
     fmt = _fmt_id(fp8_dtype)
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     q = torch.empty(x.shape if quantize else (0,), dtype=fp8_dtype, device=x.device)
     s = _scales(x.shape, e8m0, x.device) if quantize else torch.empty(0, device=x.device)
@@ -36,7 +36,7 @@ def rmsnorm_fwd(
 @rmsnorm_fwd.register_fake
 def _(x, weight, eps, quantize, fp8_dtype, e8m0):
     return (
-        torch.empty_like(x),
+        x.new_empty(x.shape),
         x.new_empty(x.shape[:-1], dtype=torch.float32),
         x.new_empty(x.shape if quantize else (0,), dtype=fp8_dtype),
         _scales(x.shape, e8m0, x.device) if quantize else x.new_empty(0, dtype=torch.float32),
@@ -68,7 +68,7 @@ def rmsnorm_bwd(
     fmt = _fmt_id(q.dtype, "q")
     cols = q.shape[-1]
     rows = q.numel() // cols if cols else 0
-    dx = torch.empty_like(dy)
+    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
     ws = torch.empty((_C.rmsnorm_bwd_parts(rows), cols), dtype=torch.float32, device=q.device)
     dw = torch.empty(cols, dtype=torch.float32, device=q.device)
     with _dev_ctx(q):
@@ -79,4 +79,4 @@ def rmsnorm_bwd(
 
 @rmsnorm_bwd.register_fake
 def _(q, scales, rstd, weight, dy):
-    return torch.empty_like(dy), q.new_empty(q.shape[-1], dtype=torch.float32)
+    return dy.new_empty(dy.shape), q.new_empty(q.shape[-1], dtype=torch.float32)

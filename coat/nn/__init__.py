@@ -1,0 +1,22 @@
+"""FP8 layers: autograd blocks and modules of the COAT precision flow."""
+
+from ._fp8mm import clear_weight_cache
+from .attention import Fp8AttentionMixin, apply_rope
+from .layer import Fp8DecoderLayerMixin
+from .mlp import Fp8SwiGLUMixin, Fp8SwiGLUMLP, swiglu_down
+from .norm import Fp8RMSNorm, rms_norm
+from .recipe import RECIPES, Fp8Recipe
+
+__all__ = [
+    "Fp8Recipe",
+    "RECIPES",
+    "Fp8RMSNorm",
+    "rms_norm",
+    "Fp8SwiGLUMLP",
+    "Fp8SwiGLUMixin",
+    "swiglu_down",
+    "Fp8AttentionMixin",
+    "apply_rope",
+    "Fp8DecoderLayerMixin",
+    "clear_weight_cache",
+]
