@@ -1,0 +1,194 @@
+"""Custom ops of the FP8 GEMM family: ``y = (a * scale_a) @ (b * scale_b).T``.
+
+``a`` is ``[M, K]`` and ``b`` is ``[N, K]`` FP8 (both K-contiguous, the layout ``nn.Linear`` needs;
+e5m2 x e5m2 is rejected), scales are per-tensor fp32 dequantization multipliers on the operands'
+device. Accumulation is fp32. On CUDA, K and N must be multiples of 16 (cuBLASLt FP8); callers that
+cannot guarantee it fall back themselves (``coat.nn.Fp8Linear`` does). csrc/include/coat/gemm.h
+holds the full contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import torch
+
+from .. import _C
+from ._util import dev_ctx as _dev_ctx
+from ._util import fmt_id as _fmt_id
+from ._util import stream as _stream
+from ._util import u8 as _u8
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Output dtypes and the core's enum for each.
+_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+# Run the bf16 path (what devices without FP8 tensor cores do) on every GPU: for tests/comparisons.
+_force_bf16 = os.environ.get("COAT_GEMM_FORCE_BF16", "0") == "1"
+
+# One cuBLASLt workspace per (device, stream): GEMMs on one stream run in order, so they can share.
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+
+
+@contextlib.contextmanager
+def force_bf16(enabled: bool = True):
+    """Within the block, CUDA GEMMs take the bf16 path that sm80 devices use."""
+    global _force_bf16
+    old, _force_bf16 = _force_bf16, enabled
+    try:
+        yield
+    finally:
+        _force_bf16 = old
+
+
+def _workspace(device: torch.device, stream: int) -> torch.Tensor:
+    key = (device.index, stream)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = torch.empty(_C.GEMM_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        _workspaces[key] = ws
+    return ws
+
+
+def _name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def check_args(a, b, scale_a, scale_b, bias, out_dtype, out_scale=None) -> None:
+    """Raises ValueError naming the offending argument (also run by the fake implementations)."""
+    for arg, t in (("a", a), ("b", b)):
+        if t.dtype not in _FP8:
+            raise ValueError(f"{arg} must be float8_e4m3fn or float8_e5m2, got {_name(t.dtype)}")
+        if t.dim() != 2:
+            raise ValueError(f"{arg} must be 2-D, got shape {list(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{arg} must be contiguous (call {arg}.contiguous() first)")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise ValueError(
+            "a and b are both e5m2: FP8 tensor cores have no e5m2 x e5m2 product; quantize one "
+            "operand (usually the weight side, b) as e4m3"
+        )
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"b must have the K of a (a is {list(a.shape)} = [M, K], b is {list(b.shape)} = [N, K])")
+    named = [("scale_a", scale_a), ("scale_b", scale_b)]
+    if out_scale is not None:
+        named.append(("out_scale", out_scale))
+    for arg, s in named:
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise ValueError(f"{arg} must be a float32 tensor with one element, got {_name(s.dtype)} {list(s.shape)}")
+    if out_dtype not in _OUT:
+        raise ValueError(f"out_dtype must be float32, bfloat16 or float8_e4m3fn, got {out_dtype}")
+    if (out_dtype == torch.float8_e4m3fn) != (out_scale is not None):
+        raise ValueError("out_scale is required with out_dtype=float8_e4m3fn and only used with it")
+    if bias is not None:
+        if bias.dtype != torch.bfloat16 or bias.shape != (b.shape[0],):
+            raise ValueError(f"bias must be bfloat16 of shape [N] = [{b.shape[0]}], got {_name(bias.dtype)} {list(bias.shape)}")
+        if out_dtype == torch.float32:
+            raise ValueError(
+                "bias needs a bfloat16 or e4m3 output (cuBLASLt's FP8 kernels have no bias epilogue "
+                "for float32 output); add the bias separately"
+            )
+    others = [("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out_scale", out_scale)]
+    for arg, t in others:
+        if t is not None and t.device != a.device:
+            raise ValueError(f"{arg} is on {t.device} but a is on {a.device}")
+
+
+def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """cuBLASLt wants 16-byte aligned operands; a view at an odd offset is copied."""
+    if t is None or not t.is_cuda or t.data_ptr() % 16 == 0:
+        return t
+    return t.clone()
+
+
+def _run(a, b, scale_a, scale_b, bias, out_dtype, out_scale, want_amax):
+    m, k = a.shape
+    n = b.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    amax = torch.empty(1, dtype=torch.float32, device=a.device) if want_amax else None
+    ws = scratch = None
+    st = _stream(a)
+    force = _force_bf16
+    if a.is_cuda:
+        a, b, bias = _aligned(a), _aligned(b), _aligned(bias)
+        ws = _workspace(a.device, st)
+        nbytes = _C.gemm_fp8_scratch_bytes(a.device.index, m, n, k, _OUT[out_dtype], force)
+        if nbytes:
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device=a.device)
+    with _dev_ctx(a):
+        _C.gemm_fp8(
+            _u8(a.detach()),
+            _fmt_id(a.dtype, "a"),
+            scale_a.detach().reshape(1),
+            _u8(b.detach()),
+            _fmt_id(b.dtype, "b"),
+            scale_b.detach().reshape(1),
+            None if bias is None else bias.detach(),
+            _u8(out) if out_dtype == torch.float8_e4m3fn else out,
+            None if out_scale is None else out_scale.detach().reshape(1),
+            amax,
+            ws,
+            scratch,
+            force,
+            st,
+        )
+    return out, amax
+
+
+@torch.library.custom_op("coat::fp8_gemm", mutates_args=())
+def fp8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b).T (+ bias)`` as float32 or bfloat16."""
+    if out_dtype == torch.float8_e4m3fn:
+        raise ValueError("out_dtype must be float32 or bfloat16 (use fp8_gemm_amax for an FP8 output)")
+    check_args(a, b, scale_a, scale_b, bias, out_dtype)
+    return _run(a, b, scale_a, scale_b, bias, out_dtype, None, False)[0]
+
+
+@fp8_gemm.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype):
+    if out_dtype == torch.float8_e4m3fn:
+        raise ValueError("out_dtype must be float32 or bfloat16 (use fp8_gemm_amax for an FP8 output)")
+    check_args(a, b, scale_a, scale_b, bias, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("coat::fp8_gemm_amax", mutates_args=())
+def fp8_gemm_amax(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    out_scale: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like fp8_gemm, also returning amax = max |y| (before the output rounding; fused in cuBLASLt
+    for an e4m3 output). out_dtype float8_e4m3fn stores ``e4m3(y / out_scale)``."""
+    check_args(a, b, scale_a, scale_b, bias, out_dtype, out_scale)
+    return _run(a, b, scale_a, scale_b, bias, out_dtype, out_scale, True)
+
+
+@fp8_gemm_amax.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype, out_scale):
+    check_args(a, b, scale_a, scale_b, bias, out_dtype, out_scale)
+    return (
+        a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype),
+        a.new_empty((1,), dtype=torch.float32),
+    )
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether GEMMs on this CUDA device run on FP8 tensor cores (else the bf16 path)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    return bool(_C.gemm_fp8_native(device.index if device.index is not None else torch.cuda.current_device()))
