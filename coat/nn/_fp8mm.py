@@ -1,22 +1,27 @@
 """The GEMM layer under the fused FP8 blocks: per-tensor quantization, the FP8 weight cache and an
 FP8 "NT" matrix product (a @ b.T with both operands row-major FP8).
 
-On a GPU with FP8 tensor cores (compute capability 8.9+) the product runs on
-``torch._scaled_mm`` (cuBLASLt, fp32 accumulation); dimensions that are not multiples of 16 are
-zero-padded (zeros add nothing to the products). Elsewhere (CPU, older GPUs) it is emulated
-exactly: the FP8 operands are dequantized and multiplied in fp32, so the numerics are the same up
-to accumulation order.
+On CUDA the product runs on coat's own FP8 GEMM (``coat::fp8_gemm``, cuBLASLt with cached plans;
+its bf16 path on GPUs without FP8 tensor cores), or on ``torch._scaled_mm`` with
+``COAT_LAYER_GEMM=scaled_mm`` (for comparisons). Dimensions that are not multiples of 16 are
+zero-padded (zeros add nothing to the products). On the CPU it is emulated exactly: the FP8
+operands are dequantized and multiplied in fp32, so the numerics are the same up to accumulation
+order.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._ops import gemm as gops
 from .._ops import quantize as qops
 from .recipe import ACT_DTYPE
 
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_BACKEND = os.environ.get("COAT_LAYER_GEMM", "coat")
 
 
 def quantize(x2d: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool):
@@ -78,7 +83,7 @@ def clear_weight_cache() -> None:
 
 
 def _use_scaled_mm(t: torch.Tensor) -> bool:
-    if not t.is_cuda or not hasattr(torch, "_scaled_mm"):
+    if _BACKEND != "scaled_mm" or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(t.device) >= (8, 9)
 
@@ -102,10 +107,17 @@ def fp8_mm(a, sa, b, sb, out_dtype: torch.dtype, fast_accum: bool = False) -> to
     n = b.shape[0]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros((m, n), dtype=out_dtype, device=a.device)
-    if _use_scaled_mm(a):
+    if a.is_cuda and _use_scaled_mm(a):
         mp, kp, np_ = _up16(m), _up16(k), _up16(n)
         ap, bp = _pad(a, mp, kp), _pad(b, np_, kp)
         out = torch._scaled_mm(ap, bp.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=out_dtype,
                                use_fast_accum=fast_accum)
         return out if (mp == m and np_ == n) else out[:m, :n].contiguous()
+    if a.is_cuda:
+        kp, np_ = _up16(k), _up16(n)
+        ap, bp = _pad(a, m, kp), _pad(b, np_, kp)
+        dt = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = gops.fp8_gemm(ap, bp, sa.reshape(1), sb.reshape(1), None, dt)
+        out = out if np_ == n else out[:, :n].contiguous()
+        return out if dt == out_dtype else out.to(out_dtype)
     return ((a.float() * sa) @ (b.float() * sb).t()).to(out_dtype)
