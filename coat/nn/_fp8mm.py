@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ops import gemm as gops
 from .._ops import quantize as qops
+from .._ops._util import fmt_id
 from .recipe import ACT_DTYPE
 
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -26,8 +27,8 @@ _BACKEND = os.environ.get("COAT_LAYER_GEMM", "coat")
 
 def quantize(x2d: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool):
     """Per-tensor FP8 with an amax computed on the device: (q, q_t or None, scale)."""
-    q, q_t, scale, _ = qops.quantize_per_tensor_amax(x2d, fp8_dtype, transpose)
-    return q, (q_t if transpose else None), scale
+    q, q_t, scale, _ = qops.quantize_per_tensor_amax(x2d, fmt_id(fp8_dtype), transpose)
+    return q.view(fp8_dtype), (q_t.view(fp8_dtype) if transpose else None), scale
 
 
 def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
