@@ -32,7 +32,6 @@ def _uint(t):
 
 
 @pytest.mark.parametrize("dtype,gdtype,master", [(torch.float32, torch.float32, "fp32"),
-                                                 (torch.float32, torch.bfloat16, "fp32"),
                                                  (torch.bfloat16, torch.bfloat16, "fp32"),
                                                  (torch.float16, torch.float16, "fp32"),
                                                  (torch.bfloat16, torch.bfloat16, "bf16_sr")])
