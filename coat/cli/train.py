@@ -284,6 +284,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, corpus.vocab_size, corpus.eos_id).to(device)
+    if cfg.optim == "coat" and cfg.master_weights == "bf16_sr":
+        model = model.to(torch.bfloat16)  # bf16 weights, no master copy: the optimizer rounds stochastically
     if cfg.activations == "fp8":
         import coat
 
