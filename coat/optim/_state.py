@@ -9,6 +9,7 @@ import torch
 
 from .. import _C
 from .._ops import quantize as _qops
+from .._ops._util import fmt_id
 from ..fp8.formats import DTYPES
 
 G = _C.DRE_GROUP_SIZE
@@ -123,7 +124,8 @@ def to_torch_adamw_state(src: Any) -> dict[str, Any]:
         out = {"step": torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().reshape(()).clone()}
         for name in _MOMENTS:
             q = st[name + "_q"]
-            out[name] = _qops.dre_dequantize(q.reshape(-1), st[name + "_gmax"], st[name + "_k16"]).reshape(q.shape)
+            codes = q.reshape(-1).view(torch.uint8)
+            out[name] = _qops.dre_dequantize(codes, st[name + "_gmax"], st[name + "_k16"], fmt_id(q.dtype)).reshape(q.shape)
         state[pid] = out
     defaults = _torch_group_defaults()
     groups_out = []
@@ -140,8 +142,8 @@ def quantize_moment(x: torch.Tensor, fmt: str, expansion: bool):
     x = x.detach().to(torch.float32).contiguous()
     # Without expansion k16 is 16 for every group; a vanishing log2_range gives exactly that
     # (k = log2_range / span is clamped up to 1) through the same quantizer.
-    q, gmax, k16 = _qops.dre_quantize(x.reshape(-1), DTYPES[fmt], log2_range(fmt) if expansion else 1e-30)
-    return q.reshape(x.shape), gmax, k16
+    q, gmax, k16 = _qops.dre_quantize(x.reshape(-1), fmt_id(DTYPES[fmt]), log2_range(fmt) if expansion else 1e-30)
+    return q.view(DTYPES[fmt]).reshape(x.shape), gmax, k16
 
 
 def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[str, Any]:

@@ -55,7 +55,7 @@ __device__ __forceinline__ bool is_aligned(const void* p, unsigned bytes) {
 // param r/w (or fp32 master r/w plus param write), grad read, m and v codes r/w, plus 2 x 5 bytes
 // of group metadata r/w per 128. Nothing is written when *found_inf != 0.
 template <typename P, typename Gr, MasterKind M>
-__global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamwTensor* __restrict__ tensors,
+__global__ void __launch_bounds__(kThreads, 3) adamw_kernel(const AdamwTensor* __restrict__ tensors,
                                                          int64_t n_tensors, int64_t n_groups,
                                                          AdamwConfig c) {
   if (c.found_inf != nullptr && *c.found_inf != 0.0f) return;
@@ -121,17 +121,16 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamwTensor* __re
       }
     }
 
-    const float m_mx = d.m_gmax[lg], v_mx = d.v_gmax[lg];
-    const float m_l2 = det_log2(m_mx), v_l2 = det_log2(v_mx);
-    const float m_k = adamw::k_of(d.m_k16[lg]), v_k = adamw::k_of(d.v_k16[lg]);
+    const DreGroupFast m_old = dre_group_fast(d.m_gmax[lg], d.m_k16[lg], c.m_fmt);
+    const DreGroupFast v_old = dre_group_fast(d.v_gmax[lg], d.v_k16[lg], c.v_fmt);
     float m[4], v[4];
     float m_hi = 0.0f, m_lo = INFINITY, v_hi = 0.0f, v_lo = INFINITY;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float gj = gr[j];
       if (gscale != 1.0f) gj = gj / gscale;
-      m[j] = adamw::decode_state(mq[j], m_mx, m_l2, m_k, lq[0], c.m_fmt);
-      v[j] = adamw::decode_state(vq[j], v_mx, v_l2, v_k, lq[1], c.v_fmt);
+      m[j] = adamw::decode_state(mq[j], m_old, lq[0], c.m_fmt);
+      v[j] = adamw::decode_state(vq[j], v_old, lq[1], c.v_fmt);
       p[j] = adamw::update(p[j], gj, m[j], v[j], s);
       adamw::group_minmax(m[j], m_hi, m_lo);
       adamw::group_minmax(v[j], v_hi, v_lo);
@@ -151,12 +150,12 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamwTensor* __re
       d.v_gmax[lg] = v_hi;
       d.v_k16[lg] = v_k16;
     }
-    const float m_l2n = det_log2(m_hi), v_l2n = det_log2(v_hi);
-    const float m_kn = adamw::k_of(m_k16), v_kn = adamw::k_of(v_k16);
+    const DreGroupFast m_new = dre_group_fast(m_hi, m_k16, c.m_fmt);
+    const DreGroupFast v_new = dre_group_fast(v_hi, v_k16, c.v_fmt);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      mq[j] = adamw::encode_state(m[j], m_hi, m_l2n, m_kn, c.m_fmt);
-      vq[j] = adamw::encode_state(v[j], v_hi, v_l2n, v_kn, c.v_fmt);
+      mq[j] = adamw::encode_state(m[j], m_new, c.m_fmt);
+      vq[j] = adamw::encode_state(v[j], v_new, c.v_fmt);
     }
 
     uint16_t sr[4] = {0, 0, 0, 0};
@@ -195,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamwTensor* __re
 template <typename P, MasterKind M>
 void launch(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_groups, const AdamwConfig& c,
             cudaStream_t stream) {
-  const unsigned grid = cuda::grid_for(n_groups * 32, kThreads, 8);
+  const unsigned grid = cuda::grid_for(n_groups * 32, kThreads, 3);
   switch (c.grad_dtype) {
     case DType::kFloat32:
       adamw_kernel<P, float, M><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);

@@ -43,15 +43,14 @@ void step_group(const AdamwTensor& d, int64_t lg, const adamw::Scalars& s, const
   const float* lq_m = lq_table(c.m_fmt);
   const float* lq_v = lq_table(c.v_fmt);
   float p[G], m[G], v[G];
-  const float m_mx = d.m_gmax[lg], v_mx = d.v_gmax[lg];
-  const float m_l2 = det_log2(m_mx), v_l2 = det_log2(v_mx);
-  const float m_k = adamw::k_of(d.m_k16[lg]), v_k = adamw::k_of(d.v_k16[lg]);
+  const DreGroupFast m_old = dre_group_fast(d.m_gmax[lg], d.m_k16[lg], c.m_fmt);
+  const DreGroupFast v_old = dre_group_fast(d.v_gmax[lg], d.v_k16[lg], c.v_fmt);
   float m_hi = 0.0f, m_lo = INFINITY, v_hi = 0.0f, v_lo = INFINITY;
   for (int i = 0; i < n; ++i) {
     float g = Elem<Gr>::load(grad[i]);
     if (grad_scale != 1.0f) g = g / grad_scale;
-    m[i] = adamw::decode_state(d.m_q[begin + i], m_mx, m_l2, m_k, lq_m, c.m_fmt);
-    v[i] = adamw::decode_state(d.v_q[begin + i], v_mx, v_l2, v_k, lq_v, c.v_fmt);
+    m[i] = adamw::decode_state(d.m_q[begin + i], m_old, lq_m, c.m_fmt);
+    v[i] = adamw::decode_state(d.v_q[begin + i], v_old, lq_v, c.v_fmt);
     const float p0 = M == MasterKind::kFp32 ? d.master[begin + i] : Elem<P>::load(param[i]);
     p[i] = adamw::update(p0, g, m[i], v[i], s);
     adamw::group_minmax(m[i], m_hi, m_lo);
@@ -63,11 +62,11 @@ void step_group(const AdamwTensor& d, int64_t lg, const adamw::Scalars& s, const
   d.m_k16[lg] = m_k16;
   d.v_gmax[lg] = v_hi;
   d.v_k16[lg] = v_k16;
-  const float m_l2n = det_log2(m_hi), v_l2n = det_log2(v_hi);
-  const float m_kn = adamw::k_of(m_k16), v_kn = adamw::k_of(v_k16);
+  const DreGroupFast m_new = dre_group_fast(m_hi, m_k16, c.m_fmt);
+  const DreGroupFast v_new = dre_group_fast(v_hi, v_k16, c.v_fmt);
   for (int i = 0; i < n; ++i) {
-    d.m_q[begin + i] = adamw::encode_state(m[i], m_hi, m_l2n, m_kn, c.m_fmt);
-    d.v_q[begin + i] = adamw::encode_state(v[i], v_hi, v_l2n, v_kn, c.v_fmt);
+    d.m_q[begin + i] = adamw::encode_state(m[i], m_new, c.m_fmt);
+    d.v_q[begin + i] = adamw::encode_state(v[i], v_new, c.v_fmt);
   }
   if constexpr (M == MasterKind::kBf16Sr) {
     // begin is a multiple of 4, so the quads are the kernel's (element index / 4).

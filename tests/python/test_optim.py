@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import coat.optim as co
-from coat.fp8 import DreTensor
+from coat.fp8.tensor import DreTensor
 
 
 @pytest.fixture(autouse=True, scope="module")

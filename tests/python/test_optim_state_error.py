@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from coat.fp8 import DreTensor
+from coat.fp8.tensor import DreTensor
 from coat.optim._state import quantize_moment
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "adamw_moments.pt"
