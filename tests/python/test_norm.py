@@ -122,7 +122,8 @@ def test_gpu_matches_cpu(gen, rows, cols, dtype):
     g = ops.rmsnorm_fwd(x.cuda(), w.cuda(), 1e-5, True, E4, False)
     assert torch.equal(g[2].cpu().view(torch.uint8), c[2].view(torch.uint8))
     assert torch.equal(g[3].cpu(), c[3])
-    torch.testing.assert_close(g[1].cpu(), c[1], rtol=4e-7, atol=0)
+    # rstd: the GPU sums squares as a tree, the CPU in order: ~sqrt(cols) ulp apart.
+    torch.testing.assert_close(g[1].cpu(), c[1], rtol=2e-5, atol=0)
     torch.testing.assert_close(g[0].cpu(), c[0], rtol=2**-7, atol=0)
     # recompute and backward from the same saved tensors
     y_c = ops.rmsnorm_fwd_fp8(c[2], c[3], c[1], w, dtype)
