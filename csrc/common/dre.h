@@ -81,15 +81,16 @@ const float* dre_host_log2_lut(Fp8Format fmt);
 
 // ---- fast variants for fused kernels (the AdamW step) -----------------------------------------
 // The exact variants above cost ~100 instructions per element on the GPU, which would make the
-// optimizer step compute-bound. These use the hardware's approximate log2/exp2 (lg2/ex2.approx,
-// relative error ~2^-22) on the device and libm's log2f/exp2f on the host. Same format, same
-// guarantees (zeros, group maxima and constant groups exact; no NaN/Inf from finite input); the
-// codes can differ from the exact variants, and between host and device, only where a value lies
-// within a few ulp of an FP8 rounding boundary, by one code.
+// optimizer step compute-bound. These use the hardware's approximate log2/exp2 (single MUFU
+// instructions, lg2/ex2.approx.ftz: relative error ~2^-22, fp32 subnormals flushed to zero) on the
+// device and libm's log2f/exp2f on the host. Same format, same guarantees (zeros, group maxima and
+// constant groups exact; no NaN/Inf from finite input). The codes can differ from the exact
+// variants, and between host and device, where a value lies within a few ulp of an FP8 rounding
+// boundary; on the device a moment below 2^-126 (fp32's normal range) is stored as zero.
 COAT_HD float fast_log2(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 #else
   return std::log2(x);
@@ -99,7 +100,7 @@ COAT_HD float fast_log2(float x) {
 COAT_HD float fast_exp2(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 #else
   return std::exp2(x);
