@@ -70,12 +70,12 @@ COAT_HD float update(float p, float g, float& m, float& v, const Scalars& s) {
   return p - s.step_size * fast_div(m, denom);
 }
 
-// |x| that may enter a group's max / min (finite) and whether it is non-zero.
+// Fold |x| into a group's max and non-zero min: finite values only (NaN and inf never enter).
 COAT_HD void group_minmax(float x, float& mx, float& mn) {
-  const float a = fabsf(x);
-  if (!dre_counts(a)) return;
+  float a = fabsf(x);
+  a = dre_counts(a) ? a : 0.0f;
   mx = fmaxf(mx, a);
-  if (a > 0.0f) mn = fminf(mn, a);
+  mn = fminf(mn, a > 0.0f ? a : INFINITY);
 }
 
 // The states use dre.h's fast variants (hardware log2/exp2 on the GPU, libm on the CPU): the exact
@@ -86,23 +86,18 @@ COAT_HD uint8_t group_k16(float mx, float mn, bool expansion, float log2_range) 
   return expansion ? dre_k16_fast(mx, mn, log2_range) : static_cast<uint8_t>(kDreMinK16);
 }
 
-// log2 of each FP8 code value (index 1..127; 0 and the NaN/max codes are never read), computed
-// with det_log2 so the host and device tables are identical.
-COAT_HD float code_log2(int mag, Fp8Format fmt) {
-  const float q = decode_fp8(static_cast<uint8_t>(mag), fmt);
-  return mag > 0 && q > 0.0f && q <= 3.4e38f ? det_log2(q) : 0.0f;
-}
+// The decode table of a format (dre_fast_lut_entry: identical on host and device).
+COAT_HD float code_log2(int mag, Fp8Format fmt) { return dre_fast_lut_entry(mag, fmt); }
 
 // Decode one state element of a group (lq = the code_log2 table of fmt).
 COAT_HD float decode_state(uint8_t c, const DreGroupFast& g, const float* lq, Fp8Format fmt) {
   return dre_decode_fast(c, g, fmt, lq);
 }
 
-// Encode one state element; NaN and +-Inf become the NaN code (dre_encode saturates Inf to gmax,
-// which would hide an overflow of the moments).
+// Encode one state element; NaN and +-Inf become the NaN code (saturating Inf to gmax would hide
+// an overflow of the moments).
 COAT_HD uint8_t encode_state(float x, const DreGroupFast& g, Fp8Format fmt) {
-  if (!dre_counts(fabsf(x))) return kFp8NaN;
-  return dre_encode_fast(x, g, fmt);
+  return dre_encode_fast(dre_counts(fabsf(x)) ? x : float_of(0x7FC00000u), g, fmt);
 }
 
 // 64 random bits for the four consecutive elements 4q .. 4q+3 of a tensor at step t: a

@@ -144,25 +144,26 @@ COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
   return g;
 }
 
+// Branch-free: log2(0) = -inf encodes a zero as 0; NaN stays NaN (the conversion keeps it);
+// |x| == mx lands on fmt_max, which rounds to the top code.
 COAT_HD uint8_t dre_encode_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
-  const float a = fabsf(x);
-  if (a != a) return kFp8NaN;
-  if (a == 0.0f) return 0;
-  const uint8_t sign = x < 0.0f ? 0x80 : 0x00;
-  if (a >= g.mx) return sign | fp8_max_code(fmt);
-  const float y = fast_exp2(g.k * fast_log2(a) + g.c_enc);
-  return encode_fp8(sign ? -y : y, fmt);
+  const float y = fast_exp2(g.k * fast_log2(fabsf(x)) + g.c_enc);
+  return encode_fp8(copysignf(y, x), fmt);
 }
 
-COAT_HD float dre_decode_fast(uint8_t c, const DreGroupFast& g, Fp8Format fmt, const float* log2_lut) {
-  // Selects rather than branches: lanes of a warp decode different codes.
+// Entry `mag` of the decode table: log2 of the code's magnitude, -inf for 0 (decodes to 0) and
+// NaN for the NaN codes (decode to NaN), so decoding needs no branches.
+COAT_HD float dre_fast_lut_entry(int mag, Fp8Format fmt) {
+  if (mag == 0) return -INFINITY;
+  const float q = decode_fp8(static_cast<uint8_t>(mag), fmt);
+  return q != q ? q : det_log2(q);
+}
+
+// x = sign(q) mx (|q| / fmt_max)^(1/k); the top code decodes to mx exactly.
+COAT_HD float dre_decode_fast(uint8_t c, const DreGroupFast& g, Fp8Format fmt, const float* lut) {
   const uint8_t mag = c & 0x7F;
-  const uint8_t top = fp8_max_code(fmt);
-  const bool nan = fmt == Fp8Format::kE4M3 ? mag == 0x7F : mag > 0x7C;
-  float a = fast_exp2(log2_lut[mag] * g.inv_k + g.c_dec);
-  a = mag >= top ? g.mx : a;
-  a = mag == 0 ? 0.0f : a;
-  a = nan ? float_of(0x7FC00000u) : a;
+  float a = fast_exp2(lut[mag] * g.inv_k + g.c_dec);
+  a = mag == fp8_max_code(fmt) ? g.mx : a;
   return (c & 0x80) ? -a : a;
 }
 
