@@ -1,11 +1,12 @@
 """coat: memory-efficient FP8 training for PyTorch (COAT: FP8 optimizer states and activations)."""
 
 from . import _C, functional
+from .convert import convert
 from .fp8.tensor import DreTensor, Fp8Tensor
 
 __version__ = "0.1.0"
 
-__all__ = ["functional", "Fp8Tensor", "DreTensor", "built_with_cuda", "__version__"]
+__all__ = ["convert", "functional", "Fp8Tensor", "DreTensor", "built_with_cuda", "__version__"]
 
 
 def built_with_cuda() -> bool:

@@ -29,8 +29,10 @@ from coat.cli.plot import plot_loss
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
-# Precision recipe of the linear layers; FP8 recipes are added here as they land.
-RECIPES = ("bf16",)
+# Precision recipe: bf16 is plain PyTorch; fp8 converts the decoder layers to the FP8 precision flow
+# (FP8 GEMMs, FP8 saved activations); coat is fp8 plus FP8 optimizer states (--optim coat).
+RECIPES = ("bf16", "fp8", "coat")
+ACTIVATIONS = ("bf16", "fp8")
 OPTIMIZERS = ("torch", "coat")
 MASTER_WEIGHTS = ("fp32", "bf16_sr")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -91,6 +93,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     recipe: str = "bf16"
+    activations: str = "bf16"
     optim: str = "torch"
     master_weights: str = "fp32"
     compile: bool = False
@@ -119,6 +122,10 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
     cfg = replace(cfg, device=device, **filled)
     preset = MODEL_PRESETS.get(cfg.model, {})
     cfg = replace(cfg, **{k: v for k, v in preset.items() if getattr(cfg, k) is None})
+    if cfg.recipe in ("fp8", "coat"):
+        cfg = replace(cfg, activations="fp8")
+    if cfg.recipe == "coat":
+        cfg = replace(cfg, optim="coat")
     return replace(
         cfg,
         min_lr=cfg.lr * 0.1 if cfg.min_lr is None else cfg.min_lr,
@@ -141,6 +148,7 @@ def _coat_adamw() -> type:
 def validate(cfg: TrainConfig) -> None:
     """Reject settings that cannot work, naming the flag; ``cfg`` must be resolved."""
     choices = {"model": MODEL_PRESETS, "device": DEVICES[1:], "dtype": DTYPES[1:], "recipe": RECIPES,
+               "activations": ACTIVATIONS,
                "optim": OPTIMIZERS, "master_weights": MASTER_WEIGHTS, "schedule": SCHEDULES,
                "tokenizer": TOKENIZERS}
     for name, allowed in choices.items():
@@ -277,6 +285,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, corpus.vocab_size, corpus.eos_id).to(device)
+    if cfg.optim == "coat" and cfg.master_weights == "bf16_sr":
+        model = model.to(torch.bfloat16)  # bf16 weights, no master copy: the optimizer rounds stochastically
+    if cfg.activations == "fp8":
+        import coat
+
+        coat.convert(model, recipe="fp8")
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -404,7 +418,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     g = p.add_argument_group("precision and runtime")
     g.add_argument("--recipe", choices=RECIPES, default="bf16",
-                   help="precision recipe of the linear layers; bf16: stock PyTorch layers under --dtype autocast")
+                   help="bf16: the plain PyTorch baseline; fp8: FP8 GEMMs and FP8 saved activations "
+                        "(implies --activations fp8); coat: fp8 plus FP8 optimizer states (implies --optim coat)")
+    g.add_argument("--activations", choices=ACTIVATIONS, default="bf16",
+                   help="fp8: decoder layers converted with coat.convert (FP8 GEMMs, FP8 saved activations)")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="autocast dtype (auto: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda when available")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")

@@ -1,5 +1,25 @@
 """Autograd functions and modules with FP8 compute and FP8 saved activations."""
 
+from ._fp8mm import clear_weight_cache
+from .attention import Fp8AttentionMixin, apply_rope
+from .layer import Fp8DecoderLayerMixin
 from .linear import Fp8Linear, fp8_linear
+from .mlp import Fp8SwiGLUMixin, Fp8SwiGLUMLP, swiglu_down
+from .norm import Fp8RMSNorm, rms_norm
+from .recipe import RECIPES, Fp8Recipe
 
-__all__ = ["Fp8Linear", "fp8_linear"]
+__all__ = [
+    "Fp8Linear",
+    "fp8_linear",
+    "Fp8Recipe",
+    "RECIPES",
+    "Fp8RMSNorm",
+    "rms_norm",
+    "Fp8SwiGLUMLP",
+    "Fp8SwiGLUMixin",
+    "swiglu_down",
+    "Fp8AttentionMixin",
+    "apply_rope",
+    "Fp8DecoderLayerMixin",
+    "clear_weight_cache",
+]

@@ -81,15 +81,16 @@ const float* dre_host_log2_lut(Fp8Format fmt);
 
 // ---- fast variants for fused kernels (the AdamW step) -----------------------------------------
 // The exact variants above cost ~100 instructions per element on the GPU, which would make the
-// optimizer step compute-bound. These use the hardware's approximate log2/exp2 (lg2/ex2.approx,
-// relative error ~2^-22) on the device and libm's log2f/exp2f on the host. Same format, same
-// guarantees (zeros, group maxima and constant groups exact; no NaN/Inf from finite input); the
-// codes can differ from the exact variants, and between host and device, only where a value lies
-// within a few ulp of an FP8 rounding boundary, by one code.
+// optimizer step compute-bound. These use the hardware's approximate log2/exp2 (single MUFU
+// instructions, lg2/ex2.approx.ftz: relative error ~2^-22, fp32 subnormals flushed to zero) on the
+// device and libm's log2f/exp2f on the host. Same format, same guarantees (zeros, group maxima and
+// constant groups exact; no NaN/Inf from finite input). The codes can differ from the exact
+// variants, and between host and device, where a value lies within a few ulp of an FP8 rounding
+// boundary; on the device a moment below 2^-126 (fp32's normal range) is stored as zero.
 COAT_HD float fast_log2(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 #else
   return std::log2(x);
@@ -99,10 +100,19 @@ COAT_HD float fast_log2(float x) {
 COAT_HD float fast_exp2(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 #else
   return std::exp2(x);
+#endif
+}
+
+// a / b: one reciprocal and a multiply on the device (~2 ulp), IEEE division on the host.
+COAT_HD float fast_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdividef(a, b);
+#else
+  return a / b;
 #endif
 }
 
@@ -110,7 +120,7 @@ COAT_HD uint8_t dre_k16_fast(float mx, float mn, float log2_range) {
   if (!(mx > mn) || !(mn > 0.0f)) return kDreMinK16;
   const float span = fast_log2(mx) - fast_log2(mn);
   if (!(span > 0.0f)) return kDreMaxK16;
-  const float k16 = floorf(16.0f * log2_range / span);
+  const float k16 = floorf(fast_div(16.0f * log2_range, span));
   if (!(k16 < static_cast<float>(kDreMaxK16))) return kDreMaxK16;
   return k16 < static_cast<float>(kDreMinK16) ? kDreMinK16 : static_cast<uint8_t>(k16);
 }
@@ -128,31 +138,33 @@ COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
   const float l = mx > 0.0f ? fast_log2(mx) : 0.0f;
   g.mx = mx;
   g.k = static_cast<float>(k16) * 0.0625f;
-  g.inv_k = 16.0f / static_cast<float>(k16);
+  g.inv_k = fast_div(16.0f, static_cast<float>(k16));
   g.c_enc = fp8_log2_max(fmt) - g.k * l;
   g.c_dec = l - fp8_log2_max(fmt) * g.inv_k;
   return g;
 }
 
+// Branch-free: log2(0) = -inf encodes a zero as 0; NaN stays NaN (the conversion keeps it);
+// |x| == mx lands on fmt_max, which rounds to the top code.
 COAT_HD uint8_t dre_encode_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
-  const float a = fabsf(x);
-  if (a != a) return kFp8NaN;
-  if (a == 0.0f) return 0;
-  const uint8_t sign = x < 0.0f ? 0x80 : 0x00;
-  if (a >= g.mx) return sign | fp8_max_code(fmt);
-  const float y = fast_exp2(g.k * fast_log2(a) + g.c_enc);
-  return encode_fp8(sign ? -y : y, fmt);
+  const float y = fast_exp2(g.k * fast_log2(fabsf(x)) + g.c_enc);
+  return encode_fp8(copysignf(y, x), fmt);
 }
 
-COAT_HD float dre_decode_fast(uint8_t c, const DreGroupFast& g, Fp8Format fmt, const float* log2_lut) {
+// Entry `mag` of the decode table: log2 of the code's magnitude, -inf for 0 (decodes to 0) and
+// NaN for the NaN codes (decode to NaN), so decoding needs no branches.
+COAT_HD float dre_fast_lut_entry(int mag, Fp8Format fmt) {
+  if (mag == 0) return -INFINITY;
+  const float q = decode_fp8(static_cast<uint8_t>(mag), fmt);
+  return q != q ? q : det_log2(q);
+}
+
+// x = sign(q) mx (|q| / fmt_max)^(1/k); the top code decodes to mx exactly.
+COAT_HD float dre_decode_fast(uint8_t c, const DreGroupFast& g, Fp8Format fmt, const float* lut) {
   const uint8_t mag = c & 0x7F;
-  if (mag == 0) return 0.0f;
-  const float sign = (c & 0x80) ? -1.0f : 1.0f;
-  if (mag >= fp8_max_code(fmt)) {
-    if (fmt == Fp8Format::kE4M3 ? mag == 0x7F : mag > 0x7C) return float_of(0x7FC00000u);  // NaN
-    return sign * g.mx;
-  }
-  return sign * fast_exp2(log2_lut[mag] * g.inv_k + g.c_dec);
+  float a = fast_exp2(lut[mag] * g.inv_k + g.c_dec);
+  a = mag == fp8_max_code(fmt) ? g.mx : a;
+  return (c & 0x80) ? -a : a;
 }
 
 }  // namespace coat

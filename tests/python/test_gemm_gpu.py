@@ -40,9 +40,11 @@ def operands(m, n, k, fa, fb, seed=0):
 
 
 def bound(a, b, sa, sb):
-    """Per-element fp32 summation-order bound, computed in float64 on the CPU."""
+    """Per-element bound, computed in float64 on the CPU: Hopper's FP8 tensor cores keep only about
+    14 bits of the running sum between cuBLASLt's fp32 promotions (DeepSeek-V3 reports the same),
+    so the GPU differs from the fp32 CPU sum by up to ~2^-13 of sum |a||b|, not ~K ulp."""
     mag = a.cpu().double().abs() @ b.cpu().double().abs().t() * (sa.item() * sb.item())
-    return (a.shape[1] + 8) * 2.0**-23 * mag + 1e-30
+    return (a.shape[1] + 8) * 2.0**-23 * mag + 2.0**-12 * mag + 1e-30
 
 
 def cpu(t):
@@ -98,7 +100,8 @@ def test_bias_and_amax_epilogues(bf16_path):
     with G.force_bf16(bf16_path):
         q, amax8 = G.fp8_gemm_amax(a, b, sa, sb, bias, E4, out_scale)
     assert q.dtype == E4
-    assert abs(amax8.item() - ref_y.abs().max().item()) <= 1e-5 * ref_y.abs().max().item()
+    # FP8 tensor-core accumulation (see bound()) moves the max by up to ~2^-13 relative.
+    assert abs(amax8.item() - ref_y.abs().max().item()) <= 2.0**-11 * ref_y.abs().max().item()
     got = q.cpu().double() * out_scale.item()
     assert ((got - ref_y).abs() <= ref_y.abs() * 2**-3 + tol + out_scale.item() * 2**-9).all()
 
@@ -175,9 +178,10 @@ def test_linear_cuda_matches_cpu_path():
     y_c, y_g = f_cpu(x), f_gpu(xg)
     y_c.backward(dy)
     y_g.backward(dy.to(DEV))
-    assert rel(y_g.cpu(), y_c) < 1e-5
-    assert rel(xg.grad.cpu(), x.grad) < 1e-5
-    assert rel(f_gpu.weight.grad.cpu(), f_cpu.weight.grad) < 1e-5
+    # FP8 tensor-core accumulation keeps ~14 bits between promotions (see bound()).
+    assert rel(y_g.cpu(), y_c) < 1e-3
+    assert rel(xg.grad.cpu(), x.grad) < 1e-3
+    assert rel(f_gpu.weight.grad.cpu(), f_cpu.weight.grad) < 1e-3
     assert rel(f_gpu.bias.grad.cpu(), f_cpu.bias.grad) < 1e-5
 
 

@@ -1,0 +1,87 @@
+"""``coat.convert``: switch a Hugging Face Llama-family model to the FP8 precision flow in place.
+
+Each decoder layer, its attention and its MLP get a subclass of their own class whose forward runs
+the FP8 blocks of ``coat.nn``; every submodule and parameter stays where it was, so state-dict keys
+do not change and ``save_pretrained`` writes a checkpoint plain transformers loads. Models:
+Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms), with GQA, any attention implementation
+the model is configured with (SDPA by default), KV caches (``generate``), padding masks and
+gradient checkpointing. The final norm and the LM head stay as they are.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .nn.attention import Fp8AttentionMixin
+from .nn.layer import Fp8DecoderLayerMixin
+from .nn.mlp import Fp8SwiGLUMixin
+from .nn.recipe import Fp8Recipe, resolve
+
+#: model_type -> decoder layer class name.
+SUPPORTED = {
+    "llama": "LlamaDecoderLayer",
+    "mistral": "MistralDecoderLayer",
+    "qwen2": "Qwen2DecoderLayer",
+    "qwen3": "Qwen3DecoderLayer",
+}
+_LAYER_NAMES = set(SUPPORTED.values())
+_SUBCLASSES: dict = {}
+
+
+def _subclass(cls: type, mixin: type) -> type:
+    if issubclass(cls, mixin):
+        return cls
+    key = (cls, mixin)
+    if key not in _SUBCLASSES:
+        name = "Fp8" + cls.__name__
+        sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name,
+                                        "_coat_hf_module": cls.__module__})
+        _SUBCLASSES[key] = sub
+        globals()[name] = sub  # lets pickle find the class in a process that converted the same model
+    return _SUBCLASSES[key]
+
+
+def _convert_layer(layer: nn.Module, recipe: Fp8Recipe) -> None:
+    for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+        if not hasattr(layer, name):
+            raise ValueError(f"{type(layer).__name__} has no {name!r}: not a Llama-family decoder layer")
+    cfg = getattr(layer.self_attn, "config", None)
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"coat.convert supports SwiGLU MLPs (hidden_act 'silu'), got hidden_act={act!r}")
+    layer.self_attn.__class__ = _subclass(type(layer.self_attn), Fp8AttentionMixin)
+    layer.mlp.__class__ = _subclass(type(layer.mlp), Fp8SwiGLUMixin)
+    layer.__class__ = _subclass(type(layer), Fp8DecoderLayerMixin)
+    layer.self_attn.coat_recipe = recipe
+    layer.mlp.coat_recipe = recipe
+
+
+def _is_layer(m: nn.Module) -> bool:
+    return any(c.__name__ in _LAYER_NAMES for c in type(m).__mro__)
+
+
+def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8") -> nn.Module:
+    """Converts ``model`` (a Hugging Face Llama/Mistral/Qwen2/Qwen3 model, or one decoder layer)
+    in place and returns it. ``recipe``: "fp8" / "coat" (FP8 GEMMs, FP8 saved activations with fp32
+    group scales), "fp8-e8m0" (power-of-two group scales), an ``Fp8Recipe``, or "bf16" (no change).
+    Converting twice only updates the recipe."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if recipe == "bf16":
+        return model
+    rec = resolve(recipe)
+    if _is_layer(model):
+        _convert_layer(model, rec)
+        return model
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED:
+        raise ValueError(
+            f"coat.convert supports Llama, Mistral, Qwen2 and Qwen3 models; got {type(model).__name__}"
+            + (f" (model_type={model_type!r})" if model_type else "")
+        )
+    layers = [m for m in model.modules() if _is_layer(m)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no {SUPPORTED[model_type]} to convert")
+    for layer in layers:
+        _convert_layer(layer, rec)
+    return model

@@ -1,0 +1,119 @@
+"""SwiGLU MLP (Llama family) with the FP8 precision flow.
+
+gate/up run as ONE GEMM over [W_gate; W_up] (the norm before it fused, see ``fused.py``); the
+SwiGLU and the down projection are one autograd block that saves only the gate/up output in FP8
+(1 x 16 groups). In backward, silu(g) * u is recomputed from that copy in the same kernel that
+computes dg and du, and feeds the down projection's weight gradient. Parameter names stay
+``gate_proj``, ``up_proj``, ``down_proj``: state dicts do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._ops import swiglu as sops
+from . import _fp8mm as mm
+from .fused import compute_dtype, norm_linear
+from .recipe import ACT_DTYPE, GRAD_DTYPE, Fp8Recipe, resolve
+
+
+def fp8_swiglu_ok(inter: int) -> bool:
+    return inter > 0 and inter % sops.GROUP == 0
+
+
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    g, u = gu.chunk(2, -1)
+    return F.silu(g) * u
+
+
+class _SwiGLUDownFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, meta, gu, w_down, b_down):
+        recipe, cdt = meta
+        i2 = gu.shape[-1]
+        gu2 = gu.reshape(-1, i2).contiguous()
+        if fp8_swiglu_ok(i2 // 2):
+            h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, recipe.e8m0)
+            ctx.save_for_backward(q, s)
+            ctx.fp8 = True
+        else:  # intermediate size not a multiple of 16: keep gate/up in its own dtype
+            h = _silu_mul(gu2)
+            ctx.save_for_backward(gu2)
+            ctx.fp8 = False
+        hq, _, hs = mm.quantize(h, ACT_DTYPE, False)
+        w8 = mm.fp8_weight((w_down,), recipe.weight_cache)
+        out = mm.fp8_mm(hq, hs, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
+        if b_down is not None:
+            out = out + b_down.to(cdt)
+        ctx.meta, ctx.w_down, ctx.b_down = meta, w_down, b_down
+        ctx.gu_shape, ctx.gu_dtype = gu.shape, gu.dtype
+        return out.reshape(*gu.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        recipe, cdt = ctx.meta
+        w_down, b_down = ctx.w_down, ctx.b_down
+        d2 = dout.reshape(-1, dout.shape[-1]).to(cdt).contiguous()
+        dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, True)
+        w8 = mm.fp8_weight((w_down,), recipe.weight_cache)
+        dh = mm.fp8_mm(dq, ds, w8.data_t, w8.scale, cdt)  # [M, I]
+        if ctx.fp8:
+            q, s = ctx.saved_tensors
+            dgu, h = sops.swiglu_bwd(q, s, dh, True)
+        else:
+            (gu2,) = ctx.saved_tensors
+            with torch.enable_grad():
+                gr = gu2.detach().requires_grad_()
+                hr = _silu_mul(gr)
+            (dgu,) = torch.autograd.grad(hr, gr, dh.to(hr.dtype))
+            h = hr.detach()
+        dw = None
+        if ctx.needs_input_grad[2]:
+            _, h_t, hs = mm.quantize(h.contiguous(), ACT_DTYPE, True)
+            wdt = w_down.dtype
+            dw = mm.fp8_mm(dq_t, ds, h_t, hs, wdt)
+        db = d2.float().sum(0).to(b_down.dtype) if b_down is not None and ctx.needs_input_grad[3] else None
+        return None, dgu.to(ctx.gu_dtype).reshape(ctx.gu_shape), dw, db
+
+
+def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor | None, recipe: Fp8Recipe):
+    """down_proj(silu(gate) * up) over a fused [.., 2I] gate/up tensor."""
+    if gate_up.shape[-1] % 2 or w_down.dim() != 2 or w_down.shape[1] * 2 != gate_up.shape[-1]:
+        raise ValueError(f"gate_up of width {gate_up.shape[-1]} does not match down_proj {tuple(w_down.shape)}")
+    return _SwiGLUDownFn.apply((recipe, compute_dtype(gate_up)), gate_up, w_down, b_down)
+
+
+def _bias_list(*linears: nn.Linear) -> list[torch.Tensor]:
+    bs = [lin.bias for lin in linears]
+    if all(b is None for b in bs):
+        return []
+    return [b if b is not None else torch.zeros(lin.out_features, device=lin.weight.device, dtype=lin.weight.dtype)
+            for b, lin in zip(bs, linears)]
+
+
+class Fp8SwiGLUMixin:
+    """forward() of an FP8 SwiGLU MLP over HF's ``gate_proj``/``up_proj``/``down_proj`` linears.
+    ``norm`` (an RMSNorm module whose ``weight`` and ``variance_epsilon`` are used) fuses the
+    preceding norm so its output is never saved."""
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        recipe = getattr(self, "coat_recipe", None) or resolve(None)
+        nw = norm.weight if norm is not None else None
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 0.0
+        gu = norm_linear(x, nw, eps, [self.gate_proj.weight, self.up_proj.weight],
+                         _bias_list(self.gate_proj, self.up_proj), recipe)
+        return swiglu_down(gu, self.down_proj.weight, self.down_proj.bias, recipe)
+
+
+class Fp8SwiGLUMLP(Fp8SwiGLUMixin, nn.Module):
+    """A standalone Llama-style MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 recipe: Fp8Recipe | str | None = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.coat_recipe = resolve(recipe)

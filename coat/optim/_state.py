@@ -1,0 +1,189 @@
+"""Per-parameter state of coat.optim.AdamW: creation, descriptor rows for the kernel, loading,
+and conversion to and from torch.optim.AdamW state dicts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _C
+from .._ops import quantize as _qops
+from .._ops._util import fmt_id
+from ..fp8.formats import DTYPES
+
+G = _C.DRE_GROUP_SIZE
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_MASK63 = (1 << 63) - 1
+
+
+def groups(n: int) -> int:
+    return (n + G - 1) // G
+
+
+def log2_range(fmt: str) -> float:
+    return _C.DRE_LOG2_RANGE_E4M3 if fmt == "e4m3" else _C.DRE_LOG2_RANGE_E5M2
+
+
+def param_seed(seed: int, index: int) -> int:
+    """Stochastic-rounding seed of the index-th parameter: a splitmix64 step of (seed, index), and
+    of the rank under torch.distributed, so that shards do not share their rounding noise."""
+    rank = 0
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+    z = (seed + 0x9E3779B97F4A7C15 * (index + 1) + 0xD1B54A32D192ED03 * rank) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK63
+
+
+def new_state(local: torch.Tensor, m_fmt: str, v_fmt: str, master: str, seed: int) -> dict[str, Any]:
+    """Zero moments (codes 0, gmax 0, k16 16 decode to 0), step 0, master = the parameter."""
+    dev, n = local.device, local.numel()
+    st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device=dev)}
+    for name, fmt in zip(_MOMENTS, (m_fmt, v_fmt)):
+        st[name + "_q"] = torch.zeros(local.shape, dtype=torch.uint8, device=dev).view(DTYPES[fmt])
+        st[name + "_gmax"] = torch.zeros(groups(n), dtype=torch.float32, device=dev)
+        st[name + "_k16"] = torch.full((groups(n),), 16, dtype=torch.uint8, device=dev)
+    if master == "fp32":
+        st["master"] = local.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
+    if master == "bf16_sr":
+        st["sr_seed"] = torch.tensor(seed, dtype=torch.int64)
+    return st
+
+
+def check_state_device(state: dict[str, Any], local: torch.Tensor) -> None:
+    for k, t in state.items():
+        if isinstance(t, torch.Tensor) and k != "sr_seed" and t.device != local.device:
+            raise ValueError(f"optimizer state '{k}' is on {t.device} but its parameter is on {local.device}; "
+                             "move the model before creating the optimizer or loading its state dict")
+
+
+def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int) -> list[int]:
+    """One coat::AdamwTensor (16 int64 words) for the kernel."""
+    master = st.get("master")
+    seed = int(st["sr_seed"]) if "sr_seed" in st else 0
+    return [local.data_ptr(), grad.data_ptr(), master.data_ptr() if master is not None else 0,
+            st["exp_avg_q"].data_ptr(), st["exp_avg_gmax"].data_ptr(), st["exp_avg_k16"].data_ptr(),
+            st["exp_avg_sq_q"].data_ptr(), st["exp_avg_sq_gmax"].data_ptr(), st["exp_avg_sq_k16"].data_ptr(),
+            st["step"].data_ptr(), local.numel(), begin, seed, 0, 0, 0]
+
+
+def load_param_state(saved: dict[str, Any], local: torch.Tensor, m_fmt: str, v_fmt: str, master: str,
+                     where: str) -> dict[str, Any]:
+    """A saved state, checked against the parameter and copied onto its device (never aliased)."""
+    dev, n = local.device, local.numel()
+    need = ["step"] + [m + s for m in _MOMENTS for s in ("_q", "_gmax", "_k16")]
+    missing = [k for k in need if k not in saved]
+    if missing:
+        raise ValueError(f"{where}: missing {missing} (not a coat.optim.AdamW state; convert a torch.optim.AdamW "
+                         "state dict with coat.optim.from_torch_adamw_state)")
+    st: dict[str, Any] = {}
+    step = saved["step"]
+    st["step"] = torch.as_tensor(step, dtype=torch.float32).to(dev).reshape(()).clone()
+    for name, fmt in zip(_MOMENTS, (m_fmt, v_fmt)):
+        q, gmax, k16 = saved[name + "_q"], saved[name + "_gmax"], saved[name + "_k16"]
+        if q.dtype != DTYPES[fmt]:
+            raise ValueError(f"{where}: {name}_q is {q.dtype} but the group's format is {fmt}")
+        if q.numel() != n or gmax.numel() != groups(n) or k16.numel() != groups(n):
+            raise ValueError(f"{where}: {name} state does not fit a parameter of {n} elements "
+                             f"(codes {q.numel()}, groups {gmax.numel()} / {k16.numel()}, expected {groups(n)})")
+        if gmax.dtype != torch.float32 or k16.dtype != torch.uint8:
+            raise ValueError(f"{where}: {name}_gmax must be float32 and {name}_k16 uint8")
+        st[name + "_q"] = q.to(dev).reshape(local.shape).clone()
+        st[name + "_gmax"] = gmax.to(dev).reshape(-1).clone()
+        st[name + "_k16"] = k16.to(dev).reshape(-1).clone()
+    if master == "fp32":
+        m = saved.get("master")
+        if m is not None and m.numel() != n:
+            raise ValueError(f"{where}: master has {m.numel()} elements, the parameter {n}")
+        src = m if m is not None else local.detach()
+        st["master"] = src.to(dev, torch.float32).reshape(local.shape).contiguous().clone()
+    if master == "bf16_sr":
+        if "sr_seed" not in saved:
+            raise ValueError(f"{where}: missing sr_seed (state saved without master_weights='bf16_sr')")
+        st["sr_seed"] = torch.as_tensor(saved["sr_seed"], dtype=torch.int64).cpu().reshape(()).clone()
+    return st
+
+
+# ---- torch.optim.AdamW interoperability ----------------------------------------------------
+
+
+def _torch_group_defaults() -> dict[str, Any]:
+    ref = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    return {k: v for k, v in ref.param_groups[0].items() if k != "params"}
+
+
+def to_torch_adamw_state(src: Any) -> dict[str, Any]:
+    """A ``torch.optim.AdamW`` state dict (fp32 ``exp_avg`` / ``exp_avg_sq``, CPU float step) from a
+    coat.optim.AdamW or its state dict. fp32 master weights are not part of torch's format: copy
+    them into an fp32 model first if they are needed."""
+    sd = src.state_dict() if isinstance(src, torch.optim.Optimizer) else src
+    state = {}
+    for pid, st in sd["state"].items():
+        out = {"step": torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().reshape(()).clone()}
+        for name in _MOMENTS:
+            q = st[name + "_q"]
+            codes = q.reshape(-1).view(torch.uint8)
+            out[name] = _qops.dre_dequantize(codes, st[name + "_gmax"], st[name + "_k16"], fmt_id(q.dtype)).reshape(q.shape)
+        state[pid] = out
+    defaults = _torch_group_defaults()
+    groups_out = []
+    for g in sd["param_groups"]:
+        tg = dict(defaults)
+        for k in ("lr", "betas", "eps", "weight_decay", "params"):
+            tg[k] = g[k]
+        groups_out.append(tg)
+    return {"state": state, "param_groups": groups_out}
+
+
+def quantize_moment(x: torch.Tensor, fmt: str, expansion: bool):
+    """(codes, gmax, k16) of an fp32 moment, as the fused step would store it."""
+    x = x.detach().to(torch.float32).contiguous()
+    # Without expansion k16 is 16 for every group; a vanishing log2_range gives exactly that
+    # (k = log2_range / span is clamped up to 1) through the same quantizer.
+    q, gmax, k16 = _qops.dre_quantize(x.reshape(-1), fmt_id(DTYPES[fmt]), log2_range(fmt) if expansion else 1e-30)
+    return q.view(DTYPES[fmt]).reshape(x.shape), gmax, k16
+
+
+def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """A state dict for ``optimizer`` (a coat.optim.AdamW over the same parameters, in the same
+    groups) from a ``torch.optim.AdamW`` state dict: moments quantized with each group's formats,
+    fp32 masters taken from the current parameters. Load it with ``optimizer.load_state_dict``."""
+    from .adamw import _local
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in torch_state["param_groups"] for i in g["params"]]
+    if len(ids) != len(params) or len(torch_state["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError("torch_state does not match the optimizer's parameter groups")
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    state = {}
+    for pid, p in zip(ids, params):
+        st = torch_state["state"].get(pid)
+        if not st:
+            continue
+        if st.get("max_exp_avg_sq") is not None:
+            raise ValueError("amsgrad states cannot be converted (coat.optim.AdamW has no amsgrad)")
+        local, g = _local(p), group_of[id(p)]
+        out: dict[str, Any] = {"step": torch.as_tensor(st["step"], dtype=torch.float32).reshape(()).clone()}
+        for name, fmt in zip(_MOMENTS, (g["m_format"], g["v_format"])):
+            x = _local(st[name]).to(local.device)
+            if x.numel() != local.numel():
+                raise ValueError(f"state[{pid}]['{name}'] has {x.numel()} elements, the parameter {local.numel()}")
+            out[name + "_q"], out[name + "_gmax"], out[name + "_k16"] = quantize_moment(x.reshape(local.shape), fmt,
+                                                                                         g["expansion"])
+        kind = optimizer._master_kind(local.dtype)
+        if kind == "fp32":
+            out["master"] = local.detach().float().clone()
+        if kind == "bf16_sr":
+            out["sr_seed"] = torch.tensor(param_seed(optimizer.seed, len(state)), dtype=torch.int64)
+        state[pid] = out
+    pgroups = []
+    for tg, g in zip(torch_state["param_groups"], optimizer.param_groups):
+        if tg.get("amsgrad") or tg.get("maximize"):
+            raise ValueError("amsgrad / maximize groups cannot be converted")
+        ng = {k: v for k, v in g.items() if k != "params"}
+        ng.update({k: tg[k] for k in ("lr", "betas", "eps", "weight_decay")})
+        ng["params"] = list(tg["params"])
+        pgroups.append(ng)
+    return {"state": state, "param_groups": pgroups}

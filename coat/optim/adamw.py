@@ -1,0 +1,309 @@
+"""AdamW with FP8 optimizer states and Dynamic Range Expansion (COAT), fused into one kernel."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .. import _C
+from .._ops import adamw as _ops
+from ..fp8.formats import CORE_ID, format_name
+from . import _state
+
+__all__ = ["AdamW", "CoatAdamW"]
+
+_MASTER = ("fp32", "bf16_sr")
+_NONFINITE = ("propagate", "raise")
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the step works on: the local shard of a DTensor (FSDP2), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW whose moments are stored in FP8 with Dynamic Range Expansion (COAT, ICLR 2025).
+
+    m and v are kept per group of 128 consecutive elements of each parameter (groups never cross
+    tensors; under FSDP2, of each rank's local shard) as FP8 codes plus the group's max (fp32) and
+    expansion exponent (1 byte): 2 x (1 + 5/128) bytes per parameter. One fused kernel per step
+    decodes them, applies the ``torch.optim.AdamW`` update in fp32 registers, re-encodes them and
+    writes the parameter (and its fp32 master); one launch covers all tensors that share a device,
+    dtypes and parameter group, with no host synchronisation, so ``step()`` can be captured in a
+    CUDA graph. Without CUDA the same semantics run on the CPU (C++).
+
+    Args:
+        params: parameters or parameter groups (groups may override lr, betas, eps,
+            weight_decay, m_format, v_format and expansion).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; ``lr`` may be a tensor (read on
+            the device at each step: change it in place to keep a captured graph valid).
+        m_format, v_format: FP8 format of m and v: "e4m3" or "e5m2". v defaults to E5M2: on
+            moments of a real run, E4M3 lets a few v values underflow to 0 in groups spanning more
+            than its range, and m / (0 + eps) then dominates the error
+            (tests/python/test_optim_state_error.py has the numbers).
+        group_size: elements per quantization group; only 128 (the kernel's compile-time size).
+        expansion: Dynamic Range Expansion (``False``: plain per-group FP8, scale gmax / fmt_max).
+        master_weights: for bf16/fp16 parameters, "fp32" keeps an fp32 master copy (as COAT
+            does); "bf16_sr" (bf16 parameters only) keeps none and writes the weights with
+            stochastic rounding. fp32 parameters are their own master.
+        nonfinite: "propagate" (default) behaves as torch.optim.AdamW: a NaN/Inf gradient makes
+            that element's moments NaN (stored as the NaN code) and its parameter non-finite.
+            "raise" checks the gradients first and raises ``FloatingPointError`` before anything
+            is written; that check synchronises with the host once per step.
+        seed: seed of the stochastic rounding (per-parameter seeds derive from it; stored in
+            the state dict, so a resumed run rounds exactly as the uninterrupted one).
+
+    ``torch.amp.GradScaler`` is supported the way torch's fused optimizers do it: the scaler hands
+    ``grad_scale`` and ``found_inf`` to the step, the kernel divides the gradients by the scale
+    and writes nothing when an inf was found (gradients are left scaled in ``.grad``).
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        m_format: str = "e4m3",
+        v_format: str = "e5m2",
+        group_size: int = 128,
+        expansion: bool = True,
+        master_weights: str = "fp32",
+        nonfinite: str = "propagate",
+        seed: int = 0,
+    ) -> None:
+        if group_size != _C.DRE_GROUP_SIZE:
+            raise ValueError(f"group_size must be {_C.DRE_GROUP_SIZE} (the fused kernel's group size), got {group_size}")
+        if master_weights not in _MASTER:
+            raise ValueError(f"master_weights must be one of {_MASTER}, got {master_weights!r}")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+        if not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_format=m_format,
+                        v_format=v_format, expansion=expansion)
+        self._check_hyper(defaults)
+        self.master_weights = master_weights
+        self.nonfinite = nonfinite
+        self.seed = seed
+        self._desc_cache: dict[tuple, tuple] = {}
+        self._seeded = 0  # parameters whose state was created so far (their seeds' index)
+        super().__init__(params, defaults)
+
+    # ---- validation ------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_hyper(group: dict[str, Any]) -> None:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1 or not lr.is_floating_point():
+                raise ValueError(f"lr must be a float or a one-element floating-point tensor, got shape {tuple(lr.shape)}")
+        elif not _finite(lr) or lr < 0:
+            raise ValueError(f"Invalid learning rate: {lr} (must be finite and >= 0)")
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+        for i, b in enumerate(betas):
+            if isinstance(b, torch.Tensor) or not _finite(b) or not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be a float in [0, 1))")
+        if not _finite(group["eps"]) or group["eps"] < 0:
+            raise ValueError(f"Invalid epsilon value: {group['eps']} (must be finite and >= 0)")
+        if not _finite(group["weight_decay"]) or group["weight_decay"] < 0:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be finite and >= 0)")
+        group["m_format"] = format_name(group["m_format"], "m_format")
+        group["v_format"] = format_name(group["v_format"], "v_format")
+        if not isinstance(group["expansion"], bool):
+            raise ValueError(f"expansion must be a bool, got {group['expansion']!r}")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._check_hyper(group)
+        for p in group["params"]:
+            self._check_param(p)
+        self._desc_cache.clear()
+
+    def _master_kind(self, dtype: torch.dtype) -> str:
+        if dtype == torch.float32:
+            return "none"
+        return self.master_weights
+
+    def _check_param(self, p: torch.Tensor) -> None:
+        dt = _local(p).dtype
+        if dt not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"coat.optim.AdamW supports float32, bfloat16 and float16 parameters, got {dt}")
+        if self.master_weights == "bf16_sr" and dt != torch.bfloat16 and dt != torch.float32:
+            raise ValueError(f"master_weights='bf16_sr' needs bfloat16 parameters, got {dt}")
+        if self.master_weights == "bf16_sr" and dt == torch.float32:
+            raise ValueError("master_weights='bf16_sr' needs bfloat16 parameters, got float32 "
+                             "(cast the model with .bfloat16(), or use master_weights='fp32')")
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def _init_state(self, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state = _state.new_state(local, group["m_format"], group["v_format"], self._master_kind(local.dtype),
+                                 _state.param_seed(self.seed, self._seeded))
+        self._seeded += 1
+        self.state[p] = state
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch's loader casts every floating-point state tensor to the parameter's dtype, which
+        # would destroy FP8 codes and group maxima: load the groups through it, the states here.
+        raw = state_dict["state"]
+        for pid, st in raw.items():
+            if "exp_avg_q" not in st:
+                raise ValueError(f"state[{pid}] is not a coat.optim.AdamW state (keys {sorted(st)}); convert a "
+                                 "torch.optim.AdamW state dict with coat.optim.from_torch_adamw_state")
+        groups = []
+        for saved, cur in zip(state_dict["param_groups"], self.param_groups):
+            groups.append({**{k: v for k, v in cur.items() if k != "params"}, **saved})
+        super().load_state_dict({"state": {}, "param_groups": groups or state_dict["param_groups"]})
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        for pid, p in zip(saved_ids, params):
+            if pid in raw:
+                g = group_of[id(p)]
+                self.state[p] = _state.load_param_state(raw[pid], _local(p), g["m_format"], g["v_format"],
+                                                        self._master_kind(_local(p).dtype), f"state[{pid}]")
+        for g in self.param_groups:
+            self._check_hyper(g)
+        self._desc_cache.clear()
+
+    # ---- step ------------------------------------------------------------------------------
+
+    def _gather(self) -> dict[tuple, list]:
+        """Parameters with gradients, bucketed by what one launch can share."""
+        buckets: dict[tuple, list] = defaultdict(list)
+        for gi, group in enumerate(self.param_groups):
+            self._check_hyper(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                local, grad = _local(p), _local(p.grad)
+                if grad.is_sparse or grad.layout != torch.strided:
+                    raise ValueError("coat.optim.AdamW does not support sparse gradients")
+                if grad.is_complex() or local.is_complex():
+                    raise ValueError("coat.optim.AdamW does not support complex parameters or gradients")
+                if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError(f"gradients must be float32, bfloat16 or float16, got {grad.dtype}")
+                if grad.shape != local.shape:
+                    raise ValueError(f"gradient shape {tuple(grad.shape)} does not match the parameter's {tuple(local.shape)}")
+                if grad.device != local.device:
+                    raise ValueError(f"gradient on {grad.device} but parameter on {local.device}")
+                if not (local.is_contiguous() and grad.is_contiguous()):
+                    raise ValueError("parameters and gradients must be contiguous")
+                if local.device.type not in ("cpu", "cuda"):
+                    raise ValueError(f"coat.optim.AdamW runs on CPU or CUDA tensors, got {local.device}")
+                if local.numel() == 0:
+                    continue
+                state = self.state[p] or self._init_state(p, local, group)
+                _state.check_state_device(state, local)
+                master = self._master_kind(local.dtype)
+                buckets[(local.device, local.dtype, grad.dtype, master, gi)].append((p, local, grad, state))
+        return buckets
+
+    def _descriptors(self, key: tuple, items: list) -> tuple[torch.Tensor, int]:
+        """The descriptor table of one launch; rebuilt only when a pointer changed (new grads)."""
+        ptrs = tuple((local.data_ptr(), grad.data_ptr(), id(state)) for _, local, grad, state in items)
+        hit = self._desc_cache.get(key)
+        if hit is not None and hit[0] == ptrs:
+            return hit[1], hit[2]
+        rows, begin = [], 0
+        for _, local, grad, state in items:
+            rows.append(_state.descriptor_row(local, grad, state, begin))
+            begin += _state.groups(local.numel())
+        host = torch.tensor(rows, dtype=torch.int64)
+        device = key[0]
+        if device.type == "cuda":
+            host = host.pin_memory()
+            table = host.to(device, non_blocking=True)
+        else:
+            table = host
+        # The pinned host copy stays referenced: a CUDA graph that captured the copy replays it.
+        self._desc_cache[key] = (ptrs, table, begin, host)
+        return table, begin
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        buckets = self._gather()
+        if self.nonfinite == "raise":
+            self._raise_on_nonfinite(buckets)
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        on_device: dict[tuple, torch.Tensor] = {}
+
+        def to_dev(t: torch.Tensor | None, device: torch.device, what: str) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if (what, device) not in on_device:
+                on_device[(what, device)] = t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
+            return on_device[(what, device)]
+
+        for key, items in buckets.items():
+            device, pdtype, gdtype, master, gi = key
+            group = self.param_groups[gi]
+            steps = [st["step"] for _, _, _, st in items]
+            torch._foreach_add_(steps, 1)
+            table, n_groups = self._descriptors(key, items)
+            lr = group["lr"]
+            lr_t = to_dev(lr, device, f"lr{gi}") if isinstance(lr, torch.Tensor) else None
+            fi = to_dev(found_inf, device, "found_inf")
+            m_fmt, v_fmt = group["m_format"], group["v_format"]
+            _ops.adamw_step(
+                table, n_groups, lr=0.0 if lr_t is not None else float(lr), lr_tensor=lr_t,
+                beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                weight_decay=group["weight_decay"], grad_scale=to_dev(grad_scale, device, "grad_scale"),
+                found_inf=fi, param_dtype=pdtype, grad_dtype=gdtype, master=master,
+                m_fmt=CORE_ID[m_fmt], v_fmt=CORE_ID[v_fmt], expansion=group["expansion"],
+                m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
+                cpu_threads=torch.get_num_threads(),
+            )
+            if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
+                torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
+        return loss
+
+    @staticmethod
+    def _raise_on_nonfinite(buckets: dict[tuple, list]) -> None:
+        grads = [g for items in buckets.values() for _, _, g, _ in items]
+        if not grads:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            by_device[g.device].append(g)
+        bad = 0
+        for gs in by_device.values():  # one host synchronisation per device
+            norms = torch._foreach_norm(gs, math.inf)
+            bad += int((~torch.isfinite(torch.stack([n.float() for n in norms]))).sum())
+        if bad:
+            raise FloatingPointError(f"non-finite gradient in {bad} parameter(s) (nonfinite='raise'); "
+                                     "nothing was updated")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_bytes(self) -> int:
+        """Bytes held by the optimizer state (codes, group metadata, masters, step counters)."""
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
+
+
+#: Alias for users coming from NVlabs COAT (``CoatAdamW``).
+CoatAdamW = AdamW

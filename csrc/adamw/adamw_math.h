@@ -1,0 +1,157 @@
+// Scalar pieces of the fused AdamW step, shared by the CPU reference and the CUDA kernel (plain
+// IEEE arithmetic for the update, no contraction on either side; see below for the states).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "coat/adamw.h"
+#include "common/dre.h"
+#include "common/fp8.h"
+
+namespace coat {
+namespace adamw {
+
+// Per-tensor fp32 factors of one step, from fp64 hyperparameters and the step count t >= 1.
+struct Scalars {
+  float wd_factor;     // 1 - lr wd
+  float w1;            // 1 - beta1 (torch's lerp weight)
+  float beta2;
+  float w2;            // 1 - beta2
+  float eps;
+  float step_size;     // lr / (1 - beta1^t)
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^t)
+};
+
+// b^e by repeated squaring: IEEE multiplications only, so host and device agree.
+COAT_HD double pow_int(double b, uint64_t e) {
+  double r = 1.0;
+  while (e != 0) {
+    if (e & 1u) r = r * b;
+    b = b * b;
+    e >>= 1;
+  }
+  return r;
+}
+
+// t comes from a float32 step tensor; anything below 1 (never written by coat) counts as 1 so that
+// no bias correction divides by zero.
+COAT_HD uint64_t step_count(float t) { return t >= 1.0f ? static_cast<uint64_t>(t) : 1u; }
+
+COAT_HD Scalars make_scalars(double lr, const AdamwConfig& c, uint64_t t) {
+  Scalars s;
+  s.wd_factor = static_cast<float>(1.0 - lr * c.weight_decay);
+  s.w1 = static_cast<float>(1.0 - c.beta1);
+  s.beta2 = static_cast<float>(c.beta2);
+  s.w2 = static_cast<float>(1.0 - c.beta2);
+  s.eps = static_cast<float>(c.eps);
+  const double bc1 = 1.0 - pow_int(c.beta1, t);
+  const double bc2 = 1.0 - pow_int(c.beta2, t);
+  s.step_size = static_cast<float>(lr / bc1);
+  s.inv_bc2_sqrt = static_cast<float>(1.0 / sqrt(bc2));
+  return s;
+}
+
+// The AdamW update of one element: returns the new parameter, updates m and v (fp32).
+// torch.optim.AdamW's formula and order. On the device the square root and the division use the
+// hardware approximations (~2 ulp; IEEE versions cost ~20 instructions each and the step is
+// instruction-bound), on the host IEEE: CPU and GPU agree to a few ulp per step.
+COAT_HD float update(float p, float g, float& m, float& v, const Scalars& s) {
+  p = p * s.wd_factor;
+  m = m + s.w1 * (g - m);
+  v = v * s.beta2 + s.w2 * (g * g);
+#if defined(__CUDA_ARCH__)
+  const float root = v > 0.0f ? v * rsqrtf(v) : v * 0.0f;  // 0 stays 0, NaN stays NaN
+#else
+  const float root = sqrtf(v);
+#endif
+  const float denom = root * s.inv_bc2_sqrt + s.eps;
+  return p - s.step_size * fast_div(m, denom);
+}
+
+// Fold |x| into a group's max and non-zero min: finite values only (NaN and inf never enter).
+COAT_HD void group_minmax(float x, float& mx, float& mn) {
+  float a = fabsf(x);
+  a = dre_counts(a) ? a : 0.0f;
+  mx = fmaxf(mx, a);
+  mn = fminf(mn, a > 0.0f ? a : INFINITY);
+}
+
+// The states use dre.h's fast variants (hardware log2/exp2 on the GPU, libm on the CPU): the exact
+// variants cost ~100 instructions per element each way and would make the step compute-bound.
+// CPU and GPU steps therefore agree to ~1e-7 relative in the fp32 math; a code differs by one step
+// only where a value sits within an ulp of an FP8 rounding boundary.
+COAT_HD uint8_t group_k16(float mx, float mn, bool expansion, float log2_range) {
+  return expansion ? dre_k16_fast(mx, mn, log2_range) : static_cast<uint8_t>(kDreMinK16);
+}
+
+// The decode table of a format (dre_fast_lut_entry: identical on host and device).
+COAT_HD float code_log2(int mag, Fp8Format fmt) { return dre_fast_lut_entry(mag, fmt); }
+
+// Decode one state element of a group (lq = the code_log2 table of fmt).
+COAT_HD float decode_state(uint8_t c, const DreGroupFast& g, const float* lq, Fp8Format fmt) {
+  return dre_decode_fast(c, g, fmt, lq);
+}
+
+// Encode one state element; NaN and +-Inf become the NaN code (saturating Inf to gmax would hide
+// an overflow of the moments).
+COAT_HD uint8_t encode_state(float x, const DreGroupFast& g, Fp8Format fmt) {
+  return dre_encode_fast(dre_counts(fabsf(x)) ? x : float_of(0x7FC00000u), g, fmt);
+}
+
+// 64 random bits for the four consecutive elements 4q .. 4q+3 of a tensor at step t: a
+// splitmix64-style mix of (seed, t, q). Element 4q + j takes bits [16 j, 16 j + 16).
+COAT_HD uint64_t sr_bits(uint64_t seed, uint64_t t, uint64_t q) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (t + 1u);
+  z ^= q * 0xD1B54A32D192ED03ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  z = (z + 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
+  return z ^ (z >> 29);
+}
+
+// bf16 bits of x with stochastic rounding: add 16 random bits below the bf16 mantissa and
+// truncate (the carry rounds the magnitude up with probability equal to the dropped fraction).
+// NaN stays NaN, +-Inf stays, and a finite x never becomes Inf (the largest bf16 instead).
+COAT_HD uint16_t bf16_sr(float x, uint32_t r16) {
+  const uint32_t u = bits_of(x);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  if (a == 0x7F800000u) return static_cast<uint16_t>(u >> 16);
+  uint16_t b = static_cast<uint16_t>((u + (r16 & 0xFFFFu)) >> 16);
+  if ((b & 0x7FFFu) == 0x7F80u) b = static_cast<uint16_t>(b - 1u);
+  return b;
+}
+
+}  // namespace adamw
+
+namespace detail {
+
+// Checks shared by the CPU reference and the CUDA launcher: same rejections, same messages,
+// before anything is written.
+inline void check_adamw_config(int64_t n_tensors, int64_t n_groups, const AdamwConfig& c) {
+  COAT_CHECK_ARG(n_tensors >= 0 && n_groups >= 0, "n_tensors and n_groups must be >= 0");
+  auto finite = [](double x) { return x == x && x - x == 0.0; };
+  COAT_CHECK_ARG(finite(c.lr) && c.lr >= 0.0, "lr must be finite and >= 0, got " + std::to_string(c.lr));
+  COAT_CHECK_ARG(finite(c.beta1) && c.beta1 >= 0.0 && c.beta1 < 1.0,
+                 "beta1 must be in [0, 1), got " + std::to_string(c.beta1));
+  COAT_CHECK_ARG(finite(c.beta2) && c.beta2 >= 0.0 && c.beta2 < 1.0,
+                 "beta2 must be in [0, 1), got " + std::to_string(c.beta2));
+  COAT_CHECK_ARG(finite(c.eps) && c.eps >= 0.0, "eps must be finite and >= 0, got " + std::to_string(c.eps));
+  COAT_CHECK_ARG(finite(c.weight_decay) && c.weight_decay >= 0.0,
+                 "weight_decay must be finite and >= 0, got " + std::to_string(c.weight_decay));
+  COAT_CHECK_ARG(c.m_log2_range > 0.0f && c.m_log2_range < 64.0f && c.v_log2_range > 0.0f &&
+                     c.v_log2_range < 64.0f,
+                 "log2_range must be in (0, 64)");
+  const bool ok = (c.master == MasterKind::kNone && c.param_dtype == DType::kFloat32) ||
+                  (c.master == MasterKind::kFp32 && c.param_dtype != DType::kFloat32) ||
+                  (c.master == MasterKind::kBf16Sr && c.param_dtype == DType::kBFloat16);
+  COAT_CHECK_ARG(ok, std::string("unsupported combination of param dtype ") + dtype_name(c.param_dtype) +
+                         " and master kind " + std::to_string(static_cast<int>(c.master)) +
+                         " (fp32 params: none; bf16/fp16 params: fp32 master; bf16 params: bf16_sr)");
+}
+
+}  // namespace detail
+}  // namespace coat

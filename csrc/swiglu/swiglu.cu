@@ -1,0 +1,186 @@
+// CUDA kernels of the swiglu family: one thread per 16-column group of h, which is one FP8 group
+// of the gate half and one of the up half, so group amaxes need no shuffles. 64-bit indices;
+// inter is a multiple of 16 (checked), so groups never cross a row; unaligned buffers take scalar
+// loads with the same arithmetic.
+#include "common/cuda_utils.cuh"
+#include "common/group_scale.h"
+#include "swiglu_args.h"
+
+namespace coat {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int G = kSwigluGroup;
+
+template <typename F>
+void dispatch_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
+    case DType::kBFloat16: f(static_cast<bf16_t*>(nullptr)); return;
+    case DType::kFloat16: f(static_cast<fp16_t*>(nullptr)); return;
+  }
+  throw_invalid("unsupported dtype");
+}
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return Elem<T>::load(Elem<T>::store(v));
+}
+
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, bool vec, float (&v)[G]) {
+  if (vec) {
+    float a[8], b[8];
+    cuda::load8(p, a);
+    cuda::load8(p + 8, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { v[i] = a[i]; v[8 + i] = b[i]; }
+  } else {
+#pragma unroll
+    for (int i = 0; i < G; ++i) v[i] = Elem<T>::load(p[i]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store16(T* p, bool vec, const float (&v)[G]) {
+  if (vec) {
+    float a[8], b[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { a[i] = v[i]; b[i] = v[8 + i]; }
+    cuda::store8(p, a);
+    cuda::store8(p + 8, b);
+  } else {
+#pragma unroll
+    for (int i = 0; i < G; ++i) p[i] = Elem<T>::store(v[i]);
+  }
+}
+
+__device__ __forceinline__ void decode16(const uint8_t* p, bool vec, Fp8Format fmt, float s, float (&v)[G]) {
+  if (vec) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    float a[8], b[8];
+    cuda::decode8(make_uint2(raw.x, raw.y), fmt, a);
+    cuda::decode8(make_uint2(raw.z, raw.w), fmt, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { v[i] = a[i] * s; v[8 + i] = b[i] * s; }
+  } else {
+#pragma unroll
+    for (int i = 0; i < G; ++i) v[i] = decode_fp8(p[i], fmt) * s;
+  }
+}
+
+// Quantizes one 16-group with its own scale (stored at scales[gi]) into p.
+__device__ __forceinline__ void quantize16(uint8_t* p, bool vec, const float (&v)[G], void* scales,
+                                           int64_t gi, ScaleKind kind, Fp8Format fmt) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < G; ++i) amax = fmaxf(amax, finite_abs_hd(v[i]));
+  const float inv = 1.0f / store_group_scale(scales, gi, amax, kind, fmt);
+  float a[8], b[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) { a[i] = v[i] * inv; b[i] = v[8 + i] * inv; }
+  if (vec) {
+    const uint2 lo = cuda::encode8(a, fmt), hi = cuda::encode8(b, fmt);
+    *reinterpret_cast<uint4*>(p) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { p[i] = encode_fp8(a[i], fmt); p[8 + i] = encode_fp8(b[i], fmt); }
+  }
+}
+
+// Forward: thread per 16-group of h, grid-stride. Bytes per h element: 2 sizeof(T) read,
+// sizeof(T) + 2 (+ scales) written.
+template <typename T>
+__global__ void swiglu_fwd_kernel(const T* __restrict__ gu, int64_t rows, int64_t inter, bool vec,
+                                  T* __restrict__ h, uint8_t* __restrict__ q, void* __restrict__ scales,
+                                  ScaleKind kind, Fp8Format fmt) {
+  const int64_t gpr = inter / G;  // groups of h per row
+  const int64_t groups = rows * gpr;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < groups;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = t / gpr, j = (t % gpr) * G;
+    const int64_t ig = r * 2 * inter + j, iu = ig + inter;
+    float g[G], u[G], o[G];
+    load16(gu + ig, vec, g);
+    load16(gu + iu, vec, u);
+#pragma unroll
+    for (int i = 0; i < G; ++i) o[i] = round_to<T>(g[i] * detail::swiglu_sigmoid(g[i])) * u[i];
+    store16(h + r * inter + j, vec, o);
+    if (q != nullptr) {
+      quantize16(q + ig, vec, g, scales, ig / G, kind, fmt);
+      quantize16(q + iu, vec, u, scales, iu / G, kind, fmt);
+    }
+  }
+}
+
+// Backward: thread per 16-group of dh. Bytes per h element: 2 (+ scales) + sizeof(T) read,
+// 2 sizeof(T) (+ sizeof(T) for h) written.
+template <typename T>
+__global__ void swiglu_bwd_kernel(const uint8_t* __restrict__ q, const void* __restrict__ scales,
+                                  ScaleKind kind, Fp8Format fmt, const T* __restrict__ dh, int64_t rows,
+                                  int64_t inter, bool vec, T* __restrict__ dgu, T* __restrict__ h) {
+  const int64_t gpr = inter / G;
+  const int64_t groups = rows * gpr;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < groups;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = t / gpr, j = (t % gpr) * G;
+    const int64_t ig = r * 2 * inter + j, iu = ig + inter;
+    float g[G], u[G], d[G], dg[G], du[G];
+    decode16(q + ig, vec, fmt, load_group_scale(scales, ig / G, kind), g);
+    decode16(q + iu, vec, fmt, load_group_scale(scales, iu / G, kind), u);
+    load16(dh + r * inter + j, vec, d);
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const float s = detail::swiglu_sigmoid(g[i]);
+      const float silu = round_to<T>(g[i] * s);
+      dg[i] = d[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+      du[i] = d[i] * silu;
+      g[i] = silu * u[i];  // h, recomputed
+    }
+    store16(dgu + ig, vec, dg);
+    store16(dgu + iu, vec, du);
+    if (h != nullptr) store16(h + r * inter + j, vec, g);
+  }
+}
+
+}  // namespace
+
+void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* h, uint8_t* q,
+                void* scales, ScaleKind scale_kind, Fp8Format fmt, cudaStream_t stream) {
+  detail::check_swiglu_shape(rows, inter);
+  const int64_t n = rows * inter;
+  detail::check_swiglu_ptr(gu, n, "gate_up");
+  detail::check_swiglu_ptr(h, n, "h");
+  COAT_CHECK_ARG(q == nullptr || scales != nullptr || n == 0, "scales must not be null when q is given");
+  if (n == 0) return;
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vec = cuda::aligned(gu, 16) && cuda::aligned(h, 16) && (q == nullptr || cuda::aligned(q, 16));
+    swiglu_fwd_kernel<T><<<cuda::grid_for(n / G, kThreads), kThreads, 0, stream>>>(
+        static_cast<const T*>(gu), rows, inter, vec, static_cast<T*>(h), q, scales, scale_kind, fmt);
+    COAT_CHECK_LAUNCH();
+  });
+}
+
+void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
+                const void* dh, DType dtype, int64_t rows, int64_t inter, void* dgu, void* h,
+                cudaStream_t stream) {
+  detail::check_swiglu_shape(rows, inter);
+  const int64_t n = rows * inter;
+  detail::check_swiglu_ptr(q, n, "q");
+  detail::check_swiglu_ptr(scales, n, "scales");
+  detail::check_swiglu_ptr(dh, n, "dh");
+  detail::check_swiglu_ptr(dgu, n, "dgu");
+  if (n == 0) return;
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vec = cuda::aligned(q, 16) && cuda::aligned(dh, 16) && cuda::aligned(dgu, 16) &&
+                     (h == nullptr || cuda::aligned(h, 16));
+    swiglu_bwd_kernel<T><<<cuda::grid_for(n / G, kThreads), kThreads, 0, stream>>>(
+        q, scales, scale_kind, fmt, static_cast<const T*>(dh), rows, inter, vec, static_cast<T*>(dgu),
+        static_cast<T*>(h));
+    COAT_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace coat
