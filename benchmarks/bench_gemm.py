@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment  # noqa: E402
 import torch.nn as nn
 
 from coat import functional as F
@@ -135,10 +139,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm needs a CUDA device")
     dev_name = torch.cuda.get_device_name()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = environment()["commit"]
     rows = []
     for spec in shapes():
         r = bench_gemm(*spec, reps=args.reps)

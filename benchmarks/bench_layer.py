@@ -21,9 +21,13 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment  # noqa: E402
 
 import coat
 from coat.nn import _fp8mm
@@ -174,10 +178,7 @@ def main():
         del layer
         torch.cuda.empty_cache()
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = environment()["commit"]
     env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
                batch=args.batch, seq=args.seq, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
                U_bytes=x.numel() * 2)

@@ -23,9 +23,13 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment  # noqa: E402
 
 STATE_B = 2 * 2 * (1 + 5 / 128)  # m and v, read and written: codes + gmax + k16 per 128
 # Bytes per parameter each configuration must move at least.
@@ -138,10 +142,7 @@ def main() -> None:
     for r in rows:
         r["speedup_vs_torch_fused"] = torch_row["step_s"] / r["step_s"] if torch_row else None
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = environment()["commit"]
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
             "layers": args.layers, "params": rows[0]["params"], "copy_bw_Bps": bw}
     with open(args.out, "w") as f:

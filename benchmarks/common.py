@@ -77,17 +77,27 @@ def rotation(make, nbytes_each: int, min_total: int = 512 << 20, max_sets: int =
 
 
 def environment() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    import os
+
+    if os.environ.get("COAT_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        commit = os.environ["COAT_COMMIT"]
+    else:
+        commit = _git_commit()
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "commit": commit,
     }
+
+
+def _git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return commit
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -230,7 +230,8 @@ def test_help_runs_as_module() -> None:
                           text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "usage: coat train" in proc.stdout
-    for text in ("--optim {torch,coat}", "--recipe {bf16}", "(default: cosine)", "on CPU", "--eval-every"):
+    for text in ("--optim {torch,coat}", "--recipe {bf16,fp8,coat}", "--activations {bf16,fp8}", "(default: cosine)",
+                 "on CPU", "--eval-every"):
         assert text in proc.stdout
 
 
