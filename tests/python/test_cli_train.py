@@ -250,7 +250,7 @@ def test_top_level_help_lists_train(capsys: pytest.CaptureFixture) -> None:
         (["--hidden-size", "100", "--heads", "3"], "argument --heads:"),
         (["--lr", "1e-3", "--min-lr", "1e-2"], "argument --min-lr:"),
         (["--master-weights", "bf16_sr"], "argument --master-weights: only applies to --optim coat"),
-        (["--recipe", "fp8"], "argument --recipe: invalid choice"),
+        (["--recipe", "fp16"], "argument --recipe: invalid choice"),
         (["--steps", "ten"], "argument --steps: invalid int value"),
     ],
 )
