@@ -19,6 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._ops import gemm as gops
 from .._ops import quantize as qops
 from .._ops._util import fmt_id
+from . import linear as _linear
 from .recipe import ACT_DTYPE
 
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -56,11 +57,15 @@ class Fp8Weight:
 
 
 def _key(weights):
-    return tuple((w._version, w.data_ptr(), tuple(w.shape), w.dtype) for w in weights)
+    # The step generation (bumped by every optimizer step through a global step hook, see
+    # linear.py) catches optimizers that write parameters in place without bumping their version
+    # counters, as coat.optim.AdamW's kernel does.
+    return (_linear.step_generation(),) + tuple((w._version, w.data_ptr(), tuple(w.shape), w.dtype) for w in weights)
 
 
 def fp8_weight(weights: tuple[torch.Tensor, ...], use_cache: bool = True) -> Fp8Weight:
-    """The FP8 copy of ``weights``, cached until one of them changes (version counter or storage)."""
+    """The FP8 copy of ``weights``, cached until one of them changes (version counter or storage)
+    or an optimizer steps."""
     if not use_cache or torch.compiler.is_compiling():
         return Fp8Weight(weights, None)
     key = _key(weights)

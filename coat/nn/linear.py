@@ -53,6 +53,11 @@ def _bump_generation(*_args, **_kwargs) -> None:
 _step_hook = register_optimizer_step_post_hook(_bump_generation)
 
 
+def step_generation() -> int:
+    """How many optimizer steps (and manual invalidations) this process has seen."""
+    return _generation
+
+
 def invalidate_weight_cache() -> None:
     """Forget every cached FP8 weight (the next forward re-quantizes)."""
     _bump_generation()
