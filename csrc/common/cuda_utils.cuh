@@ -118,5 +118,67 @@ __device__ __forceinline__ void decode8(uint2 raw, Fp8Format fmt, float (&v)[8])
   for (int i = 0; i < 8; ++i) v[i] = decode_fp8(b[i], fmt);
 }
 
+// Calls f with a null pointer of the device element type of t (float, bf16_t or fp16_t).
+template <typename F>
+void dispatch_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
+    case DType::kBFloat16: f(static_cast<bf16_t*>(nullptr)); return;
+    case DType::kFloat16: f(static_cast<fp16_t*>(nullptr)); return;
+  }
+  throw_invalid("unsupported dtype");
+}
+
+// v rounded to T and back: what a value becomes when stored as T.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return Elem<T>::load(Elem<T>::store(v));
+}
+
+// 16 consecutive elements (one 1x16 FP8 group) as fp32: two vector accesses when aligned, else
+// scalar ones with the same arithmetic.
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, bool vec, float (&v)[16]) {
+  if (vec) {
+    float a[8], b[8];
+    load8(p, a);
+    load8(p + 8, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { v[i] = a[i]; v[8 + i] = b[i]; }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = Elem<T>::load(p[i]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store16(T* p, bool vec, const float (&v)[16]) {
+  if (vec) {
+    float a[8], b[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { a[i] = v[i]; b[i] = v[8 + i]; }
+    store8(p, a);
+    store8(p + 8, b);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) p[i] = Elem<T>::store(v[i]);
+  }
+}
+
+// 16 FP8 codes times their group scale.
+__device__ __forceinline__ void decode16(const uint8_t* p, bool vec, Fp8Format fmt, float s, float (&v)[16]) {
+  if (vec) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    float a[8], b[8];
+    decode8(make_uint2(raw.x, raw.y), fmt, a);
+    decode8(make_uint2(raw.z, raw.w), fmt, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { v[i] = a[i] * s; v[8 + i] = b[i] * s; }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = decode_fp8(p[i], fmt) * s;
+  }
+}
+
 }  // namespace cuda
 }  // namespace coat

@@ -9,70 +9,18 @@
 namespace coat {
 namespace {
 
+using cuda::decode16;
+using cuda::dispatch_dtype;
+using cuda::load16;
+using cuda::round_to;
+using cuda::store16;
+
 constexpr int kThreads = 256;
 constexpr int G = kNormGroup;
 
 template <typename F>
-void dispatch_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
-    case DType::kBFloat16: f(static_cast<bf16_t*>(nullptr)); return;
-    case DType::kFloat16: f(static_cast<fp16_t*>(nullptr)); return;
-  }
-  throw_invalid("unsupported dtype");
-}
-
-template <typename F>
 void dispatch2(DType t, DType w, F&& f) {
   dispatch_dtype(t, [&](auto* tt) { dispatch_dtype(w, [&](auto* wt) { f(tt, wt); }); });
-}
-
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return Elem<T>::load(Elem<T>::store(v));
-}
-
-// 16 consecutive elements as fp32: two vector loads when aligned, else scalar loads.
-template <typename T>
-__device__ __forceinline__ void load16(const T* p, bool vec, float (&v)[G]) {
-  if (vec) {
-    float a[8], b[8];
-    cuda::load8(p, a);
-    cuda::load8(p + 8, b);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { v[i] = a[i]; v[8 + i] = b[i]; }
-  } else {
-#pragma unroll
-    for (int i = 0; i < G; ++i) v[i] = Elem<T>::load(p[i]);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void store16(T* p, bool vec, const float (&v)[G]) {
-  if (vec) {
-    float a[8], b[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { a[i] = v[i]; b[i] = v[8 + i]; }
-    cuda::store8(p, a);
-    cuda::store8(p + 8, b);
-  } else {
-#pragma unroll
-    for (int i = 0; i < G; ++i) p[i] = Elem<T>::store(v[i]);
-  }
-}
-
-__device__ __forceinline__ void decode16(const uint8_t* p, bool vec, Fp8Format fmt, float s, float (&v)[G]) {
-  if (vec) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    float a[8], b[8];
-    cuda::decode8(make_uint2(raw.x, raw.y), fmt, a);
-    cuda::decode8(make_uint2(raw.z, raw.w), fmt, b);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { v[i] = a[i] * s; v[8 + i] = b[i] * s; }
-  } else {
-#pragma unroll
-    for (int i = 0; i < G; ++i) v[i] = decode_fp8(p[i], fmt) * s;
-  }
 }
 
 __device__ __forceinline__ void encode16(uint8_t* p, bool vec, Fp8Format fmt, float inv, const float (&v)[G]) {

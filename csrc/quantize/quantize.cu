@@ -15,15 +15,7 @@ using detail::ceil_div;
 
 constexpr int kThreads = 256;
 
-template <typename F>
-void dispatch_in(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
-    case DType::kBFloat16: f(static_cast<bf16_t*>(nullptr)); return;
-    case DType::kFloat16: f(static_cast<fp16_t*>(nullptr)); return;
-  }
-  throw_invalid("unsupported dtype");
-}
+using cuda::dispatch_dtype;
 
 __device__ __forceinline__ float finite_abs(float v) {
   const float a = fabsf(v);
@@ -394,7 +386,7 @@ void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t col
   detail::check_ptr(q, rows * cols, "q");
   COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
   if (rows * cols == 0) return;
-  dispatch_in(x_dtype, [&](auto* tag) {
+  dispatch_dtype(x_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     launch_quantize_tensor(static_cast<const T*>(x), rows, cols, fmt, scale, nullptr, nullptr, q,
                            q_t, stream);
@@ -410,7 +402,7 @@ void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_
   detail::check_ptr(q, n, "q");
   COAT_CHECK_ARG(amax != nullptr && scale != nullptr, "amax and scale must not be null");
   COAT_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-  dispatch_in(x_dtype, [&](auto* tag) {
+  dispatch_dtype(x_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xt = static_cast<const T*>(x);
     const bool vec = cuda::aligned(x, 16);
@@ -428,7 +420,7 @@ void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const flo
   detail::check_ptr(y, n, "y");
   COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
   if (n == 0) return;
-  dispatch_in(out_dtype, [&](auto* tag) {
+  dispatch_dtype(out_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vec = cuda::aligned(q, 8) && cuda::aligned(y, 16);
     dequantize_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
@@ -447,7 +439,7 @@ void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols
   detail::check_ptr(q, n, "q");
   detail::check_ptr(scales, n, "scales");
   if (n == 0) return;
-  dispatch_in(x_dtype, [&](auto* tag) {
+  dispatch_dtype(x_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xt = static_cast<const T*>(x);
     if (!(cuda::aligned(x, 16) && cuda::aligned(q, 8))) {
@@ -476,7 +468,7 @@ void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t
   detail::check_ptr(y, n, "y");
   detail::check_ptr(scales, n, "scales");
   if (n == 0) return;
-  dispatch_in(out_dtype, [&](auto* tag) {
+  dispatch_dtype(out_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vec = cuda::aligned(q, 8) && cuda::aligned(y, 16);
     dequantize_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
