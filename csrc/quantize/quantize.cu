@@ -163,8 +163,9 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
   }
 }
 
-// Per-group quantize, G/8 consecutive lanes per group, 8 elements per lane; the group's amax is a
-// shuffle reduction over those lanes. Whole warps iterate together so shuffles never miss a lane.
+// Per-group quantize, G/8 consecutive lanes per group, 8 elements per lane, four 16-byte loads in
+// flight per lane; the group's amax is a shuffle reduction over those lanes. Whole warps iterate
+// together so shuffles never miss a lane.
 // Bytes: n * sizeof(T) read, n + groups * scale bytes written.
 template <typename T, int G>
 __device__ __forceinline__ void quantize_group_chunk(float (&v)[8], bool active, int64_t c, int lane,
@@ -200,16 +201,21 @@ __global__ void quantize_group_kernel(const T* __restrict__ x, int64_t n, Fp8For
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int64_t chunks = n / 8;
   const int64_t step = warps * 32;
-  for (int64_t base = warp * 32; base < chunks; base += 2 * step) {
+  constexpr int kInFlight = 4;  // 16-byte loads issued per lane before the first is used
+  for (int64_t base = warp * 32; base < chunks; base += kInFlight * step) {
     // Whole warps iterate together (the group amax is a shuffle over G/8 lanes); chunk counts are
     // multiples of G/8, so a group is either wholly active or wholly inactive.
-    const int64_t c0 = base + lane, c1 = base + step + lane;
-    const bool a0 = c0 < chunks, a1 = c1 < chunks;
-    float v0[8] = {}, v1[8] = {};
-    if (a0) cuda::load8(x + c0 * 8, v0);
-    if (a1) cuda::load8(x + c1 * 8, v1);
-    quantize_group_chunk<T, G>(v0, a0, c0, lane, fmt, kind, scales, q);
-    if (base + step < chunks) quantize_group_chunk<T, G>(v1, a1, c1, lane, fmt, kind, scales, q);
+    float v[kInFlight][8] = {};
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t c = base + u * step + lane;
+      if (c < chunks) cuda::load8(x + c * 8, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t c = base + u * step + lane;
+      if (base + u * step < chunks) quantize_group_chunk<T, G>(v[u], c < chunks, c, lane, fmt, kind, scales, q);
+    }
   }
 }
 
