@@ -61,8 +61,9 @@ def test_gpu_matches_cpu(dtype, gdtype, master, expansion):
         assert (pg.detach().cpu().float() - pc.detach().float()).norm() <= tol * moved + 1e-12
         sc, sg = oc.state[pc], og.state[pg]
         assert torch.equal(sg["step"].cpu(), sc["step"])
-        if "master" in sc:
-            assert (sg["master"].cpu() - sc["master"]).norm() <= 2e-2 * moved + 1e-12
+        if "master" in sc:  # measured against the master's own movement (bf16 may hide it)
+            m_moved = (sc["master"] - p0).norm()
+            assert (sg["master"].cpu() - sc["master"]).norm() <= 2e-2 * m_moved + 1e-6 * sc["master"].norm()
         for name in ("exp_avg", "exp_avg_sq"):
             dc = DreTensor(sc[name + "_q"], sc[name + "_gmax"], sc[name + "_k16"]).dequantize()
             dg = DreTensor(sg[name + "_q"].cpu(), sg[name + "_gmax"].cpu(), sg[name + "_k16"].cpu()).dequantize()
