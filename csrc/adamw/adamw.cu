@@ -105,10 +105,11 @@ __device__ __forceinline__ void step_group(const AdamwTensor& d, int64_t lg, int
     adamw::group_minmax(m[j], m_hi, m_lo);
     adamw::group_minmax(v[j], v_hi, v_lo);
   }
-  m_hi = cuda::warp_max(m_hi);
-  m_lo = cuda::warp_min(m_lo);
-  v_hi = cuda::warp_max(v_hi);
-  v_lo = cuda::warp_min(v_lo);
+  // group_minmax keeps these non-negative and NaN-free (m_lo/v_lo may be +inf).
+  m_hi = cuda::warp_max_nonneg(m_hi);
+  m_lo = cuda::warp_min_nonneg(m_lo);
+  v_hi = cuda::warp_max_nonneg(v_hi);
+  v_lo = cuda::warp_min_nonneg(v_lo);
   const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, c.expansion, c.m_log2_range);
   const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, c.expansion, c.v_log2_range);
   if (lane == 0) {  // the old metadata was read into registers when the group was loaded

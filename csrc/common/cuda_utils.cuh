@@ -64,6 +64,15 @@ __device__ __forceinline__ T warp_min(T v, int width = 32) {
   return v;
 }
 
+// Max / min over the full warp of non-negative floats (+inf allowed, no NaN): their bit patterns
+// order like unsigned integers, so one redux.sync (sm_80+) replaces five shuffle rounds.
+__device__ __forceinline__ float warp_max_nonneg(float v) {
+  return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(v)));
+}
+__device__ __forceinline__ float warp_min_nonneg(float v) {
+  return __uint_as_float(__reduce_min_sync(0xffffffffu, __float_as_uint(v)));
+}
+
 // Eight elements of T loaded as fp32 (16 bytes of bf16/fp16, 32 bytes of fp32).
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {

@@ -306,8 +306,8 @@ __global__ void dre_quantize_kernel(const float* __restrict__ x, int64_t n, bool
         if (a > 0.0f) mn = fminf(mn, a);
       }
     }
-    mx = cuda::warp_max(mx);
-    mn = cuda::warp_min(mn);
+    mx = cuda::warp_max_nonneg(mx);  // finite magnitudes; mn may be +inf
+    mn = cuda::warp_min_nonneg(mn);
     const uint8_t k = dre_k16(mx, mn, log2_range);
     if (lane == 0) {
       gmax[g] = mx;
