@@ -1,4 +1,6 @@
 // nanobind registration of the norm family (RMSNorm with an FP8 saved input).
+#include <utility>
+
 #include "coat/norm.h"
 #include "registry.h"
 #include "tensor_args.h"
@@ -51,17 +53,15 @@ void rmsnorm_fwd_py(const Array& x_, const Array& w_, float eps, MutArray y_, Mu
   auto* qd = static_cast<uint8_t*>(q.data);
   auto* rs = static_cast<float*>(rstd.data);
   if (cuda)
-    rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.data, rs, qd, scales.data, kind, fmt,
-                stream_of(stream));
+    COAT_GPU_CALL(rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.data, rs, qd, scales.data, kind, fmt,
+                stream_of(stream)));
   else
     ref::rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.data, rs, qd, scales.data, kind, fmt);
 }
 
-void rmsnorm_fwd_fp8_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_,
-                        MutArray y_, int fmt_, uintptr_t stream) {
-  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), rstd = view_of(rstd_, "rstd"),
-             w = view_of(w_, "weight"), y = view_of(y_, "y");
-  const Fp8Format fmt = fp8_format(fmt_);
+// The tensors the FP8 path saves (q, its group scales, rstd) and the weight; returns the scale
+// kind and the weight dtype.
+std::pair<ScaleKind, DType> check_saved_input(const View& q, const View& scales, const View& rstd, const View& w) {
   expect_kind(q, Kind::kUInt8);
   COAT_CHECK_ARG(!q.shape.empty(), "q must have at least one dimension");
   check_width(q, "for the FP8 RMSNorm");
@@ -70,12 +70,21 @@ void rmsnorm_fwd_fp8_py(const Array& q_, const Array& scales_, const Array& rstd
   expect_numel(rstd, q.rows(), "one per row of q");
   const DType wt = float_dtype(w);
   expect_numel(w, q.last_dim(), "one per element of the normalized dimension");
+  return {kind, wt};
+}
+
+void rmsnorm_fwd_fp8_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_,
+                        MutArray y_, int fmt_, uintptr_t stream) {
+  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), rstd = view_of(rstd_, "rstd"),
+             w = view_of(w_, "weight"), y = view_of(y_, "y");
+  const Fp8Format fmt = fp8_format(fmt_);
+  const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
   const DType yt = float_dtype(y);
   expect_same_shape(y, q);
   const auto* qd = static_cast<const uint8_t*>(q.data);
   const auto* rs = static_cast<const float*>(rstd.data);
   if (same_device({&q, &scales, &rstd, &w, &y}))
-    rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.data, yt, stream_of(stream));
+    COAT_GPU_CALL(rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.data, yt, stream_of(stream)));
   else
     ref::rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.data, yt);
 }
@@ -86,14 +95,7 @@ void rmsnorm_bwd_py(const Array& q_, const Array& scales_, const Array& rstd_, c
              w = view_of(w_, "weight"), dy = view_of(dy_, "dy"), dx = view_of(dx_, "dx"),
              ws = view_of(ws_, "workspace"), dw = view_of(dw_, "dw");
   const Fp8Format fmt = fp8_format(fmt_);
-  expect_kind(q, Kind::kUInt8);
-  COAT_CHECK_ARG(!q.shape.empty(), "q must have at least one dimension");
-  check_width(q, "for the FP8 RMSNorm");
-  const ScaleKind kind = check_group_scales(scales, q.numel);
-  expect_kind(rstd, Kind::kFloat32);
-  expect_numel(rstd, q.rows(), "one per row of q");
-  const DType wt = float_dtype(w);
-  expect_numel(w, q.last_dim(), "one per element of the normalized dimension");
+  const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
   const DType dt = float_dtype(dy);
   expect_same_shape(dy, q);
   expect_kind(dx, dy.kind);
@@ -107,8 +109,8 @@ void rmsnorm_bwd_py(const Array& q_, const Array& scales_, const Array& rstd_, c
   auto* wsd = static_cast<float*>(ws.data);
   auto* dwd = static_cast<float*>(dw.data);
   if (same_device({&q, &scales, &rstd, &w, &dy, &dx, &ws, &dw}))
-    rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), dx.data, wsd,
-                dwd, stream_of(stream));
+    COAT_GPU_CALL(rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), dx.data, wsd,
+                dwd, stream_of(stream)));
   else
     ref::rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), dx.data,
                      wsd, dwd);

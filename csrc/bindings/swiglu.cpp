@@ -53,7 +53,7 @@ void swiglu_fwd_py(const Array& gu_, MutArray h_, std::optional<MutArray> q_, st
   const bool cuda = q_ ? same_device({&gu, &h, &q, &scales}) : same_device({&gu, &h});
   auto* qd = static_cast<uint8_t*>(q.data);
   if (cuda)
-    swiglu_fwd(gu.data, dt, gu.rows(), inter, h.data, qd, scales.data, kind, fmt, stream_of(stream));
+    COAT_GPU_CALL(swiglu_fwd(gu.data, dt, gu.rows(), inter, h.data, qd, scales.data, kind, fmt, stream_of(stream)));
   else
     ref::swiglu_fwd(gu.data, dt, gu.rows(), inter, h.data, qd, scales.data, kind, fmt);
 }
@@ -79,7 +79,7 @@ void swiglu_bwd_py(const Array& q_, const Array& scales_, const Array& dh_, MutA
   const bool cuda = h_ ? same_device({&q, &scales, &dh, &dgu, &h}) : same_device({&q, &scales, &dh, &dgu});
   const auto* qd = static_cast<const uint8_t*>(q.data);
   if (cuda)
-    swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.data, h.data, stream_of(stream));
+    COAT_GPU_CALL(swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.data, h.data, stream_of(stream)));
   else
     ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.data, h.data);
 }

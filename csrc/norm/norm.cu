@@ -197,14 +197,7 @@ int threads_for(int64_t groups) {
 void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int64_t rows,
                  int64_t cols, float eps, void* y, float* rstd, uint8_t* q, void* scales,
                  ScaleKind scale_kind, Fp8Format fmt, cudaStream_t stream) {
-  detail::check_norm_shape(rows, cols);
-  detail::check_eps(eps);
-  const int64_t n = rows * cols;
-  detail::check_norm_ptr(x, n, "x");
-  detail::check_norm_ptr(w, cols, "weight");
-  detail::check_norm_ptr(y, n, "y");
-  detail::check_norm_ptr(rstd, rows, "rstd");
-  COAT_CHECK_ARG(q == nullptr || scales != nullptr || n == 0, "scales must not be null when q is given");
+  detail::check_rmsnorm_fwd(x, w, rows, cols, eps, y, rstd, q, scales);
   if (rows == 0) return;
   dispatch2(x_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
@@ -223,13 +216,8 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int
 void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                      const float* rstd, const void* w, DType w_dtype, int64_t rows, int64_t cols,
                      void* y, DType y_dtype, cudaStream_t stream) {
-  detail::check_norm_shape(rows, cols);
+  detail::check_rmsnorm_fwd_fp8(q, scales, rstd, w, rows, cols, y);
   const int64_t n = rows * cols;
-  detail::check_norm_ptr(q, n, "q");
-  detail::check_norm_ptr(scales, n, "scales");
-  detail::check_norm_ptr(rstd, n, "rstd");
-  detail::check_norm_ptr(w, cols, "weight");
-  detail::check_norm_ptr(y, n, "y");
   if (n == 0) return;
   dispatch2(y_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
@@ -245,15 +233,8 @@ void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8
                  const float* rstd, const void* w, DType w_dtype, const void* dy, DType dy_dtype,
                  int64_t rows, int64_t cols, void* dx, float* workspace, float* dw,
                  cudaStream_t stream) {
-  detail::check_norm_shape(rows, cols);
+  detail::check_rmsnorm_bwd(q, scales, rstd, w, dy, rows, cols, dx, dw);
   const int64_t n = rows * cols;
-  detail::check_norm_ptr(q, n, "q");
-  detail::check_norm_ptr(scales, n, "scales");
-  detail::check_norm_ptr(rstd, n, "rstd");
-  detail::check_norm_ptr(w, cols, "weight");
-  detail::check_norm_ptr(dy, n, "dy");
-  detail::check_norm_ptr(dx, n, "dx");
-  detail::check_norm_ptr(dw, cols, "dw");
   detail::check_norm_ptr(workspace, n, "workspace");
   if (cols == 0) return;
   const int64_t parts = rmsnorm_bwd_parts(rows);

@@ -25,5 +25,43 @@ inline void check_eps(float eps) {
   COAT_CHECK_ARG(std::isfinite(eps) && eps >= 0.0f, "eps must be finite and >= 0, got " + std::to_string(eps));
 }
 
+// One check per entry point, called by the reference and the launcher alike.
+inline void check_rmsnorm_fwd(const void* x, const void* w, int64_t rows, int64_t cols, float eps,
+                              const void* y, const float* rstd, const uint8_t* q, const void* scales) {
+  check_norm_shape(rows, cols);
+  check_eps(eps);
+  const int64_t n = rows * cols;
+  check_norm_ptr(x, n, "x");
+  check_norm_ptr(w, cols, "weight");
+  check_norm_ptr(y, n, "y");
+  check_norm_ptr(rstd, rows, "rstd");
+  COAT_CHECK_ARG(q == nullptr || scales != nullptr || n == 0, "scales must not be null when q is given");
+}
+
+inline void check_rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, const float* rstd,
+                                  const void* w, int64_t rows, int64_t cols, const void* y) {
+  check_norm_shape(rows, cols);
+  const int64_t n = rows * cols;
+  check_norm_ptr(q, n, "q");
+  check_norm_ptr(scales, n, "scales");
+  check_norm_ptr(rstd, n, "rstd");
+  check_norm_ptr(w, cols, "weight");
+  check_norm_ptr(y, n, "y");
+}
+
+inline void check_rmsnorm_bwd(const uint8_t* q, const void* scales, const float* rstd, const void* w,
+                              const void* dy, int64_t rows, int64_t cols, const void* dx,
+                              const float* dw) {
+  check_norm_shape(rows, cols);
+  const int64_t n = rows * cols;
+  check_norm_ptr(q, n, "q");
+  check_norm_ptr(scales, n, "scales");
+  check_norm_ptr(rstd, n, "rstd");
+  check_norm_ptr(w, cols, "weight");
+  check_norm_ptr(dy, n, "dy");
+  check_norm_ptr(dx, n, "dx");
+  check_norm_ptr(dw, cols, "dw");
+}
+
 }  // namespace detail
 }  // namespace coat

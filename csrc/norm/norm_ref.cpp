@@ -5,21 +5,12 @@
 
 #include "common/fp8.h"
 #include "common/group_scale.h"
+#include "common/host_dispatch.h"
 #include "norm_args.h"
 
 namespace coat {
 namespace ref {
 namespace {
-
-template <typename F>
-void dispatch_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
-    case DType::kBFloat16: f(static_cast<HostBf16*>(nullptr)); return;
-    case DType::kFloat16: f(static_cast<HostFp16*>(nullptr)); return;
-  }
-  throw_invalid("unsupported dtype");
-}
 
 // Both element types at once: T (activations) and W (weight).
 template <typename F>
@@ -27,24 +18,12 @@ void dispatch2(DType t, DType w, F&& f) {
   dispatch_dtype(t, [&](auto* tt) { dispatch_dtype(w, [&](auto* wt) { f(tt, wt); }); });
 }
 
-template <typename T>
-float round_to(float v) {
-  return Elem<T>::load(Elem<T>::store(v));
-}
-
 }  // namespace
 
 void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int64_t rows,
                  int64_t cols, float eps, void* y, float* rstd, uint8_t* q, void* scales,
                  ScaleKind scale_kind, Fp8Format fmt) {
-  detail::check_norm_shape(rows, cols);
-  detail::check_eps(eps);
-  const int64_t n = rows * cols;
-  detail::check_norm_ptr(x, n, "x");
-  detail::check_norm_ptr(w, cols, "weight");
-  detail::check_norm_ptr(y, n, "y");
-  detail::check_norm_ptr(rstd, rows, "rstd");
-  COAT_CHECK_ARG(q == nullptr || scales != nullptr || n == 0, "scales must not be null when q is given");
+  detail::check_rmsnorm_fwd(x, w, rows, cols, eps, y, rstd, q, scales);
   dispatch2(x_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
     using W = std::remove_pointer_t<decltype(wt)>;
@@ -80,13 +59,8 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int
 void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                      const float* rstd, const void* w, DType w_dtype, int64_t rows, int64_t cols,
                      void* y, DType y_dtype) {
-  detail::check_norm_shape(rows, cols);
+  detail::check_rmsnorm_fwd_fp8(q, scales, rstd, w, rows, cols, y);
   const int64_t n = rows * cols;
-  detail::check_norm_ptr(q, n, "q");
-  detail::check_norm_ptr(scales, n, "scales");
-  detail::check_norm_ptr(rstd, n, "rstd");
-  detail::check_norm_ptr(w, cols, "weight");
-  detail::check_norm_ptr(y, n, "y");
   dispatch2(y_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
     using W = std::remove_pointer_t<decltype(wt)>;
@@ -103,15 +77,7 @@ void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind,
 void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                  const float* rstd, const void* w, DType w_dtype, const void* dy, DType dy_dtype,
                  int64_t rows, int64_t cols, void* dx, float* workspace, float* dw) {
-  detail::check_norm_shape(rows, cols);
-  const int64_t n = rows * cols;
-  detail::check_norm_ptr(q, n, "q");
-  detail::check_norm_ptr(scales, n, "scales");
-  detail::check_norm_ptr(rstd, n, "rstd");
-  detail::check_norm_ptr(w, cols, "weight");
-  detail::check_norm_ptr(dy, n, "dy");
-  detail::check_norm_ptr(dx, n, "dx");
-  detail::check_norm_ptr(dw, cols, "dw");
+  detail::check_rmsnorm_bwd(q, scales, rstd, w, dy, rows, cols, dx, dw);
   (void)workspace;  // the reference accumulates dw directly, in row order
   for (int64_t c = 0; c < cols; ++c) dw[c] = 0.0f;
   dispatch2(dy_dtype, w_dtype, [&](auto* tt, auto* wt) {

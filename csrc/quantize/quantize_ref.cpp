@@ -5,6 +5,7 @@
 
 #include "common/dre.h"
 #include "common/fp8.h"
+#include "common/host_dispatch.h"
 #include "quantize_args.h"
 
 namespace coat {
@@ -12,16 +13,6 @@ namespace ref {
 namespace {
 
 using detail::ceil_div;
-
-template <typename F>
-void dispatch_in(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
-    case DType::kBFloat16: f(static_cast<HostBf16*>(nullptr)); return;
-    case DType::kFloat16: f(static_cast<HostFp16*>(nullptr)); return;
-  }
-  throw_invalid("unsupported dtype");
-}
 
 float finite_abs(float v) {
   const float a = std::fabs(v);
@@ -63,7 +54,7 @@ void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t col
   COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
   if (n == 0) return;
   const float inv = 1.0f / scale[0];
-  dispatch_in(x_dtype, [&](auto* tag) {
+  dispatch_dtype(x_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     quantize_tensor_impl(static_cast<const T*>(x), rows, cols, fmt, inv, q, q_t);
   });
@@ -76,7 +67,7 @@ void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_
   detail::check_ptr(x, n, "x");
   detail::check_ptr(q, n, "q");
   COAT_CHECK_ARG(amax != nullptr && scale != nullptr, "amax and scale must not be null");
-  dispatch_in(x_dtype, [&](auto* tag) {
+  dispatch_dtype(x_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xt = static_cast<const T*>(x);
     amax[0] = amax_of(xt, n);
@@ -92,7 +83,7 @@ void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const flo
   detail::check_ptr(y, n, "y");
   COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
   const float s = scale[0];
-  dispatch_in(out_dtype, [&](auto* tag) {
+  dispatch_dtype(out_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     for (int64_t i = 0; i < n; ++i) store_out<T>(y, i, decode_fp8(q[i], fmt) * s);
   });
@@ -107,7 +98,7 @@ void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols
   detail::check_ptr(q, n, "q");
   detail::check_ptr(scales, n, "scales");
   const int64_t groups = n / group;
-  dispatch_in(x_dtype, [&](auto* tag) {
+  dispatch_dtype(x_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xt = static_cast<const T*>(x);
     for (int64_t g = 0; g < groups; ++g) {
@@ -136,7 +127,7 @@ void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t
   detail::check_ptr(q, n, "q");
   detail::check_ptr(y, n, "y");
   detail::check_ptr(scales, n, "scales");
-  dispatch_in(out_dtype, [&](auto* tag) {
+  dispatch_dtype(out_dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t g = i / group;

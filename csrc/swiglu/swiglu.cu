@@ -96,11 +96,8 @@ __global__ void swiglu_bwd_kernel(const uint8_t* __restrict__ q, const void* __r
 
 void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* h, uint8_t* q,
                 void* scales, ScaleKind scale_kind, Fp8Format fmt, cudaStream_t stream) {
-  detail::check_swiglu_shape(rows, inter);
+  detail::check_swiglu_fwd(gu, rows, inter, h, q, scales);
   const int64_t n = rows * inter;
-  detail::check_swiglu_ptr(gu, n, "gate_up");
-  detail::check_swiglu_ptr(h, n, "h");
-  COAT_CHECK_ARG(q == nullptr || scales != nullptr || n == 0, "scales must not be null when q is given");
   if (n == 0) return;
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -114,12 +111,8 @@ void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* 
 void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                 const void* dh, DType dtype, int64_t rows, int64_t inter, void* dgu, void* h,
                 cudaStream_t stream) {
-  detail::check_swiglu_shape(rows, inter);
+  detail::check_swiglu_bwd(q, scales, dh, rows, inter, dgu);
   const int64_t n = rows * inter;
-  detail::check_swiglu_ptr(q, n, "q");
-  detail::check_swiglu_ptr(scales, n, "scales");
-  detail::check_swiglu_ptr(dh, n, "dh");
-  detail::check_swiglu_ptr(dgu, n, "dgu");
   if (n == 0) return;
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

@@ -3,36 +3,18 @@
 
 #include "common/fp8.h"
 #include "common/group_scale.h"
+#include "common/host_dispatch.h"
 #include "swiglu_args.h"
 
 namespace coat {
 namespace ref {
 namespace {
 
-template <typename F>
-void dispatch_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
-    case DType::kBFloat16: f(static_cast<HostBf16*>(nullptr)); return;
-    case DType::kFloat16: f(static_cast<HostFp16*>(nullptr)); return;
-  }
-  throw_invalid("unsupported dtype");
-}
-
-template <typename T>
-float round_to(float v) {
-  return Elem<T>::load(Elem<T>::store(v));
-}
-
 }  // namespace
 
 void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* h, uint8_t* q,
                 void* scales, ScaleKind scale_kind, Fp8Format fmt) {
-  detail::check_swiglu_shape(rows, inter);
-  const int64_t n = rows * inter;
-  detail::check_swiglu_ptr(gu, n, "gate_up");
-  detail::check_swiglu_ptr(h, n, "h");
-  COAT_CHECK_ARG(q == nullptr || scales != nullptr || n == 0, "scales must not be null when q is given");
+  detail::check_swiglu_fwd(gu, rows, inter, h, q, scales);
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* x = static_cast<const T*>(gu);
@@ -60,12 +42,7 @@ void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* 
 
 void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                 const void* dh, DType dtype, int64_t rows, int64_t inter, void* dgu, void* h) {
-  detail::check_swiglu_shape(rows, inter);
-  const int64_t n = rows * inter;
-  detail::check_swiglu_ptr(q, n, "q");
-  detail::check_swiglu_ptr(scales, n, "scales");
-  detail::check_swiglu_ptr(dh, n, "dh");
-  detail::check_swiglu_ptr(dgu, n, "dgu");
+  detail::check_swiglu_bwd(q, scales, dh, rows, inter, dgu);
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* dht = static_cast<const T*>(dh);
