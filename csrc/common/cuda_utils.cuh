@@ -64,6 +64,21 @@ __device__ __forceinline__ T warp_min(T v, int width = 32) {
   return v;
 }
 
+// Block-wide max of non-negative floats folded into *out with an integer atomicMax on the bits
+// (order-preserving for non-negative floats); *out must be zeroed beforehand. Every thread of the
+// block calls it.
+__device__ __forceinline__ void block_max_atomic(float m, float* out) {
+  __shared__ float part[32];
+  m = warp_max(m);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0f;
+    m = warp_max(m);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));
+  }
+}
+
 // Max / min over the full warp of non-negative floats (+inf allowed, no NaN): their bit patterns
 // order like unsigned integers, so one redux.sync (sm_80+) replaces five shuffle rounds.
 __device__ __forceinline__ float warp_max_nonneg(float v) {

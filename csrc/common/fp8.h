@@ -208,6 +208,12 @@ COAT_HD uint8_t e8m0_scale_for(float amax, Fp8Format fmt) {
 }
 COAT_HD float e8m0_to_float(uint8_t b) { return float_of(static_cast<uint32_t>(b) << 23); }
 
+// |v| for finite v, 0 for NaN and infinities: what enters an amax (no scale can represent them).
+COAT_HD float finite_abs(float v) {
+  const float a = fabsf(v);
+  return a <= 3.4028234663852886e38f ? a : 0.0f;  // NaN and inf compare false
+}
+
 // fp32 per-tensor / per-group scale: amax / fmt_max, 1 when amax is 0 (or not finite).
 COAT_HD float scale_for(float amax, Fp8Format fmt) {
   return (amax > 0.0f && amax <= 3.4028234663852886e38f) ? amax / fp8_max(fmt) : 1.0f;

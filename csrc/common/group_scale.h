@@ -9,12 +9,6 @@
 
 namespace coat {
 
-// |v| for finite v, 0 for NaN and infinities (they never enter a scale).
-COAT_HD float finite_abs_hd(float v) {
-  const float a = fabsf(v);
-  return a <= 3.4028234663852886e38f ? a : 0.0f;
-}
-
 // Stores group g's scale for this amax and returns it as fp32.
 COAT_HD float store_group_scale(void* scales, int64_t g, float amax, ScaleKind kind, Fp8Format fmt) {
   if (kind == ScaleKind::kE8M0) {

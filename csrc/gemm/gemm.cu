@@ -35,25 +35,6 @@ constexpr size_t kMaxPlans = 256;
 
 // ---- kernels ----------------------------------------------------------------------------------
 
-__device__ __forceinline__ float finite_abs(float v) {
-  const float a = fabsf(v);
-  return a <= FLT_MAX ? a : 0.0f;  // NaN and inf compare false
-}
-
-// Block-wide max of non-negative floats, folded into *amax with an integer atomicMax on the bits
-// (order-preserving for non-negative floats); *amax must be zeroed beforehand.
-__device__ __forceinline__ void block_amax(float m, float* amax) {
-  __shared__ float part[kThreads / 32];
-  m = cuda::warp_max(m);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0f;
-    m = cuda::warp_max(m);
-    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
-  }
-}
-
 // Device scalars in the workspace's reserved head: [0] = 1/out_scale (cuBLASLt's D scale is a
 // quantization multiplier), [1] = alpha = a_scale * b_scale and [2] = beta = 0 for the bf16 path's
 // device pointer mode. One thread; 12 bytes written.
@@ -88,7 +69,7 @@ __global__ void amax_kernel(const T* __restrict__ y, int64_t n, float* amax) {
   float m = 0.0f;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
     m = fmaxf(m, finite_abs(Elem<T>::load(y[i])));
-  block_amax(m, amax);
+  cuda::block_max_atomic(m, amax);
 }
 
 // Finishing pass for what cuBLASLt does not produce directly: v = acc[i] (or 0 when acc is null,
@@ -111,7 +92,7 @@ __global__ void finish_kernel(const float* __restrict__ acc, const bf16_t* __res
       case GemmOut::kE4M3: static_cast<uint8_t*>(out)[i] = encode_fp8(v * inv, Fp8Format::kE4M3); break;
     }
   }
-  if (amax) block_amax(m, amax);
+  if (amax) cuda::block_max_atomic(m, amax);
 }
 
 // ---- cuBLASLt state ---------------------------------------------------------------------------

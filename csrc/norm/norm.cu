@@ -80,7 +80,7 @@ __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const W* __restrict_
 #pragma unroll
       for (int i = 0; i < G; ++i) {
         o[i] = round_to<T>(v[i] * rs) * wv[i];
-        amax = fmaxf(amax, finite_abs_hd(v[i]));
+        amax = fmaxf(amax, finite_abs(v[i]));
       }
       store16(y + r * cols + g * G, vec, o);
       if (q != nullptr) {

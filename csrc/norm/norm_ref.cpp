@@ -46,7 +46,7 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int
       if (q == nullptr) continue;
       for (int64_t g0 = 0; g0 < cols; g0 += kNormGroup) {
         float amax = 0.0f;
-        for (int i = 0; i < kNormGroup; ++i) amax = std::max(amax, finite_abs_hd(Elem<T>::load(xr[g0 + i])));
+        for (int i = 0; i < kNormGroup; ++i) amax = std::max(amax, finite_abs(Elem<T>::load(xr[g0 + i])));
         const float s = store_group_scale(scales, (r * cols + g0) / kNormGroup, amax, scale_kind, fmt);
         const float inv = 1.0f / s;
         for (int i = 0; i < kNormGroup; ++i)

@@ -17,11 +17,6 @@ constexpr int kThreads = 256;
 
 using cuda::dispatch_dtype;
 
-__device__ __forceinline__ float finite_abs(float v) {
-  const float a = fabsf(v);
-  return a <= FLT_MAX ? a : 0.0f;  // NaN and inf compare false
-}
-
 // The scale a per-tensor kernel applies: given, or derived from an amax computed by an earlier
 // launch on the same stream (block 0 publishes it).
 __device__ __forceinline__ float tensor_scale(const float* scale, const float* amax, float* scale_out,
@@ -57,15 +52,7 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t n, bool vec, float*
     for (int i = 0; i < 8; ++i) m = fmaxf(m, finite_abs(v[i]));
   }
   for (int64_t i = chunks * 8 + tid; i < n; i += stride) m = fmaxf(m, finite_abs(Elem<T>::load(x[i])));
-  m = cuda::warp_max(m);
-  __shared__ float part[32];
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0f;
-    m = cuda::warp_max(m);
-    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(m));
-  }
+  cuda::block_max_atomic(m, amax);
 }
 
 // Per-tensor quantize, row-major output only. Thread t handles 8-element chunks; bytes moved:

@@ -14,11 +14,6 @@ namespace {
 
 using detail::ceil_div;
 
-float finite_abs(float v) {
-  const float a = std::fabs(v);
-  return dre_counts(a) ? a : 0.0f;
-}
-
 template <typename T>
 float amax_of(const T* x, int64_t n) {
   float m = 0.0f;

@@ -23,7 +23,7 @@ __device__ __forceinline__ void quantize16(uint8_t* p, bool vec, const float (&v
                                            int64_t gi, ScaleKind kind, Fp8Format fmt) {
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < G; ++i) amax = fmaxf(amax, finite_abs_hd(v[i]));
+  for (int i = 0; i < G; ++i) amax = fmaxf(amax, finite_abs(v[i]));
   const float inv = 1.0f / store_group_scale(scales, gi, amax, kind, fmt);
   float a[8], b[8];
 #pragma unroll

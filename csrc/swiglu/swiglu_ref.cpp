@@ -30,7 +30,7 @@ void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* 
       if (q == nullptr) continue;
       for (int64_t c0 = 0; c0 < 2 * inter; c0 += kSwigluGroup) {
         float amax = 0.0f;
-        for (int i = 0; i < kSwigluGroup; ++i) amax = std::max(amax, finite_abs_hd(Elem<T>::load(g[c0 + i])));
+        for (int i = 0; i < kSwigluGroup; ++i) amax = std::max(amax, finite_abs(Elem<T>::load(g[c0 + i])));
         const float s = store_group_scale(scales, (r * 2 * inter + c0) / kSwigluGroup, amax, scale_kind, fmt);
         const float inv = 1.0f / s;
         for (int i = 0; i < kSwigluGroup; ++i)
