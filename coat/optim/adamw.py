@@ -62,7 +62,7 @@ class AdamW(torch.optim.Optimizer):
             the state dict, so a resumed run rounds exactly as the uninterrupted one).
 
     ``torch.amp.GradScaler`` is supported the way torch's fused optimizers do it: the scaler hands
-    ``grad_scale`` and ``found_inf`` to the step, the kernel divides the gradients by the scale
+    ``grad_scale`` and ``found_inf`` to the step, the kernel unscales the gradients (times 1/scale)
     and writes nothing when an inf was found (gradients are left scaled in ``.grad``).
     """
 

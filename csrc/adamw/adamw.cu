@@ -1,7 +1,21 @@
 // CUDA fused AdamW step with FP8 (DRE) optimizer states: one launch for all tensors of a
-// configuration. Numerics in coat/adamw.h; the scalar code is shared with the CPU reference
-// (adamw_math.h), so both produce the same bits.
+// configuration. Numerics in coat/adamw.h; the per-element and per-group math is adamw_math.h and
+// dre.h, shared with the CPU reference.
+//
+// The step moves ~16 bytes per parameter and must run near copy bandwidth, so the kernel is laid
+// out to spend few instructions per element (it was instruction-bound before):
+// - a lane owns 8 elements (two runs of 4), 16 lanes a group of 128, a warp a pair of groups, so
+//   the per-group work (decode/encode parameters, k16) is shared by 8 elements;
+// - codes are converted two at a time by the hardware (cvt e4m3x2 <-> f16x2 / f32x2) and log2/exp2
+//   come from the MUFU; group max / non-zero min are one-instruction warp reductions (redux.sync on
+//   the bits of non-negative floats), half-warp results picked per lane;
+// - a warp streams through the pairs of its block's contiguous chunk, with the inputs of the next
+//   pairs loaded before the current one is computed (registers, no shared memory);
+// - non-finite moments (a rare, warp-uniform case) take a slow path that keeps them out of the
+//   group statistics and stores them as the NaN code.
+#include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "adamw_math.h"
 #include "coat/adamw.h"
@@ -14,238 +28,519 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int G = kDreGroupSize;
+constexpr int kE = 8;           // elements per lane
+constexpr int kPair = 2 * G;    // elements per warp step
+constexpr int kDepth = 4;       // pairs per warp in shared-memory stages (kDepth - 1 in flight ahead)
+constexpr int kBlocksPerSm = 2;
+static_assert(G == 16 * kE, "16 lanes per group");
 
 __device__ __forceinline__ int64_t groups_of(int64_t n) { return (n + G - 1) / G; }
 
-// Four consecutive elements as fp32: 16 bytes of fp32 or 8 bytes of bf16/fp16, one vector access
-// (the caller checked the alignment).
+// 32-bit words holding kE elements of T.
 template <typename T>
-__device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
+constexpr int kWords = kE * static_cast<int>(sizeof(T)) / 4;
+
+// ---- packed words <-> fp32 --------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float unpack(const uint32_t* w, int j) {
   if constexpr (sizeof(T) == 4) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    return __uint_as_float(w[j]);
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    return __uint_as_float(j % 2 ? w[j / 2] & 0xFFFF0000u : w[j / 2] << 16);
   } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = Elem<T>::load(e[j]);
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(j % 2 ? w[j / 2] >> 16 : w[j / 2])));
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
-  if constexpr (sizeof(T) == 4) {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-  } else {
-    uint2 raw;
-    T* e = reinterpret_cast<T*>(&raw);
+__device__ __forceinline__ void pack(const float (&x)[kE], uint32_t (&w)[kWords<T>]) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) e[j] = Elem<T>::store(v[j]);
-    *reinterpret_cast<uint2*>(p) = raw;
+  for (int i = 0; i < kWords<T>; ++i) {
+    if constexpr (sizeof(T) == 4) {
+      w[i] = __float_as_uint(x[i]);
+    } else if constexpr (std::is_same_v<T, bf16_t>) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+      w[i] = *reinterpret_cast<const uint32_t*>(&b);
+    } else {
+      const __half2 h = __floats2half2_rn(x[2 * i], x[2 * i + 1]);
+      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
   }
 }
 
-__device__ __forceinline__ bool is_aligned(const void* p, unsigned bytes) {
-  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+// A lane's 8 elements are two chunks of 4, 64 elements apart (element j at offset j / 4 * 64 + j % 4
+// from the lane's first): each 16-lane half-warp then reads and writes whole 32-byte sectors with
+// 4-, 8- or 16-byte vector accesses (8 contiguous fp32 per lane would touch every sector twice).
+constexpr int kChunkStride = 64;
+__device__ __forceinline__ int64_t elem_offset(int j) { return j / 4 * kChunkStride + j % 4; }
+
+// The two chunks of T at p (p + i0 aligned to 4 sizeof(T) bytes) from kWords<T> words; global
+// memory, marked streaming (each byte is written once per step).
+template <typename T>
+__device__ __forceinline__ void store_chunks(T* p, const uint32_t (&w)[kWords<T>]) {
+  constexpr int N = sizeof(T);
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    T* q = p + c * kChunkStride;
+    if constexpr (N == 4) {
+      __stcs(reinterpret_cast<uint4*>(q), make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]));
+    } else if constexpr (N == 2) {
+      __stcs(reinterpret_cast<uint2*>(q), make_uint2(w[2 * c], w[2 * c + 1]));
+    } else {
+      __stcs(reinterpret_cast<unsigned int*>(q), w[c]);
+    }
+  }
 }
 
-// The inputs of one group for one lane: its 4 elements (fp32 master or param, grad, codes) and the
-// group's old metadata. Loaded one group ahead so that memory latency hides behind the math.
-struct GroupIn {
-  float p[4], g[4];
-  uint32_t mq, vq;
+// ---- FP8 codes <-> fp32, two at a time ----------------------------------------------------------
+
+// The FP8 values of 8 codes (two words), signed. An E5M2 code is the high byte of the fp16 of the
+// same value; E4M3 goes through the packed hardware conversion to f16x2.
+template <Fp8Format F>
+__device__ __forceinline__ void fp8x8_to_float(const uint32_t (&w)[2], float (&q)[kE]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t c = w[i / 2];
+    uint32_t h2;
+    if constexpr (F == Fp8Format::kE5M2) {
+      h2 = __byte_perm(c, 0u, i % 2 ? 0x3424 : 0x1404);
+    } else {
+      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(i % 2 ? c >> 16 : c & 0xFFFFu), __NV_E4M3);
+      h2 = static_cast<uint32_t>(r.x) | (static_cast<uint32_t>(r.y) << 16);
+    }
+    const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+    q[2 * i] = __low2float(h);
+    q[2 * i + 1] = __high2float(h);
+  }
+}
+
+// Codes of 8 values (round to nearest even, finite values saturate, NaN -> 0x7F), two words.
+template <Fp8Format F>
+__device__ __forceinline__ void float_to_fp8x8(const float (&y)[kE], uint32_t (&w)[2]) {
+  constexpr __nv_fp8_interpretation_t kind = F == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[4 * i], y[4 * i + 1]), __NV_SATFINITE, kind);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[4 * i + 2], y[4 * i + 3]), __NV_SATFINITE, kind);
+    w[i] = lo | (hi << 16);
+  }
+}
+
+// ---- half-warp reductions (lanes 0-15 and 16-31 each reduce their own group) ------------------
+
+__device__ __forceinline__ uint32_t half_max(uint32_t x, bool upper) {
+  const uint32_t lo = __reduce_max_sync(0xFFFFFFFFu, upper ? 0u : x);
+  const uint32_t hi = __reduce_max_sync(0xFFFFFFFFu, upper ? x : 0u);
+  return upper ? hi : lo;
+}
+
+__device__ __forceinline__ uint32_t half_min(uint32_t x, bool upper) {
+  const uint32_t lo = __reduce_min_sync(0xFFFFFFFFu, upper ? 0xFFFFFFFFu : x);
+  const uint32_t hi = __reduce_min_sync(0xFFFFFFFFu, upper ? x : 0xFFFFFFFFu);
+  return upper ? hi : lo;
+}
+
+// ---- one warp step: a pair of groups ------------------------------------------------------------
+
+// A lane's inputs for one pair: its 8 elements (fp32 master or parameter, gradient, m and v codes)
+// as raw words, and its group's old metadata. Loaded ahead of use (registers only).
+template <typename Src, typename Gr>
+struct LaneIn {
+  uint32_t p[kWords<Src>];
+  uint32_t g[kWords<Gr>];
+  uint32_t mq[kWords<uint8_t>], vq[kWords<uint8_t>];
   float m_mx, v_mx;
-  uint8_t m_k16, v_k16;
+  uint32_t m_k16, v_k16;
 };
 
-template <typename P, typename Gr, MasterKind M>
-__device__ __forceinline__ void load_group(const AdamwTensor& d, int64_t lg, int lane, bool vec, GroupIn& in) {
-  const int64_t i0 = lg * G + lane * 4;
-  const P* param = static_cast<const P*>(d.param);
-  const Gr* grad = static_cast<const Gr*>(d.grad);
-  if (vec && lg * G + G <= d.numel) {
-    if constexpr (M == MasterKind::kFp32) load4(d.master + i0, in.p); else load4(param + i0, in.p);
-    load4(grad + i0, in.g);
-    in.mq = *reinterpret_cast<const uint32_t*>(d.m_q + i0);
-    in.vq = *reinterpret_cast<const uint32_t*>(d.v_q + i0);
-  } else {
-    in.mq = in.vq = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bool ok = i0 + j < d.numel;  // absent elements decode to 0 and stay 0
-      if constexpr (M == MasterKind::kFp32) in.p[j] = ok ? d.master[i0 + j] : 0.0f;
-      else in.p[j] = ok ? Elem<P>::load(param[i0 + j]) : 0.0f;
-      in.g[j] = ok ? Elem<Gr>::load(grad[i0 + j]) : 0.0f;
-      in.mq |= static_cast<uint32_t>(ok ? d.m_q[i0 + j] : 0) << (8 * j);
-      in.vq |= static_cast<uint32_t>(ok ? d.v_q[i0 + j] : 0) << (8 * j);
-    }
-  }
-  in.m_mx = d.m_gmax[lg];
-  in.v_mx = d.v_gmax[lg];
-  in.m_k16 = d.m_k16[lg];
-  in.v_k16 = d.v_k16[lg];
+// Where a lane's elements are: pair j of a tensor; lanes 0-15 take group 2j, lanes 16-31 group
+// 2j + 1; `ok` = the group is this block's to update.
+struct LanePos {
+  int64_t i0;  // first element (then elem_offset(j))
+  int64_t lg;  // group within the tensor
+  bool ok;
+};
+
+// kInterior: a pair known to lie inside the block's share.
+template <bool kInterior>
+__device__ __forceinline__ LanePos lane_pos(int64_t j, int lane, int64_t lb, int64_t le) {
+  LanePos at;
+  at.i0 = j * kPair + (lane >> 4) * G + (lane & 15) * 4;
+  at.lg = 2 * j + (lane >> 4);
+  at.ok = kInterior || (at.lg >= lb && at.lg < le);
+  return at;
 }
 
-// Decode -> AdamW -> new group max/min (warp shuffles) -> k -> encode -> store, for one group.
-template <typename P, typename Gr, MasterKind M>
-__device__ __forceinline__ void step_group(const AdamwTensor& d, int64_t lg, int lane, bool vec,
-                                           const GroupIn& in, const adamw::Scalars& s, float gscale,
-                                           uint64_t t, const AdamwConfig& c, const float* lq_m,
-                                           const float* lq_v) {
-  const DreGroupFast m_old = dre_group_fast(in.m_mx, in.m_k16, c.m_fmt);
-  const DreGroupFast v_old = dre_group_fast(in.v_mx, in.v_k16, c.v_fmt);
-  float p[4], m[4], v[4];
-  float m_hi = 0.0f, m_lo = INFINITY, v_hi = 0.0f, v_lo = INFINITY;
+template <MasterKind M, typename P>
+__device__ __forceinline__ const void* src_of(const AdamwTensor& d) {
+  if constexpr (M == MasterKind::kFp32) return d.master;
+  else return d.param;
+}
+
+template <typename Src, typename Gr>
+__device__ __forceinline__ void load_meta(const AdamwTensor& d, const LanePos& at, LaneIn<Src, Gr>& in) {
+  in.m_mx = at.ok ? __ldcs(d.m_gmax + at.lg) : 0.0f;
+  in.v_mx = at.ok ? __ldcs(d.v_gmax + at.lg) : 0.0f;
+  in.m_k16 = at.ok ? __ldcs(d.m_k16 + at.lg) : kDreMinK16;
+  in.v_k16 = at.ok ? __ldcs(d.v_k16 + at.lg) : kDreMinK16;
+}
+
+// ---- the vector path: cp.async into per-lane slots of shared memory ---------------------------
+// A warp keeps kDepth pairs in flight without spending registers on them. Each lane fills and
+// reads only its own slots, so cp.async.wait_group is all the synchronisation needed. Layouts keep
+// warp-wide shared accesses conflict-free: 16-byte chunks chunk-major, smaller ones lane-major (a
+// lane's two chunks adjacent, read as one 16-byte access).
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <int kBytes>
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src) {
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(kBytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One warp's stage (one pair): offsets into it.
+template <typename Src, typename Gr>
+struct Stage {
+  static constexpr int kSrc = 0;
+  static constexpr int kGr = kSrc + 32 * kE * static_cast<int>(sizeof(Src));
+  static constexpr int kCodes = kGr + 32 * kE * static_cast<int>(sizeof(Gr));  // lane: m c0 c1, v c0 c1
+  static constexpr int kMeta = kCodes + 32 * 16;  // lane: m_gmax, v_gmax, m_k16 word, v_k16 word
+  static constexpr int kBytes = kMeta + 32 * 16;
+};
+
+template <typename T>
+__device__ __forceinline__ int chunk_slot(int lane, int c) {
+  constexpr int kCb = 4 * static_cast<int>(sizeof(T));
+  return kCb == 16 ? (c * 32 + lane) * 16 : lane * 2 * kCb + c * kCb;
+}
+
+// Start the copies of pair `at` into stage st. The k16 bytes come as the aligned word holding them
+// (the caller keeps lg below the group count rounded down to 4, so the word is in bounds).
+template <typename P, typename Src, typename Gr, MasterKind M>
+__device__ __forceinline__ void issue_stage(const AdamwTensor& d, const LanePos& at, uint32_t st, int lane) {
+  using S = Stage<Src, Gr>;
+  const Src* src = static_cast<const Src*>(src_of<M, P>(d)) + at.i0;
+  const Gr* grad = static_cast<const Gr*>(d.grad) + at.i0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float gj = gscale != 1.0f ? in.g[j] / gscale : in.g[j];
-    m[j] = adamw::decode_state(static_cast<uint8_t>(in.mq >> (8 * j)), m_old, lq_m, c.m_fmt);
-    v[j] = adamw::decode_state(static_cast<uint8_t>(in.vq >> (8 * j)), v_old, lq_v, c.v_fmt);
-    p[j] = adamw::update(in.p[j], gj, m[j], v[j], s);
-    adamw::group_minmax(m[j], m_hi, m_lo);
-    adamw::group_minmax(v[j], v_hi, v_lo);
+  for (int c = 0; c < 2; ++c) {
+    cp_async<4 * sizeof(Src)>(st + S::kSrc + chunk_slot<Src>(lane, c), src + c * kChunkStride);
+    cp_async<4 * sizeof(Gr)>(st + S::kGr + chunk_slot<Gr>(lane, c), grad + c * kChunkStride);
+    cp_async<4>(st + S::kCodes + lane * 16 + 4 * c, d.m_q + at.i0 + c * kChunkStride);
+    cp_async<4>(st + S::kCodes + lane * 16 + 8 + 4 * c, d.v_q + at.i0 + c * kChunkStride);
   }
-  // group_minmax keeps these non-negative and NaN-free (m_lo/v_lo may be +inf).
-  m_hi = cuda::warp_max_nonneg(m_hi);
-  m_lo = cuda::warp_min_nonneg(m_lo);
-  v_hi = cuda::warp_max_nonneg(v_hi);
-  v_lo = cuda::warp_min_nonneg(v_lo);
+  cp_async<4>(st + S::kMeta + lane * 16, d.m_gmax + at.lg);
+  cp_async<4>(st + S::kMeta + lane * 16 + 4, d.v_gmax + at.lg);
+  cp_async<4>(st + S::kMeta + lane * 16 + 8, d.m_k16 + (at.lg & ~int64_t{3}));
+  cp_async<4>(st + S::kMeta + lane * 16 + 12, d.v_k16 + (at.lg & ~int64_t{3}));
+}
+
+template <typename T>
+__device__ __forceinline__ void read_chunks(const uint8_t* arr, int lane, uint32_t (&w)[kWords<T>]) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint4 a = *reinterpret_cast<const uint4*>(arr + chunk_slot<T>(lane, c));
+      w[4 * c] = a.x; w[4 * c + 1] = a.y; w[4 * c + 2] = a.z; w[4 * c + 3] = a.w;
+    }
+  } else {
+    const uint4 a = *reinterpret_cast<const uint4*>(arr + chunk_slot<T>(lane, 0));
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+  }
+}
+
+template <typename Src, typename Gr>
+__device__ __forceinline__ void read_stage(const uint8_t* st, const LanePos& at, int lane, LaneIn<Src, Gr>& in) {
+  using S = Stage<Src, Gr>;
+  read_chunks<Src>(st + S::kSrc, lane, in.p);
+  read_chunks<Gr>(st + S::kGr, lane, in.g);
+  const uint4 q = *reinterpret_cast<const uint4*>(st + S::kCodes + lane * 16);
+  in.mq[0] = q.x; in.mq[1] = q.y; in.vq[0] = q.z; in.vq[1] = q.w;
+  const uint4 mt = *reinterpret_cast<const uint4*>(st + S::kMeta + lane * 16);
+  in.m_mx = __uint_as_float(mt.x);
+  in.v_mx = __uint_as_float(mt.y);
+  const int sh = 8 * static_cast<int>(at.lg & 3);
+  in.m_k16 = (mt.z >> sh) & 0xFFu;
+  in.v_k16 = (mt.w >> sh) & 0xFFu;
+}
+
+// Any group (partial, unaligned, or not this block's): element by element; absent elements read as
+// zero codes and zero values, which stay zero and never enter the group statistics.
+template <typename P, typename Src, typename Gr, MasterKind M>
+__device__ __forceinline__ void load_any(const AdamwTensor& d, const LanePos& at, LaneIn<Src, Gr>& in) {
+  const auto* src = static_cast<const Src*>(src_of<M, P>(d));
+  const auto* grad = static_cast<const Gr*>(d.grad);
+#pragma unroll
+  for (int i = 0; i < kWords<Src>; ++i) in.p[i] = 0;
+#pragma unroll
+  for (int i = 0; i < kWords<Gr>; ++i) in.g[i] = 0;
+  in.mq[0] = in.mq[1] = in.vq[0] = in.vq[1] = 0;
+#pragma unroll
+  for (int j = 0; j < kE; ++j) {
+    const int64_t i = at.i0 + elem_offset(j);
+    if (!at.ok || i >= d.numel) continue;
+    if constexpr (sizeof(Src) == 4) in.p[j] = reinterpret_cast<const uint32_t*>(src)[i];
+    else in.p[j / 2] |= uint32_t(reinterpret_cast<const uint16_t*>(src)[i]) << (16 * (j % 2));
+    if constexpr (sizeof(Gr) == 4) in.g[j] = reinterpret_cast<const uint32_t*>(grad)[i];
+    else in.g[j / 2] |= uint32_t(reinterpret_cast<const uint16_t*>(grad)[i]) << (16 * (j % 2));
+    in.mq[j / 4] |= uint32_t(d.m_q[i]) << (8 * (j % 4));
+    in.vq[j / 4] |= uint32_t(d.v_q[i]) << (8 * (j % 4));
+  }
+  load_meta(d, at, in);
+}
+
+// Per-tensor values of one step.
+struct TensorStep {
+  adamw::Scalars s;
+  uint64_t t;
+  float inv_gs;
+};
+
+template <bool kFull>
+__device__ __forceinline__ void store_codes(const AdamwTensor& d, const LanePos& at, const uint32_t (&mq)[2],
+                                            const uint32_t (&vq)[2]) {
+  if constexpr (kFull) {
+    store_chunks(d.m_q + at.i0, mq);
+    store_chunks(d.v_q + at.i0, vq);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      const int64_t i = at.i0 + elem_offset(j);
+      if (!at.ok || i >= d.numel) continue;
+      d.m_q[i] = static_cast<uint8_t>(mq[j / 4] >> (8 * (j % 4)));
+      d.v_q[i] = static_cast<uint8_t>(vq[j / 4] >> (8 * (j % 4)));
+    }
+  }
+}
+
+// Decode -> AdamW -> new group max / non-zero min -> k16 -> encode -> store, for a lane's 8
+// elements. kFull: a full group of an aligned tensor (vector stores); else element-wise, guarded.
+template <typename P, typename Src, typename Gr, MasterKind M, Fp8Format MF, Fp8Format VF, bool kFull>
+__device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& at, const LaneIn<Src, Gr>& in,
+                                          const TensorStep& ts, const AdamwConfig& c) {
+  const bool upper = (threadIdx.x & 31) >= 16;
+  const DreGroupFast m_old = dre_group_fast(in.m_mx, static_cast<uint8_t>(in.m_k16), MF);
+  const DreGroupFast v_old = dre_group_fast(in.v_mx, static_cast<uint8_t>(in.v_k16), VF);
+  float p[kE], m[kE], v[kE];
+  fp8x8_to_float<MF>(in.mq, m);
+  fp8x8_to_float<VF>(in.vq, v);
+  // Statistics over |x|: max as a float, non-zero min as min over 2 bits(x) - 1 (unsigned: drops
+  // the sign, and zero wraps to the largest value). NaN never wins either.
+  float m_hi = 0.0f, v_hi = 0.0f;
+  uint32_t m_lo2 = 0xFFFFFFFFu, v_lo2 = 0xFFFFFFFFu;
+#pragma unroll
+  for (int j = 0; j < kE; ++j) {
+    const float g = unpack<Gr>(in.g, j) * ts.inv_gs;
+    m[j] = dre_decode_value_fast(m[j], m_old, MF);
+    v[j] = dre_decode_value_fast(v[j], v_old, VF);
+    p[j] = adamw::update(unpack<Src>(in.p, j), g, m[j], v[j], ts.s);
+    m_hi = fmaxf(m_hi, fabsf(m[j]));
+    v_hi = fmaxf(v_hi, fabsf(v[j]));
+    m_lo2 = min(m_lo2, __float_as_uint(m[j]) * 2u - 1u);
+    v_lo2 = min(v_lo2, __float_as_uint(v[j]) * 2u - 1u);
+  }
+  // The parameter first: its registers are free before the reductions.
+  uint32_t pw[kWords<P>];
+  if constexpr (M == MasterKind::kBf16Sr) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // element 4q + i takes bits [16 i, 16 i + 16) of quad q's hash
+      const uint64_t r = adamw::sr_bits(d.seed, ts.t, static_cast<uint64_t>((at.i0 + h * kChunkStride) >> 2));
+      pw[2 * h] = adamw::bf16_sr(p[4 * h], uint32_t(r)) | uint32_t(adamw::bf16_sr(p[4 * h + 1], uint32_t(r >> 16))) << 16;
+      pw[2 * h + 1] = adamw::bf16_sr(p[4 * h + 2], uint32_t(r >> 32)) |
+                      uint32_t(adamw::bf16_sr(p[4 * h + 3], uint32_t(r >> 48))) << 16;
+    }
+  } else {
+    pack<P>(p, pw);
+  }
+  if constexpr (kFull) {
+    if constexpr (M == MasterKind::kFp32) {
+      uint32_t mw[kE];
+      pack<float>(p, mw);
+      store_chunks(d.master + at.i0, mw);
+    }
+    store_chunks(static_cast<P*>(d.param) + at.i0, pw);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      const int64_t i = at.i0 + elem_offset(j);
+      if (!at.ok || i >= d.numel) continue;
+      if constexpr (M == MasterKind::kFp32) d.master[i] = p[j];
+      if constexpr (sizeof(P) == 4) reinterpret_cast<uint32_t*>(d.param)[i] = pw[j];
+      else reinterpret_cast<uint16_t*>(d.param)[i] = static_cast<uint16_t>(pw[j / 2] >> (16 * (j % 2)));
+    }
+  }
+  m_hi = __uint_as_float(half_max(__float_as_uint(m_hi), upper));
+  v_hi = __uint_as_float(half_max(__float_as_uint(v_hi), upper));
+  float m_lo = __uint_as_float((half_min(m_lo2, upper) + 1u) >> 1);  // 0: no non-zero value
+  float v_lo = __uint_as_float((half_min(v_lo2, upper) + 1u) >> 1);
+  // An infinite moment (from an infinite gradient) must neither set the group max nor be saturated.
+  const bool nonfinite = __any_sync(0xFFFFFFFFu, !(m_hi <= FLT_MAX) || !(v_hi <= FLT_MAX));
+  if (nonfinite) {
+    float mh = 0.0f, ml = INFINITY, vh = 0.0f, vl = INFINITY;
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      adamw::group_minmax(m[j], mh, ml);
+      adamw::group_minmax(v[j], vh, vl);
+    }
+    m_hi = __uint_as_float(half_max(__float_as_uint(mh), upper));
+    m_lo = __uint_as_float(half_min(__float_as_uint(ml), upper));
+    v_hi = __uint_as_float(half_max(__float_as_uint(vh), upper));
+    v_lo = __uint_as_float(half_min(__float_as_uint(vl), upper));
+  }
   const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, c.expansion, c.m_log2_range);
   const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, c.expansion, c.v_log2_range);
-  if (lane == 0) {  // the old metadata was read into registers when the group was loaded
-    d.m_gmax[lg] = m_hi;
-    d.m_k16[lg] = m_k16;
-    d.v_gmax[lg] = v_hi;
-    d.v_k16[lg] = v_k16;
+  if (at.ok && (threadIdx.x & 15) == 0) {  // old metadata is in registers already
+    d.m_gmax[at.lg] = m_hi;
+    d.m_k16[at.lg] = m_k16;
+    d.v_gmax[at.lg] = v_hi;
+    d.v_k16[at.lg] = v_k16;
   }
-  const DreGroupFast m_new = dre_group_fast(m_hi, m_k16, c.m_fmt);
-  const DreGroupFast v_new = dre_group_fast(v_hi, v_k16, c.v_fmt);
-  uint32_t mq = 0, vq = 0;
+  const DreGroupFast m_new = dre_group_fast(m_hi, m_k16, MF);
+  const DreGroupFast v_new = dre_group_fast(v_hi, v_k16, VF);
+  uint32_t mq[2], vq[2];
+  if (!nonfinite) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    mq |= static_cast<uint32_t>(adamw::encode_state(m[j], m_new, c.m_fmt)) << (8 * j);
-    vq |= static_cast<uint32_t>(adamw::encode_state(v[j], v_new, c.v_fmt)) << (8 * j);
-  }
-  const int64_t i0 = lg * G + lane * 4;
-  P* param = static_cast<P*>(d.param);
-  uint16_t sr[4] = {0, 0, 0, 0};
-  if constexpr (M == MasterKind::kBf16Sr) {
-    const uint64_t r = adamw::sr_bits(d.seed, t, static_cast<uint64_t>(i0 >> 2));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) sr[j] = adamw::bf16_sr(p[j], static_cast<uint32_t>(r >> (16 * j)));
-  }
-  if (vec && lg * G + G <= d.numel) {
-    *reinterpret_cast<uint32_t*>(d.m_q + i0) = mq;
-    *reinterpret_cast<uint32_t*>(d.v_q + i0) = vq;
-    if constexpr (M == MasterKind::kBf16Sr) {
-      *reinterpret_cast<uint2*>(param + i0) =
-          make_uint2(sr[0] | (uint32_t(sr[1]) << 16), sr[2] | (uint32_t(sr[3]) << 16));
-    } else {
-      if constexpr (M == MasterKind::kFp32) store4(d.master + i0, p);
-      store4(param + i0, p);
+    for (int j = 0; j < kE; ++j) {
+      m[j] = dre_encode_value_fast(m[j], m_new);
+      v[j] = dre_encode_value_fast(v[j], v_new);
     }
+    float_to_fp8x8<MF>(m, mq);
+    float_to_fp8x8<VF>(v, vq);
   } else {
+    mq[0] = mq[1] = vq[0] = vq[1] = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (i0 + j >= d.numel) continue;
-      d.m_q[i0 + j] = static_cast<uint8_t>(mq >> (8 * j));
-      d.v_q[i0 + j] = static_cast<uint8_t>(vq >> (8 * j));
-      if constexpr (M == MasterKind::kBf16Sr) {
-        reinterpret_cast<uint16_t*>(param)[i0 + j] = sr[j];
-      } else {
-        if constexpr (M == MasterKind::kFp32) d.master[i0 + j] = p[j];
-        param[i0 + j] = Elem<P>::store(p[j]);
-      }
+    for (int j = 0; j < kE; ++j) {
+      mq[j / 4] |= uint32_t(adamw::encode_state(m[j], m_new, MF)) << (8 * (j % 4));
+      vq[j / 4] |= uint32_t(adamw::encode_state(v[j], v_new, VF)) << (8 * (j % 4));
     }
+  }
+  store_codes<kFull>(d, at, mq, vq);
+}
+
+// Block b updates the groups [b chunk, (b + 1) chunk) of the launch's numbering. Within each tensor
+// those are split into pairs (local groups 2j, 2j + 1); warp w takes pairs w, w + 8, ... of the
+// block's share. Pairs wholly inside the share and made of full groups of an aligned tensor take
+// the vector path, pipelined kDepth deep; the rest (at most one pair at each end of a share, the
+// tensor's partial last group, unaligned tensors) take the element-wise path.
+template <typename P, typename Gr, MasterKind M, Fp8Format MF, Fp8Format VF>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    adamw_kernel(const AdamwTensor* __restrict__ tensors, int64_t n_tensors, int64_t n_groups, int64_t chunk,
+                 AdamwConfig c) {
+  using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
+  constexpr int kStageBytes = Stage<Src, Gr>::kBytes;
+  extern __shared__ __align__(16) uint8_t smem[];  // kDepth stages per warp
+  if (c.found_inf != nullptr && *c.found_inf != 0.0f) return;
+  const int64_t cb = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int64_t ce = cb + chunk < n_groups ? cb + chunk : n_groups;
+  if (cb >= ce) return;
+  const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const uint32_t stage0 = smem_addr(smem + warp * kDepth * kStageBytes);
+  TensorStep ts;
+  ts.inv_gs = adamw::inv_grad_scale(c.grad_scale);
+
+  int64_t lo = 0, hi = n_tensors - 1;  // the last descriptor with group_begin <= cb
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (tensors[mid].group_begin <= cb) lo = mid; else hi = mid - 1;
+  }
+  for (int64_t ti = lo; ti < n_tensors; ++ti) {
+    const AdamwTensor d = tensors[ti];
+    if (d.group_begin >= ce) break;
+    const int64_t ng = groups_of(d.numel);
+    const int64_t lb = (cb > d.group_begin ? cb : d.group_begin) - d.group_begin;
+    const int64_t le = (ce < d.group_begin + ng ? ce : d.group_begin + ng) - d.group_begin;
+    ts.t = adamw::step_count(*d.step);
+    ts.s = adamw::make_scalars(lr, c, ts.t);
+    const bool aligned = cuda::aligned(src_of<M, P>(d), 4 * sizeof(Src)) && cuda::aligned(d.param, 4 * sizeof(P)) &&
+                         cuda::aligned(d.grad, 4 * sizeof(Gr)) && cuda::aligned(d.m_q, 4) && cuda::aligned(d.v_q, 4) &&
+                         cuda::aligned(d.m_k16, 4) && cuda::aligned(d.v_k16, 4);
+    // Vector-path groups end: full groups, whose k16 word is within the group count.
+    int64_t full = aligned ? d.numel / G : 0;
+    full = full < (ng & ~int64_t{3}) ? full : (ng & ~int64_t{3});
+    full = full < le ? full : le;
+    const int64_t in_lo = (lb + 1) / 2;
+    const int64_t in_hi = full / 2 > in_lo ? full / 2 : in_lo;
+
+    // This warp's pairs in_lo + warp + kWarps k, k < n_mine; kDepth - 1 of them in flight ahead.
+    const int64_t j0 = in_lo + warp;
+    const int64_t n_mine = j0 < in_hi ? (in_hi - j0 + kWarps - 1) / kWarps : 0;
+#pragma unroll
+    for (int k = 0; k < kDepth - 1; ++k) {
+      if (k < n_mine)
+        issue_stage<P, Src, Gr, M>(d, lane_pos<true>(j0 + k * kWarps, lane, lb, le), stage0 + k * kStageBytes, lane);
+      cp_async_commit();
+    }
+    for (int64_t k = 0; k < n_mine; ++k) {
+      const int64_t kn = k + kDepth - 1;
+      if (kn < n_mine)
+        issue_stage<P, Src, Gr, M>(d, lane_pos<true>(j0 + kn * kWarps, lane, lb, le),
+                                   stage0 + static_cast<uint32_t>(kn % kDepth) * kStageBytes, lane);
+      cp_async_commit();
+      cp_async_wait<kDepth - 1>();  // stage k has landed
+      const LanePos at = lane_pos<true>(j0 + k * kWarps, lane, lb, le);
+      LaneIn<Src, Gr> in;
+      read_stage(smem + warp * kDepth * kStageBytes + (k % kDepth) * kStageBytes, at, lane, in);
+      step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c);
+    }
+    auto edge = [&](int64_t jj) {
+      const LanePos at = lane_pos<false>(jj, lane, lb, le);
+      LaneIn<Src, Gr> in;
+      load_any<P, Src, Gr, M>(d, at, in);
+      step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c);
+    };
+    if (lb % 2 == 1 && warp == kWarps - 1) edge(lb / 2);
+    for (int64_t jj = in_hi + warp; jj < (le + 1) / 2; jj += kWarps) edge(jj);
   }
 }
 
-// Work item = kItemGroups consecutive groups (of the launch's global group numbering), one warp
-// per item, lane l owning elements 4l .. 4l+3 of each group; warps stride over items. Within an
-// item the next group's inputs are loaded before the current group's math (one group of
-// prefetch), and the warp streams through 1024 consecutive elements. A warp finds a group's
-// tensor by binary search over the descriptors' group_begin when it leaves the current one.
-// Bytes per element: param r/w (or fp32 master r/w plus param write), grad read, m and v codes
-// r/w, plus 2 x 5 bytes of group metadata r/w per 128. Nothing is written when *found_inf != 0.
-constexpr int kItemGroups = 8;
-
 template <typename P, typename Gr, MasterKind M>
-__global__ void __launch_bounds__(kThreads, 2) adamw_kernel(const AdamwTensor* __restrict__ tensors,
-                                                            int64_t n_tensors, int64_t n_groups,
-                                                            AdamwConfig c) {
-  if (c.found_inf != nullptr && *c.found_inf != 0.0f) return;
-  // log2 of every FP8 code value, per format (identical tables on host and device).
-  __shared__ float lq[2][128];
-  for (int i = threadIdx.x; i < 256; i += kThreads)
-    lq[i >> 7][i & 127] = adamw::code_log2(i & 127, (i >> 7) ? c.v_fmt : c.m_fmt);
-  __syncthreads();
-  const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
-  const float gscale = c.grad_scale != nullptr ? *c.grad_scale : 1.0f;
-  const int lane = threadIdx.x & 31;
-  const int64_t n_items = (n_groups + kItemGroups - 1) / kItemGroups;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
-
-  AdamwTensor d{};
-  adamw::Scalars s{};
-  uint64_t t = 0;
-  int64_t t_begin = 0, t_end = 0;
-  bool vec = false;
-  auto enter = [&](int64_t g) {  // warp-uniform
-    if (g >= t_begin && g < t_end) return;
-    int64_t lo = 0, hi = n_tensors - 1;  // last descriptor with group_begin <= g
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) >> 1;
-      if (tensors[mid].group_begin <= g) lo = mid; else hi = mid - 1;
-    }
-    d = tensors[lo];
-    t_begin = d.group_begin;
-    t_end = t_begin + groups_of(d.numel);
-    t = adamw::step_count(*d.step);
-    s = adamw::make_scalars(lr, c, t);
-    vec = is_aligned(d.param, 4 * sizeof(P)) && is_aligned(d.grad, 4 * sizeof(Gr)) &&
-          is_aligned(d.m_q, 4) && is_aligned(d.v_q, 4) &&
-          (M != MasterKind::kFp32 || is_aligned(d.master, 16));
-  };
-
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); item < n_items;
-       item += stride) {
-    int64_t g = item * kItemGroups;
-    const int64_t g_stop = g + kItemGroups < n_groups ? g + kItemGroups : n_groups;
-    enter(g);
-    GroupIn cur, nxt;
-    load_group<P, Gr, M>(d, g - t_begin, lane, vec, cur);
-    while (true) {
-      const int64_t gn = g + 1;
-      const bool ahead = gn < g_stop && gn < t_end;  // next group in the same tensor: load now
-      if (ahead) load_group<P, Gr, M>(d, gn - t_begin, lane, vec, nxt);
-      step_group<P, Gr, M>(d, g - t_begin, lane, vec, cur, s, gscale, t, c, lq[0], lq[1]);
-      if (gn >= g_stop) break;
-      if (!ahead) {
-        enter(gn);
-        load_group<P, Gr, M>(d, gn - t_begin, lane, vec, nxt);
-      }
-      cur = nxt;
-      g = gn;
-    }
+void launch_formats(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_groups, const AdamwConfig& c,
+                    cudaStream_t stream) {
+  // Persistent blocks, each with a contiguous chunk of groups (even, so most pairs are whole).
+  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * kBlocksPerSm;
+  const int64_t want = (n_groups + 2 * kWarps - 1) / (2 * kWarps);
+  const int64_t blocks = want < cap ? want : cap;
+  int64_t chunk = (n_groups + blocks - 1) / blocks;
+  chunk += chunk % 2;
+  const unsigned grid = static_cast<unsigned>((n_groups + chunk - 1) / chunk);
+  constexpr auto E4 = Fp8Format::kE4M3, E5 = Fp8Format::kE5M2;
+  const bool m4 = c.m_fmt == E4, v4 = c.v_fmt == E4;
+  auto* kernel = m4 ? (v4 ? adamw_kernel<P, Gr, M, E4, E4> : adamw_kernel<P, Gr, M, E4, E5>)
+                    : (v4 ? adamw_kernel<P, Gr, M, E5, E4> : adamw_kernel<P, Gr, M, E5, E5>);
+  using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
+  constexpr int smem = kWarps * kDepth * Stage<Src, Gr>::kBytes;
+  static bool configured[4] = {false, false, false, false};  // per format pair; benign race
+  bool& done = configured[(m4 ? 0 : 2) + (v4 ? 0 : 1)];
+  if (!done) {
+    COAT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    done = true;
   }
+  kernel<<<grid, kThreads, smem, stream>>>(tensors, n_tensors, n_groups, chunk, c);
+  COAT_CHECK_LAUNCH();
 }
 
 template <typename P, MasterKind M>
 void launch(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_groups, const AdamwConfig& c,
             cudaStream_t stream) {
-  const unsigned grid = cuda::grid_for((n_groups + kItemGroups - 1) / kItemGroups * 32, kThreads, 2);
   switch (c.grad_dtype) {
-    case DType::kFloat32:
-      adamw_kernel<P, float, M><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);
-      break;
-    case DType::kBFloat16:
-      adamw_kernel<P, bf16_t, M><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);
-      break;
-    case DType::kFloat16:
-      adamw_kernel<P, fp16_t, M><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);
-      break;
+    case DType::kFloat32: return launch_formats<P, float, M>(tensors, n_tensors, n_groups, c, stream);
+    case DType::kBFloat16: return launch_formats<P, bf16_t, M>(tensors, n_tensors, n_groups, c, stream);
+    case DType::kFloat16: return launch_formats<P, fp16_t, M>(tensors, n_tensors, n_groups, c, stream);
   }
-  COAT_CHECK_LAUNCH();
 }
 
 }  // namespace

@@ -53,6 +53,12 @@ COAT_HD Scalars make_scalars(double lr, const AdamwConfig& c, uint64_t t) {
   return s;
 }
 
+// The factor gradients are multiplied by: 1 / GradScaler's scale (exact for its power-of-two
+// scales, so the same as dividing), 1 without a scaler.
+COAT_HD float inv_grad_scale(const float* grad_scale) {
+  return grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
+}
+
 // The AdamW update of one element: returns the new parameter, updates m and v (fp32).
 // torch.optim.AdamW's formula and order. On the device the square root and the division use the
 // hardware approximations (~2 ulp; IEEE versions cost ~20 instructions each and the step is
@@ -62,7 +68,8 @@ COAT_HD float update(float p, float g, float& m, float& v, const Scalars& s) {
   m = m + s.w1 * (g - m);
   v = v * s.beta2 + s.w2 * (g * g);
 #if defined(__CUDA_ARCH__)
-  const float root = v > 0.0f ? v * rsqrtf(v) : v * 0.0f;  // 0 stays 0, NaN stays NaN
+  float root;  // sqrt(0) = 0, sqrt(NaN) = NaN
+  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(root) : "f"(v));
 #else
   const float root = sqrtf(v);
 #endif

@@ -35,7 +35,7 @@ const float* lq_table(Fp8Format fmt) {
 
 template <typename P, typename Gr, MasterKind M>
 void step_group(const AdamwTensor& d, int64_t lg, const adamw::Scalars& s, const AdamwConfig& c,
-                float grad_scale, uint64_t t) {
+                float inv_gs, uint64_t t) {
   const int64_t begin = lg * G;
   const int n = static_cast<int>(std::min<int64_t>(G, d.numel - begin));
   auto* param = static_cast<P*>(d.param) + begin;
@@ -47,8 +47,7 @@ void step_group(const AdamwTensor& d, int64_t lg, const adamw::Scalars& s, const
   const DreGroupFast v_old = dre_group_fast(d.v_gmax[lg], d.v_k16[lg], c.v_fmt);
   float m_hi = 0.0f, m_lo = INFINITY, v_hi = 0.0f, v_lo = INFINITY;
   for (int i = 0; i < n; ++i) {
-    float g = Elem<Gr>::load(grad[i]);
-    if (grad_scale != 1.0f) g = g / grad_scale;
+    const float g = Elem<Gr>::load(grad[i]) * inv_gs;
     m[i] = adamw::decode_state(d.m_q[begin + i], m_old, lq_m, c.m_fmt);
     v[i] = adamw::decode_state(d.v_q[begin + i], v_old, lq_v, c.v_fmt);
     const float p0 = M == MasterKind::kFp32 ? d.master[begin + i] : Elem<P>::load(param[i]);
@@ -85,7 +84,7 @@ void step_group(const AdamwTensor& d, int64_t lg, const adamw::Scalars& s, const
 
 template <typename P, typename Gr, MasterKind M>
 void step_range(const AdamwTensor* tensors, int64_t n_tensors, int64_t g0, int64_t g1,
-                double lr, const AdamwConfig& c, float grad_scale) {
+                double lr, const AdamwConfig& c, float inv_gs) {
   // First tensor whose groups reach past g0.
   int64_t ti = std::upper_bound(tensors, tensors + n_tensors, g0,
                                 [](int64_t g, const AdamwTensor& d) { return g < d.group_begin; }) -
@@ -96,23 +95,23 @@ void step_range(const AdamwTensor* tensors, int64_t n_tensors, int64_t g0, int64
     if (b >= g1) break;
     const uint64_t t = adamw::step_count(*d.step);
     const adamw::Scalars s = adamw::make_scalars(lr, c, t);
-    for (int64_t g = b; g < e; ++g) step_group<P, Gr, M>(d, g - d.group_begin, s, c, grad_scale, t);
+    for (int64_t g = b; g < e; ++g) step_group<P, Gr, M>(d, g - d.group_begin, s, c, inv_gs, t);
   }
 }
 
 template <typename P, typename Gr, MasterKind M>
 void run(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_groups, double lr,
-         const AdamwConfig& c, float grad_scale) {
+         const AdamwConfig& c, float inv_gs) {
   // ~1 us per group: threads pay off from a few thousand groups on.
   const int64_t want = std::min<int64_t>(c.cpu_threads, n_groups / 2048);
-  if (want <= 1) return step_range<P, Gr, M>(tensors, n_tensors, 0, n_groups, lr, c, grad_scale);
+  if (want <= 1) return step_range<P, Gr, M>(tensors, n_tensors, 0, n_groups, lr, c, inv_gs);
   std::vector<std::thread> pool;
   const int64_t per = (n_groups + want - 1) / want;
   for (int64_t w = 1; w < want; ++w) {
     const int64_t g0 = w * per, g1 = std::min(n_groups, g0 + per);
-    if (g0 < g1) pool.emplace_back(step_range<P, Gr, M>, tensors, n_tensors, g0, g1, lr, std::cref(c), grad_scale);
+    if (g0 < g1) pool.emplace_back(step_range<P, Gr, M>, tensors, n_tensors, g0, g1, lr, std::cref(c), inv_gs);
   }
-  step_range<P, Gr, M>(tensors, n_tensors, 0, std::min(per, n_groups), lr, c, grad_scale);
+  step_range<P, Gr, M>(tensors, n_tensors, 0, std::min(per, n_groups), lr, c, inv_gs);
   for (auto& th : pool) th.join();
 }
 
@@ -150,7 +149,7 @@ void adamw_step(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_groups,
   check_tensors(tensors, n_tensors, n_groups, c.master);
   if (c.found_inf != nullptr && *c.found_inf != 0.0f) return;
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
-  const float gs = c.grad_scale != nullptr ? *c.grad_scale : 1.0f;
+  const float gs = adamw::inv_grad_scale(c.grad_scale);
   switch (c.master) {
     case MasterKind::kNone: return dispatch_grad<float, MasterKind::kNone>(tensors, n_tensors, n_groups, lr, c, gs);
     case MasterKind::kBf16Sr:

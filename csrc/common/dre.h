@@ -144,11 +144,24 @@ COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
   return g;
 }
 
-// Branch-free: log2(0) = -inf encodes a zero as 0; NaN stays NaN (the conversion keeps it);
-// |x| == mx lands on fmt_max, which rounds to the top code.
+// The value whose FP8 rounding is x's code, sign(x) fmt_max (|x| / mx)^k. Branch-free: log2(0) =
+// -inf maps a zero to 0; NaN stays NaN; |x| == mx lands on fmt_max (the top code after rounding).
+// Kernels round pairs of these with one packed conversion.
+COAT_HD float dre_encode_value_fast(float x, const DreGroupFast& g) {
+  return copysignf(fast_exp2(g.k * fast_log2(fabsf(x)) + g.c_enc), x);
+}
+
 COAT_HD uint8_t dre_encode_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
-  const float y = fast_exp2(g.k * fast_log2(fabsf(x)) + g.c_enc);
-  return encode_fp8(copysignf(y, x), fmt);
+  return encode_fp8(dre_encode_value_fast(x, g), fmt);
+}
+
+// x from q, the FP8 value of its code (decode_fp8): sign(q) mx (|q| / fmt_max)^(1/k), the top code
+// giving mx exactly. Kernels get q from a packed hardware conversion and log2|q| from the MUFU;
+// dre_decode_fast below takes log2|q| from a table instead (same formula).
+COAT_HD float dre_decode_value_fast(float q, const DreGroupFast& g, Fp8Format fmt) {
+  const float a = fabsf(q);
+  const float x = a == fp8_max(fmt) ? g.mx : fast_exp2(fast_log2(a) * g.inv_k + g.c_dec);
+  return copysignf(x, q);
 }
 
 // Entry `mag` of the decode table: log2 of the code's magnitude, -inf for 0 (decodes to 0) and
