@@ -403,10 +403,10 @@ __device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& a
   const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, c.expansion, c.m_log2_range);
   const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, c.expansion, c.v_log2_range);
   if (at.ok && (threadIdx.x & 15) == 0) {  // old metadata is in registers already
-    d.m_gmax[at.lg] = m_hi;
-    d.m_k16[at.lg] = m_k16;
-    d.v_gmax[at.lg] = v_hi;
-    d.v_k16[at.lg] = v_k16;
+    __stcs(d.m_gmax + at.lg, m_hi);
+    __stcs(reinterpret_cast<unsigned char*>(d.m_k16) + at.lg, static_cast<unsigned char>(m_k16));
+    __stcs(d.v_gmax + at.lg, v_hi);
+    __stcs(reinterpret_cast<unsigned char*>(d.v_k16) + at.lg, static_cast<unsigned char>(v_k16));
   }
   const DreGroupFast m_new = dre_group_fast(m_hi, m_k16, MF);
   const DreGroupFast v_new = dre_group_fast(v_hi, v_k16, VF);
@@ -485,15 +485,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       cp_async_commit();
     }
     for (int64_t k = 0; k < n_mine; ++k) {
+      cp_async_wait<kDepth - 2>();  // stage k has landed (the kDepth - 2 after it may not have)
+      const LanePos at = lane_pos<true>(j0 + k * kWarps, lane, lb, le);
+      LaneIn<Src, Gr> in;
+      read_stage(smem + warp * kDepth * kStageBytes + (k % kDepth) * kStageBytes, at, lane, in);
+      // Refill the slot read in the previous iteration while this one's shared loads are in flight.
       const int64_t kn = k + kDepth - 1;
       if (kn < n_mine)
         issue_stage<P, Src, Gr, M>(d, lane_pos<true>(j0 + kn * kWarps, lane, lb, le),
                                    stage0 + static_cast<uint32_t>(kn % kDepth) * kStageBytes, lane);
       cp_async_commit();
-      cp_async_wait<kDepth - 1>();  // stage k has landed
-      const LanePos at = lane_pos<true>(j0 + k * kWarps, lane, lb, le);
-      LaneIn<Src, Gr> in;
-      read_stage(smem + warp * kDepth * kStageBytes + (k % kDepth) * kStageBytes, at, lane, in);
       step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c);
     }
     auto edge = [&](int64_t jj) {

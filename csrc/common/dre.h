@@ -116,22 +116,25 @@ COAT_HD float fast_div(float a, float b) {
 #endif
 }
 
+// Branch-free (the kernel computes it once per group and lane): a zero span gives +inf and clamps
+// to the largest k16; a constant, empty or all-zero group gets the smallest.
 COAT_HD uint8_t dre_k16_fast(float mx, float mn, float log2_range) {
-  if (!(mx > mn) || !(mn > 0.0f)) return kDreMinK16;
   const float span = fast_log2(mx) - fast_log2(mn);
-  if (!(span > 0.0f)) return kDreMaxK16;
-  const float k16 = floorf(fast_div(16.0f * log2_range, span));
-  if (!(k16 < static_cast<float>(kDreMaxK16))) return kDreMaxK16;
-  return k16 < static_cast<float>(kDreMinK16) ? kDreMinK16 : static_cast<uint8_t>(k16);
+  float k16 = floorf(fast_div(16.0f * log2_range, span));
+  k16 = fminf(fmaxf(k16, static_cast<float>(kDreMinK16)), static_cast<float>(kDreMaxK16));
+  return mx > mn && mn > 0.0f ? static_cast<uint8_t>(k16) : static_cast<uint8_t>(kDreMinK16);
 }
 
 struct DreGroupFast {
   float mx;     // largest finite |x| (0 for an all-zero group)
   float k;      // k16 / 16
   float c_enc;  // log2 fmt_max - k log2 mx      : log2 q = k log2|x| + c_enc
-  float inv_k;  // 16 / k16
-  float c_dec;  // log2 mx - log2 fmt_max / k    : log2|x| = log2|q| / k + c_dec
+  float inv_k;  // 16 / k16                       : |x| = mx 2^(log2(|q| / fmt_max) / k)
 };
+
+// 1 / fmt_max rounded to fp32: fmt_max times it is exactly 1 (both maxima are 7 2^n), so the top
+// code decodes to mx exactly without a compare.
+COAT_HD float fp8_inv_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 1.0f / kE4M3Max : 1.0f / kE5M2Max; }
 
 COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
   DreGroupFast g;
@@ -140,7 +143,6 @@ COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
   g.k = static_cast<float>(k16) * 0.0625f;
   g.inv_k = fast_div(16.0f, static_cast<float>(k16));
   g.c_enc = fp8_log2_max(fmt) - g.k * l;
-  g.c_dec = l - fp8_log2_max(fmt) * g.inv_k;
   return g;
 }
 
@@ -155,28 +157,26 @@ COAT_HD uint8_t dre_encode_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
   return encode_fp8(dre_encode_value_fast(x, g), fmt);
 }
 
-// x from q, the FP8 value of its code (decode_fp8): sign(q) mx (|q| / fmt_max)^(1/k), the top code
-// giving mx exactly. Kernels get q from a packed hardware conversion and log2|q| from the MUFU;
-// dre_decode_fast below takes log2|q| from a table instead (same formula).
+// x from q, the FP8 value of its code (decode_fp8): sign(q) mx (|q| / fmt_max)^(1/k). The top code
+// gives log2(1) = 0, exp2(0) = 1 and so mx exactly; zero gives 0, NaN stays NaN. Kernels get q from
+// a packed hardware conversion and the log2 from the MUFU; dre_decode_fast below takes the log2
+// from a table instead (same formula).
 COAT_HD float dre_decode_value_fast(float q, const DreGroupFast& g, Fp8Format fmt) {
-  const float a = fabsf(q);
-  const float x = a == fp8_max(fmt) ? g.mx : fast_exp2(fast_log2(a) * g.inv_k + g.c_dec);
-  return copysignf(x, q);
+  return copysignf(g.mx * fast_exp2(fast_log2(fabsf(q) * fp8_inv_max(fmt)) * g.inv_k), q);
 }
 
-// Entry `mag` of the decode table: log2 of the code's magnitude, -inf for 0 (decodes to 0) and
-// NaN for the NaN codes (decode to NaN), so decoding needs no branches.
+// Entry `mag` of the decode table: log2(|q| / fmt_max) (exactly 0 for the top code), -inf for 0
+// (decodes to 0) and NaN for the NaN codes (decode to NaN), so decoding needs no branches.
 COAT_HD float dre_fast_lut_entry(int mag, Fp8Format fmt) {
   if (mag == 0) return -INFINITY;
   const float q = decode_fp8(static_cast<uint8_t>(mag), fmt);
-  return q != q ? q : det_log2(q);
+  return q != q ? q : det_log2(q * fp8_inv_max(fmt));
 }
 
-// x = sign(q) mx (|q| / fmt_max)^(1/k); the top code decodes to mx exactly.
+// dre_decode_value_fast with the log2 from the table (lut[mag] = dre_fast_lut_entry(mag, fmt)).
 COAT_HD float dre_decode_fast(uint8_t c, const DreGroupFast& g, Fp8Format fmt, const float* lut) {
-  const uint8_t mag = c & 0x7F;
-  float a = fast_exp2(lut[mag] * g.inv_k + g.c_dec);
-  a = mag == fp8_max_code(fmt) ? g.mx : a;
+  (void)fmt;
+  const float a = g.mx * fast_exp2(lut[c & 0x7F] * g.inv_k);
   return (c & 0x80) ? -a : a;
 }
 
