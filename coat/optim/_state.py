@@ -69,10 +69,78 @@ def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], 
             st["step"].data_ptr(), local.numel(), begin, seed, 0, 0, 0]
 
 
+# ---- sharded parameters (FSDP2): states as DTensors for torch.distributed.checkpoint ----------
+# The step works on each rank's local shard, with groups local to the shard. For a checkpoint every
+# rank's state must be saved, so state_dict() wraps them as DTensors laid out like the parameter
+# (codes, master) or as a dim-0 sharded vector of equal per-rank blocks (group metadata padded to
+# the largest shard's group count; the seed of the stochastic rounding, one per rank).
+# Resharding is not supported: the groups follow the shard boundaries.
+
+
+def _is_dtensor(t: Any) -> bool:
+    return callable(getattr(t, "to_local", None)) and hasattr(t, "device_mesh")
+
+
+def _shard0_layout(p: torch.Tensor) -> tuple[Any, int, int]:
+    """(mesh, world size, group count of the largest shard) of an FSDP2-style parameter."""
+    from torch.distributed.tensor import Shard
+
+    mesh = p.device_mesh
+    if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise NotImplementedError(f"coat.optim.AdamW state dicts support parameters sharded on dim 0 over a 1-D "
+                                  f"mesh (FSDP2's layout), got placements {tuple(p.placements)} on a "
+                                  f"{mesh.ndim}-D mesh")
+    world = mesh.size()
+    rows = -(-p.shape[0] // world) if p.dim() > 0 else 1
+    per_row = p[0].numel() if p.dim() > 0 else 1
+    return mesh, world, groups(rows * per_row)
+
+
+def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """The state of the local shard of DTensor parameter p, as DTensors every rank contributes to."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh, world, g_full = _shard0_layout(p)
+
+    def like_param(t: torch.Tensor) -> Any:
+        return DTensor.from_local(t, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+    def per_rank(t: torch.Tensor, n: int) -> Any:
+        block = torch.zeros(n, dtype=t.dtype, device=t.device)
+        block[: t.numel()] = t.reshape(-1)
+        return DTensor.from_local(block, mesh, [Shard(0)], run_check=False, shape=(world * n,), stride=(1,))
+
+    out = dict(st)
+    for name in _MOMENTS:
+        out[name + "_q"] = like_param(st[name + "_q"])
+        out[name + "_gmax"] = per_rank(st[name + "_gmax"], g_full)
+        out[name + "_k16"] = per_rank(st[name + "_k16"], g_full)
+    if "master" in st:
+        out["master"] = like_param(st["master"])
+    if "sr_seed" in st:
+        out["sr_seed"] = per_rank(st["sr_seed"], 1)
+    return out
+
+
+def _from_dtensors(saved: dict[str, Any], n: int) -> dict[str, Any]:
+    """This rank's part of a state saved by to_dtensor_state (plain states pass through)."""
+    out = {}
+    for k, t in saved.items():
+        if _is_dtensor(t):
+            t = t.to_local()
+            if k.endswith(("_gmax", "_k16")):
+                t = t[: groups(n)]
+            elif k == "sr_seed":
+                t = t.reshape(())
+        out[k] = t
+    return out
+
+
 def load_param_state(saved: dict[str, Any], local: torch.Tensor, m_fmt: str, v_fmt: str, master: str,
                      where: str) -> dict[str, Any]:
     """A saved state, checked against the parameter and copied onto its device (never aliased)."""
     dev, n = local.device, local.numel()
+    saved = _from_dtensors(saved, n)
     need = ["step"] + [m + s for m in _MOMENTS for s in ("_q", "_gmax", "_k16")]
     missing = [k for k in need if k not in saved]
     if missing:
@@ -121,11 +189,20 @@ def to_torch_adamw_state(src: Any) -> dict[str, Any]:
     sd = src.state_dict() if isinstance(src, torch.optim.Optimizer) else src
     state = {}
     for pid, st in sd["state"].items():
+        sharded = st["exp_avg_q"] if _is_dtensor(st["exp_avg_q"]) else None
+        if sharded is not None:  # a shard of an FSDP2 parameter: moments as DTensors like it
+            st = _from_dtensors(st, sharded.to_local().numel())
         out = {"step": torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().reshape(()).clone()}
         for name in _MOMENTS:
             q = st[name + "_q"]
             codes = q.reshape(-1).view(torch.uint8)
-            out[name] = _qops.dre_dequantize(codes, st[name + "_gmax"], st[name + "_k16"], fmt_id(q.dtype)).reshape(q.shape)
+            x = _qops.dre_dequantize(codes, st[name + "_gmax"], st[name + "_k16"], fmt_id(q.dtype)).reshape(q.shape)
+            if sharded is not None:
+                from torch.distributed.tensor import DTensor
+
+                x = DTensor.from_local(x, sharded.device_mesh, sharded.placements, run_check=False,
+                                       shape=sharded.shape, stride=sharded.stride())
+            out[name] = x
         state[pid] = out
     defaults = _torch_group_defaults()
     groups_out = []

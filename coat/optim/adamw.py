@@ -64,6 +64,11 @@ class AdamW(torch.optim.Optimizer):
     ``torch.amp.GradScaler`` is supported the way torch's fused optimizers do it: the scaler hands
     ``grad_scale`` and ``found_inf`` to the step, the kernel unscales the gradients (times 1/scale)
     and writes nothing when an inf was found (gradients are left scaled in ``.grad``).
+
+    Under FSDP2, ``state_dict()`` returns each sharded parameter's state as DTensors (codes and
+    master laid out like the parameter, group metadata and seeds as one block per rank), so
+    ``torch.distributed.checkpoint`` with ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+    saves every rank's shard and resumes bit-identically at the same world size.
     """
 
     _step_supports_amp_scaling = True
@@ -158,6 +163,15 @@ class AdamW(torch.optim.Optimizer):
         self._seeded += 1
         self.state[p] = state
         return state
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        # Sharded (DTensor) parameters: every rank's state must reach a distributed checkpoint.
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in enumerate(params):
+            if pid in sd["state"] and _state._is_dtensor(p):
+                sd["state"][pid] = _state.to_dtensor_state(sd["state"][pid], p)
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch's loader casts every floating-point state tensor to the parameter's dtype, which
