@@ -449,8 +449,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t stage0 = smem_addr(smem + warp * kDepth * kStageBytes);
-  TensorStep ts;
-  ts.inv_gs = adamw::inv_grad_scale(c.grad_scale);
+  // The per-tensor values live in shared memory (one copy per warp, reloaded for every pair):
+  // held in registers, the compiler rematerialises them from the fp64 hyperparameters each time.
+  __shared__ TensorStep warp_ts[kWarps];
+  TensorStep& ts = warp_ts[warp];
+  const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
 
   int64_t lo = 0, hi = n_tensors - 1;  // the last descriptor with group_begin <= cb
   while (lo < hi) {
@@ -463,8 +466,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const int64_t ng = groups_of(d.numel);
     const int64_t lb = (cb > d.group_begin ? cb : d.group_begin) - d.group_begin;
     const int64_t le = (ce < d.group_begin + ng ? ce : d.group_begin + ng) - d.group_begin;
-    ts.t = adamw::step_count(*d.step);
-    ts.s = adamw::make_scalars(lr, c, ts.t);
+    __syncwarp();  // every lane is done with the previous tensor's values
+    if (lane == 0) {
+      ts.t = adamw::step_count(*d.step);
+      ts.s = adamw::make_scalars(lr, c, ts.t);
+      ts.inv_gs = inv_gs;
+    }
+    __syncwarp();
     const bool aligned = cuda::aligned(src_of<M, P>(d), 4 * sizeof(Src)) && cuda::aligned(d.param, 4 * sizeof(P)) &&
                          cuda::aligned(d.grad, 4 * sizeof(Gr)) && cuda::aligned(d.m_q, 4) && cuda::aligned(d.v_q, 4) &&
                          cuda::aligned(d.m_k16, 4) && cuda::aligned(d.v_k16, 4);

@@ -32,29 +32,38 @@ def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _train(model: torch.nn.Module) -> co.AdamW:
     opt = co.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    dev = next(model.parameters()).device
     for x, y in _data():
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).backward()
         opt.step()
         opt.zero_grad()
     return opt
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _init(rank: int, world: int, port: int, backend: str) -> str:
+    """Join the process group; the device type of this rank."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = _init(rank, world, port, backend)
     try:
-        model = _model()
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        model = _model().to(dev)
+        fully_shard(model, mesh=init_device_mesh(dev, (world,)))
         opt = _train(model)
         shards = []
         for p in model.parameters():
             local = p.to_local()
             st = opt.state[p]
             shards.append((tuple(local.shape), tuple(st["exp_avg_q"].shape), st["exp_avg_gmax"].numel()))
-        full = [p.full_tensor().detach() for p in model.parameters()]
+        full = [p.full_tensor().detach().cpu() for p in model.parameters()]
         if rank == 0:
             torch.save({"params": full, "shards": shards}, out)
     finally:
@@ -67,10 +76,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# gloo on CPU ranks everywhere; NCCL on two GPUs where there are two.
+BACKENDS = [
+    "gloo",
+    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+        reason="needs two CUDA devices and NCCL")]),
+]
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_fsdp2_step_on_local_shards_matches_unsharded(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsdp2_step_on_local_shards_matches_unsharded(tmp_path, backend):
     out = str(tmp_path / "fsdp.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), out, backend), nprocs=2, join=True)
     got = torch.load(out)
     ref_model = _model()
     start = [p.detach().clone() for p in ref_model.parameters()]
@@ -92,27 +111,27 @@ SPLIT = 3  # steps before the checkpoint; the rest after it
 
 
 def _steps(model: torch.nn.Module, opt: co.AdamW, data) -> None:
-    dtype = next(model.parameters()).dtype
+    p0 = next(model.parameters())
     for x, y in data:
-        torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        torch.nn.functional.mse_loss(model(x.to(p0.device, p0.dtype)), y.to(p0.device, p0.dtype)).backward()
         opt.step()
         opt.zero_grad()
 
 
-def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: torch.dtype, master: str) -> None:
+def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: torch.dtype, master: str,
+                backend: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = _init(rank, world, port, backend)
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(dev, (world,))
 
         def fresh():
-            model = _model().to(dtype)
+            model = _model().to(dev, dtype)
             fully_shard(model, mesh=mesh)
             return model, co.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=master)
 
@@ -122,7 +141,7 @@ def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: to
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=ckpt)
         _steps(model, opt, data[SPLIT:])
-        straight = [p.full_tensor().detach() for p in model.parameters()]
+        straight = [p.full_tensor().detach().cpu() for p in model.parameters()]
 
         model, opt = fresh()
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -130,7 +149,7 @@ def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: to
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, opt, sd["optim"])
         _steps(model, opt, data[SPLIT:])
-        resumed = [p.full_tensor().detach() for p in model.parameters()]
+        resumed = [p.full_tensor().detach().cpu() for p in model.parameters()]
         torch_sd = co.to_torch_adamw_state(opt)  # per-shard moments as DTensors like the parameters
         ok_torch = all(type(st["exp_avg"]).__name__ == "DTensor" for st in torch_sd["state"].values())
         if rank == 0:
@@ -142,9 +161,11 @@ def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: to
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("dtype,master", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
                                           (torch.bfloat16, "bf16_sr")])
-def test_fsdp2_distributed_checkpoint_resumes_bit_identically(tmp_path, dtype, master):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsdp2_distributed_checkpoint_resumes_bit_identically(tmp_path, dtype, master, backend):
     out = str(tmp_path / "dcp.pt")
-    mp.spawn(_dcp_worker, args=(2, _free_port(), str(tmp_path / "ckpt"), out, dtype, master), nprocs=2, join=True)
+    mp.spawn(_dcp_worker, args=(2, _free_port(), str(tmp_path / "ckpt"), out, dtype, master, backend), nprocs=2,
+             join=True)
     got = torch.load(out)
     assert got["ok_torch"]
     for a, b in zip(got["straight"], got["resumed"]):
