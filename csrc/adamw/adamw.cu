@@ -30,7 +30,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int G = kDreGroupSize;
 constexpr int kE = 8;           // elements per lane
 constexpr int kPair = 2 * G;    // elements per warp step
-constexpr int kDepth = 4;       // pairs per warp in shared-memory stages (kDepth - 1 in flight ahead)
 constexpr int kBlocksPerSm = 2;
 static_assert(G == 16 * kE, "16 lanes per group");
 
@@ -95,24 +94,28 @@ __device__ __forceinline__ void store_chunks(T* p, const uint32_t (&w)[kWords<T>
 
 // ---- FP8 codes <-> fp32, two at a time ----------------------------------------------------------
 
-// The FP8 values of 8 codes (two words), signed. An E5M2 code is the high byte of the fp16 of the
-// same value; E4M3 goes through the packed hardware conversion to f16x2.
-template <Fp8Format F>
-__device__ __forceinline__ void fp8x8_to_float(const uint32_t (&w)[2], float (&q)[kE]) {
+// Decode tables: log2(|q| / fmt_max) of each code magnitude (dre_fast_lut_entry, the CPU
+// reference's table), 32 copies interleaved so that lane l always reads bank l: a warp's lookups
+// never conflict whatever the codes. Looking the log2 up instead of taking it from the MUFU halves
+// the special-function work of decoding (the MUFU pipe was the busiest).
+constexpr int kLutCopies = 32;
+constexpr int kLutFloats = 128 * kLutCopies;
+
+// The 8 decoded values of a lane's codes (two words): mx 2^(lut[code] / k), signed for m (kSigned);
+// v is never negative, so its sign bit is not looked at (a negative NaN code is NaN either way).
+template <bool kSigned>
+__device__ __forceinline__ void decode8(const uint32_t (&w)[2], const float* lut_lane, const DreGroupFast& g,
+                                        float (&x)[kE]) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t c = w[i / 2];
-    uint32_t h2;
-    if constexpr (F == Fp8Format::kE5M2) {
-      h2 = __byte_perm(c, 0u, i % 2 ? 0x3424 : 0x1404);
-    } else {
-      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(
-          static_cast<__nv_fp8x2_storage_t>(i % 2 ? c >> 16 : c & 0xFFFFu), __NV_E4M3);
-      h2 = static_cast<uint32_t>(r.x) | (static_cast<uint32_t>(r.y) << 16);
-    }
-    const __half2 h = *reinterpret_cast<const __half2*>(&h2);
-    q[2 * i] = __low2float(h);
-    q[2 * i + 1] = __high2float(h);
+  for (int j = 0; j < kE; ++j) {
+    const uint32_t c = w[j / 4];
+    const int b = j % 4;
+    // Byte offset of entry (code & 0x7F) in the lane's column: (code & 0x7F) * 128.
+    const uint32_t off = (b == 0 ? c << 7 : c >> (8 * b - 7)) & 0x3F80u;
+    const float t = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(lut_lane) + off);
+    float a = g.mx * fast_exp2(t * g.inv_k);
+    if constexpr (kSigned) a = __uint_as_float(__float_as_uint(a) | ((b == 3 ? c : c << (24 - 8 * b)) & 0x80000000u));
+    x[j] = a;
   }
 }
 
@@ -222,6 +225,11 @@ struct Stage {
   static constexpr int kBytes = kMeta + 32 * 16;
 };
 
+// Pairs per warp in shared-memory stages (kDepth - 1 in flight ahead): 4 where two blocks of 8
+// warps still fit an SM's 228 KB next to the decode tables, else 3 (fp32 inputs).
+template <typename Src, typename Gr>
+constexpr int kDepthFor = kWarps * 4 * Stage<Src, Gr>::kBytes + 2 * kLutFloats * 4 <= 112 * 1024 ? 4 : 3;
+
 template <typename T>
 __device__ __forceinline__ int chunk_slot(int lane, int c) {
   constexpr int kCb = 4 * static_cast<int>(sizeof(T));
@@ -330,13 +338,13 @@ __device__ __forceinline__ void store_codes(const AdamwTensor& d, const LanePos&
 // elements. kFull: a full group of an aligned tensor (vector stores); else element-wise, guarded.
 template <typename P, typename Src, typename Gr, MasterKind M, Fp8Format MF, Fp8Format VF, bool kFull>
 __device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& at, const LaneIn<Src, Gr>& in,
-                                          const TensorStep& ts, const AdamwConfig& c) {
+                                          const TensorStep& ts, const AdamwConfig& c, const float* lut) {
   const bool upper = (threadIdx.x & 31) >= 16;
   const DreGroupFast m_old = dre_group_fast(in.m_mx, static_cast<uint8_t>(in.m_k16), MF);
   const DreGroupFast v_old = dre_group_fast(in.v_mx, static_cast<uint8_t>(in.v_k16), VF);
   float p[kE], m[kE], v[kE];
-  fp8x8_to_float<MF>(in.mq, m);
-  fp8x8_to_float<VF>(in.vq, v);
+  decode8<true>(in.mq, lut + (threadIdx.x & 31), m_old, m);
+  decode8<false>(in.vq, lut + kLutFloats + (threadIdx.x & 31), v_old, v);
   // Statistics over |x|: max as a float, non-zero min as min over 2 bits(x) - 1 (unsigned: drops
   // the sign, and zero wraps to the largest value). NaN never wins either.
   float m_hi = 0.0f, v_hi = 0.0f;
@@ -344,8 +352,6 @@ __device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& a
 #pragma unroll
   for (int j = 0; j < kE; ++j) {
     const float g = unpack<Gr>(in.g, j) * ts.inv_gs;
-    m[j] = dre_decode_value_fast(m[j], m_old, MF);
-    v[j] = dre_decode_value_fast(v[j], v_old, VF);
     p[j] = adamw::update(unpack<Src>(in.p, j), g, m[j], v[j], ts.s);
     m_hi = fmaxf(m_hi, fabsf(m[j]));
     v_hi = fmaxf(v_hi, fabsf(v[j]));
@@ -441,11 +447,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
                  AdamwConfig c) {
   using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
   constexpr int kStageBytes = Stage<Src, Gr>::kBytes;
+  constexpr int kDepth = kDepthFor<Src, Gr>;
   extern __shared__ __align__(16) uint8_t smem[];  // kDepth stages per warp
   if (c.found_inf != nullptr && *c.found_inf != 0.0f) return;
   const int64_t cb = static_cast<int64_t>(blockIdx.x) * chunk;
   const int64_t ce = cb + chunk < n_groups ? cb + chunk : n_groups;
   if (cb >= ce) return;
+  __shared__ float lut[2 * kLutFloats];  // m's table, then v's
+  for (int i = threadIdx.x; i < 2 * kLutFloats; i += kThreads)
+    lut[i] = dre_fast_lut_entry((i / kLutCopies) % 128, i < kLutFloats ? MF : VF);
+  __syncthreads();
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t stage0 = smem_addr(smem + warp * kDepth * kStageBytes);
@@ -503,13 +514,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         issue_stage<P, Src, Gr, M>(d, lane_pos<true>(j0 + kn * kWarps, lane, lb, le),
                                    stage0 + static_cast<uint32_t>(kn % kDepth) * kStageBytes, lane);
       cp_async_commit();
-      step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c);
+      step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c, lut);
     }
     auto edge = [&](int64_t jj) {
       const LanePos at = lane_pos<false>(jj, lane, lb, le);
       LaneIn<Src, Gr> in;
       load_any<P, Src, Gr, M>(d, at, in);
-      step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c);
+      step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c, lut);
     };
     if (lb % 2 == 1 && warp == kWarps - 1) edge(lb / 2);
     for (int64_t jj = in_hi + warp; jj < (le + 1) / 2; jj += kWarps) edge(jj);
@@ -531,11 +542,14 @@ void launch_formats(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_gro
   auto* kernel = m4 ? (v4 ? adamw_kernel<P, Gr, M, E4, E4> : adamw_kernel<P, Gr, M, E4, E5>)
                     : (v4 ? adamw_kernel<P, Gr, M, E5, E4> : adamw_kernel<P, Gr, M, E5, E5>);
   using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
-  constexpr int smem = kWarps * kDepth * Stage<Src, Gr>::kBytes;
+  constexpr int smem = kWarps * kDepthFor<Src, Gr> * Stage<Src, Gr>::kBytes;
   static bool configured[4] = {false, false, false, false};  // per format pair; benign race
   bool& done = configured[(m4 ? 0 : 2) + (v4 ? 0 : 1)];
   if (!done) {
     COAT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    // Two blocks per SM need nearly all of it (stages + decode tables).
+    COAT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
     done = true;
   }
   kernel<<<grid, kThreads, smem, stream>>>(tensors, n_tensors, n_groups, chunk, c);
