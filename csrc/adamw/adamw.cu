@@ -94,12 +94,37 @@ __device__ __forceinline__ void store_chunks(T* p, const uint32_t (&w)[kWords<T>
 
 // ---- FP8 codes <-> fp32, two at a time ----------------------------------------------------------
 
+// The FP8 values of 8 codes (two words), signed. An E5M2 code is the high byte of the fp16 of the
+// same value; E4M3 goes through the packed hardware conversion to f16x2.
+template <Fp8Format F>
+__device__ __forceinline__ void fp8x8_to_float(const uint32_t (&w)[2], float (&q)[kE]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t c = w[i / 2];
+    uint32_t h2;
+    if constexpr (F == Fp8Format::kE5M2) {
+      h2 = __byte_perm(c, 0u, i % 2 ? 0x3424 : 0x1404);
+    } else {
+      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(i % 2 ? c >> 16 : c & 0xFFFFu), __NV_E4M3);
+      h2 = static_cast<uint32_t>(r.x) | (static_cast<uint32_t>(r.y) << 16);
+    }
+    const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+    q[2 * i] = __low2float(h);
+    q[2 * i + 1] = __high2float(h);
+  }
+}
+
 // Decode tables: log2(|q| / fmt_max) of each code magnitude (dre_fast_lut_entry, the CPU
 // reference's table), 32 copies interleaved so that lane l always reads bank l: a warp's lookups
 // never conflict whatever the codes. Looking the log2 up instead of taking it from the MUFU halves
-// the special-function work of decoding (the MUFU pipe was the busiest).
+// the special-function work of decoding (the MUFU pipe was the busiest) at the price of integer
+// work; the stochastic-rounding step, whose hash already loads the integer pipes, measured slower
+// with it (35.8 against 32.7 ms on the 7B set) and keeps the MUFU decode above.
 constexpr int kLutCopies = 32;
 constexpr int kLutFloats = 128 * kLutCopies;
+template <MasterKind M>
+constexpr bool kLutDecode = M != MasterKind::kBf16Sr;
 
 // The 8 decoded values of a lane's codes (two words): mx 2^(lut[code] / k), signed for m (kSigned);
 // v is never negative, so its sign bit is not looked at (a negative NaN code is NaN either way).
@@ -343,8 +368,18 @@ __device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& a
   const DreGroupFast m_old = dre_group_fast(in.m_mx, static_cast<uint8_t>(in.m_k16), MF);
   const DreGroupFast v_old = dre_group_fast(in.v_mx, static_cast<uint8_t>(in.v_k16), VF);
   float p[kE], m[kE], v[kE];
-  decode8<true>(in.mq, lut + (threadIdx.x & 31), m_old, m);
-  decode8<false>(in.vq, lut + kLutFloats + (threadIdx.x & 31), v_old, v);
+  if constexpr (kLutDecode<M>) {
+    decode8<true>(in.mq, lut + (threadIdx.x & 31), m_old, m);
+    decode8<false>(in.vq, lut + kLutFloats + (threadIdx.x & 31), v_old, v);
+  } else {
+    fp8x8_to_float<MF>(in.mq, m);
+    fp8x8_to_float<VF>(in.vq, v);
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      m[j] = dre_decode_value_fast(m[j], m_old, MF);
+      v[j] = dre_decode_value_fast(v[j], v_old, VF);
+    }
+  }
   // Statistics over |x|: max as a float, non-zero min as min over 2 bits(x) - 1 (unsigned: drops
   // the sign, and zero wraps to the largest value). NaN never wins either.
   float m_hi = 0.0f, v_hi = 0.0f;
@@ -453,10 +488,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int64_t cb = static_cast<int64_t>(blockIdx.x) * chunk;
   const int64_t ce = cb + chunk < n_groups ? cb + chunk : n_groups;
   if (cb >= ce) return;
-  __shared__ float lut[2 * kLutFloats];  // m's table, then v's
-  for (int i = threadIdx.x; i < 2 * kLutFloats; i += kThreads)
-    lut[i] = dre_fast_lut_entry((i / kLutCopies) % 128, i < kLutFloats ? MF : VF);
-  __syncthreads();
+  const float* lut = nullptr;
+  if constexpr (kLutDecode<M>) {
+    __shared__ float tables[2 * kLutFloats];  // m's table, then v's
+    for (int i = threadIdx.x; i < 2 * kLutFloats; i += kThreads)
+      tables[i] = dre_fast_lut_entry((i / kLutCopies) % 128, i < kLutFloats ? MF : VF);
+    __syncthreads();
+    lut = tables;
+  }
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t stage0 = smem_addr(smem + warp * kDepth * kStageBytes);
