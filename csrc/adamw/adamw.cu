@@ -2,15 +2,17 @@
 // configuration. Numerics in coat/adamw.h; the per-element and per-group math is adamw_math.h and
 // dre.h, shared with the CPU reference.
 //
-// The step moves ~16 bytes per parameter and must run near copy bandwidth, so the kernel is laid
-// out to spend few instructions per element (it was instruction-bound before):
-// - a lane owns 8 elements (two runs of 4), 16 lanes a group of 128, a warp a pair of groups, so
-//   the per-group work (decode/encode parameters, k16) is shared by 8 elements;
-// - codes are converted two at a time by the hardware (cvt e4m3x2 <-> f16x2 / f32x2) and log2/exp2
-//   come from the MUFU; group max / non-zero min are one-instruction warp reductions (redux.sync on
-//   the bits of non-negative floats), half-warp results picked per lane;
-// - a warp streams through the pairs of its block's contiguous chunk, with the inputs of the next
-//   pairs loaded before the current one is computed (registers, no shared memory);
+// The step moves ~16 bytes per parameter and should run near copy bandwidth, so the kernel is laid
+// out to spend few instructions per element (benchmarks/RESULTS.md section 4 has the history):
+// - a lane owns 8 elements (two runs of 4, so that half-warps touch whole sectors), 16 lanes a
+//   group of 128, a warp a pair of groups: the per-group work (decode/encode parameters, k16) is
+//   shared by 8 elements;
+// - decoding looks the log2 of each code up in conflict-free shared tables (the stochastic-rounding
+//   step converts codes with the hardware and takes the MUFU's log2 instead); exp2, log2 for
+//   encoding, sqrt and reciprocals come from the MUFU; encoding converts pairs of values with one
+//   cvt; group max / non-zero min are redux.sync reductions on the bits of non-negative floats;
+// - persistent blocks stream through contiguous chunks; each warp keeps the inputs of the next
+//   pairs in flight with cp.async into shared-memory stages (no registers held);
 // - non-finite moments (a rare, warp-uniform case) take a slow path that keeps them out of the
 //   group statistics and stores them as the NaN code.
 #include <cfloat>
