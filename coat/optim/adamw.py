@@ -222,8 +222,9 @@ class AdamW(torch.optim.Optimizer):
                     raise ValueError("parameters and gradients must be contiguous")
                 if local.device.type not in ("cpu", "cuda"):
                     raise ValueError(f"coat.optim.AdamW runs on CPU or CUDA tensors, got {local.device}")
-                if local.numel() == 0:
-                    continue
+                # An empty shard (an FSDP2 rank past a short dim 0) still gets its (empty) state and
+                # its step count, so that every rank holds the same states with the same steps, as
+                # distributed state dicts expect; it has no row in the kernel's descriptor table.
                 state = self.state[p] or self._init_state(p, local, group)
                 _state.check_state_device(state, local)
                 master = self._master_kind(local.dtype)
@@ -238,6 +239,8 @@ class AdamW(torch.optim.Optimizer):
             return hit[1], hit[2]
         rows, begin = [], 0
         for _, local, grad, state in items:
+            if local.numel() == 0:
+                continue
             rows.append(_state.descriptor_row(local, grad, state, begin))
             begin += _state.groups(local.numel())
         host = torch.tensor(rows, dtype=torch.int64)
@@ -281,15 +284,16 @@ class AdamW(torch.optim.Optimizer):
             lr_t = to_dev(lr, device, f"lr{gi}") if isinstance(lr, torch.Tensor) else None
             fi = to_dev(found_inf, device, "found_inf")
             m_fmt, v_fmt = group["m_format"], group["v_format"]
-            _ops.adamw_step(
-                table, n_groups, lr=0.0 if lr_t is not None else float(lr), lr_tensor=lr_t,
-                beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                weight_decay=group["weight_decay"], grad_scale=to_dev(grad_scale, device, "grad_scale"),
-                found_inf=fi, param_dtype=pdtype, grad_dtype=gdtype, master=master,
-                m_fmt=CORE_ID[m_fmt], v_fmt=CORE_ID[v_fmt], expansion=group["expansion"],
-                m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
-                cpu_threads=torch.get_num_threads(),
-            )
+            if n_groups > 0:  # else only empty shards: their steps count, nothing to compute
+                _ops.adamw_step(
+                    table, n_groups, lr=0.0 if lr_t is not None else float(lr), lr_tensor=lr_t,
+                    beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                    weight_decay=group["weight_decay"], grad_scale=to_dev(grad_scale, device, "grad_scale"),
+                    found_inf=fi, param_dtype=pdtype, grad_dtype=gdtype, master=master,
+                    m_fmt=CORE_ID[m_fmt], v_fmt=CORE_ID[v_fmt], expansion=group["expansion"],
+                    m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
+                    cpu_threads=torch.get_num_threads(),
+                )
             if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
                 torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
         return loss

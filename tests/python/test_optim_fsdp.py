@@ -21,13 +21,14 @@ STEPS = 5
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     # 300 x 201: each rank's shard (150 rows) is not a multiple of 128 elements, so groups are
-    # partial at shard ends.
-    return torch.nn.Sequential(torch.nn.Linear(201, 300), torch.nn.GELU(), torch.nn.Linear(300, 7))
+    # partial at shard ends; the last bias has one element, so rank 1's shard of it is empty.
+    return torch.nn.Sequential(torch.nn.Linear(201, 300), torch.nn.GELU(), torch.nn.Linear(300, 7),
+                               torch.nn.GELU(), torch.nn.Linear(7, 1))
 
 
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 201, generator=g), torch.randn(16, 7, generator=g)) for _ in range(STEPS)]
+    return [(torch.randn(16, 201, generator=g), torch.randn(16, 1, generator=g)) for _ in range(STEPS)]
 
 
 def _train(model: torch.nn.Module) -> co.AdamW:
@@ -61,7 +62,7 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
         shards = []
         for p in model.parameters():
             local = p.to_local()
-            st = opt.state[p]
+            st = opt.state[p]  # also for an empty shard (rank 1's part of the one-element bias)
             shards.append((tuple(local.shape), tuple(st["exp_avg_q"].shape), st["exp_avg_gmax"].numel()))
         full = [p.full_tensor().detach().cpu() for p in model.parameters()]
         if rank == 0:
