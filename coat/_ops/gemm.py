@@ -137,6 +137,13 @@ def _run(a, b, scale_a, scale_b, bias, out_dtype, out_scale, want_amax):
     return out, amax
 
 
+def _check_fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype) -> None:
+    """fp8_gemm's checks (the op and its fake): check_args, and no FP8 output."""
+    if out_dtype == torch.float8_e4m3fn:
+        raise ValueError("out_dtype must be float32 or bfloat16 (use fp8_gemm_amax for an FP8 output)")
+    check_args(a, b, scale_a, scale_b, bias, out_dtype)
+
+
 @torch.library.custom_op("coat::fp8_gemm", mutates_args=())
 def fp8_gemm(
     a: torch.Tensor,
@@ -147,17 +154,13 @@ def fp8_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b).T (+ bias)`` as float32 or bfloat16."""
-    if out_dtype == torch.float8_e4m3fn:
-        raise ValueError("out_dtype must be float32 or bfloat16 (use fp8_gemm_amax for an FP8 output)")
-    check_args(a, b, scale_a, scale_b, bias, out_dtype)
+    _check_fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype)
     return _run(a, b, scale_a, scale_b, bias, out_dtype, None, False)[0]
 
 
 @fp8_gemm.register_fake
 def _(a, b, scale_a, scale_b, bias, out_dtype):
-    if out_dtype == torch.float8_e4m3fn:
-        raise ValueError("out_dtype must be float32 or bfloat16 (use fp8_gemm_amax for an FP8 output)")
-    check_args(a, b, scale_a, scale_b, bias, out_dtype)
+    _check_fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 

@@ -97,8 +97,8 @@ COAT_HD uint8_t group_k16(float mx, float mn, bool expansion, float log2_range) 
 COAT_HD float code_log2(int mag, Fp8Format fmt) { return dre_fast_lut_entry(mag, fmt); }
 
 // Decode one state element of a group (lq = the code_log2 table of fmt).
-COAT_HD float decode_state(uint8_t c, const DreGroupFast& g, const float* lq, Fp8Format fmt) {
-  return dre_decode_fast(c, g, fmt, lq);
+COAT_HD float decode_state(uint8_t c, const DreGroupFast& g, const float* lq) {
+  return dre_decode_fast(c, g, lq);
 }
 
 // Encode one state element; NaN and +-Inf become the NaN code (saturating Inf to gmax would hide

@@ -48,8 +48,8 @@ void step_group(const AdamwTensor& d, int64_t lg, const adamw::Scalars& s, const
   float m_hi = 0.0f, m_lo = INFINITY, v_hi = 0.0f, v_lo = INFINITY;
   for (int i = 0; i < n; ++i) {
     const float g = Elem<Gr>::load(grad[i]) * inv_gs;
-    m[i] = adamw::decode_state(d.m_q[begin + i], m_old, lq_m, c.m_fmt);
-    v[i] = adamw::decode_state(d.v_q[begin + i], v_old, lq_v, c.v_fmt);
+    m[i] = adamw::decode_state(d.m_q[begin + i], m_old, lq_m);
+    v[i] = adamw::decode_state(d.v_q[begin + i], v_old, lq_v);
     const float p0 = M == MasterKind::kFp32 ? d.master[begin + i] : Elem<P>::load(param[i]);
     p[i] = adamw::update(p0, g, m[i], v[i], s);
     adamw::group_minmax(m[i], m_hi, m_lo);

@@ -11,14 +11,6 @@ namespace {
 
 using nb::arg;
 
-// Group scales of a [.., cols] FP8 tensor: fp32 or E8M0 bytes, one per 16 elements.
-ScaleKind check_group_scales(const View& scales, int64_t numel) {
-  COAT_CHECK_ARG(scales.kind == Kind::kFloat32 || scales.kind == Kind::kUInt8,
-                 "scales must be float32 or uint8 (E8M0), got " + std::string(kind_name(scales.kind)));
-  expect_numel(scales, numel / kNormGroup, "one per group of 16");
-  return scales.kind == Kind::kUInt8 ? ScaleKind::kE8M0 : ScaleKind::kFloat32;
-}
-
 void check_width(const View& v, const char* what) {
   COAT_CHECK_ARG(v.last_dim() % kNormGroup == 0, std::string("the last dimension of ") + v.name + " (" +
                                                       std::to_string(v.last_dim()) + ") must be a multiple of 16 " +
@@ -39,17 +31,10 @@ void rmsnorm_fwd_py(const Array& x_, const Array& w_, float eps, MutArray y_, Mu
   expect_same_shape(y, x);
   expect_kind(rstd, Kind::kFloat32);
   expect_numel(rstd, x.rows(), "one per row of x");
-  COAT_CHECK_ARG(q_.has_value() == scales_.has_value(), "q and scales must be given together");
-  View q, scales;
-  ScaleKind kind = ScaleKind::kFloat32;
-  if (q_) {
-    q = view_of(*q_, "q");
-    scales = view_of(*scales_, "scales");
-    expect_kind(q, Kind::kUInt8);
-    expect_same_shape(q, x);
-    kind = check_group_scales(scales, x.numel);
-  }
-  const bool cuda = q_ ? same_device({&x, &w, &y, &rstd, &q, &scales}) : same_device({&x, &w, &y, &rstd});
+  const Fp8Output out = optional_fp8_output(q_, scales_, x, kNormGroup);
+  const View &q = out.q, &scales = out.scales;
+  const ScaleKind kind = out.kind;
+  const bool cuda = out.given ? same_device({&x, &w, &y, &rstd, &q, &scales}) : same_device({&x, &w, &y, &rstd});
   auto* qd = static_cast<uint8_t*>(q.data);
   auto* rs = static_cast<float*>(rstd.data);
   if (cuda)
@@ -65,7 +50,7 @@ std::pair<ScaleKind, DType> check_saved_input(const View& q, const View& scales,
   expect_kind(q, Kind::kUInt8);
   COAT_CHECK_ARG(!q.shape.empty(), "q must have at least one dimension");
   check_width(q, "for the FP8 RMSNorm");
-  const ScaleKind kind = check_group_scales(scales, q.numel);
+  const ScaleKind kind = check_group_scales(scales, q.numel, kNormGroup);
   expect_kind(rstd, Kind::kFloat32);
   expect_numel(rstd, q.rows(), "one per row of q");
   const DType wt = float_dtype(w);

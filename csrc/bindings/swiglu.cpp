@@ -18,13 +18,6 @@ int64_t inter_of(const View& gu) {
   return gu.last_dim() / 2;
 }
 
-ScaleKind check_scales(const View& scales, int64_t numel) {
-  COAT_CHECK_ARG(scales.kind == Kind::kFloat32 || scales.kind == Kind::kUInt8,
-                 "scales must be float32 or uint8 (E8M0), got " + std::string(kind_name(scales.kind)));
-  expect_numel(scales, numel / kSwigluGroup, "one per group of 16");
-  return scales.kind == Kind::kUInt8 ? ScaleKind::kE8M0 : ScaleKind::kFloat32;
-}
-
 void expect_h_shape(const View& h, const View& gu, int64_t inter) {
   std::vector<int64_t> s = gu.shape;
   s.back() = inter;
@@ -40,17 +33,10 @@ void swiglu_fwd_py(const Array& gu_, MutArray h_, std::optional<MutArray> q_, st
   const int64_t inter = inter_of(gu);
   expect_kind(h, gu.kind);
   expect_h_shape(h, gu, inter);
-  COAT_CHECK_ARG(q_.has_value() == scales_.has_value(), "q and scales must be given together");
-  View q, scales;
-  ScaleKind kind = ScaleKind::kFloat32;
-  if (q_) {
-    q = view_of(*q_, "q");
-    scales = view_of(*scales_, "scales");
-    expect_kind(q, Kind::kUInt8);
-    expect_same_shape(q, gu);
-    kind = check_scales(scales, gu.numel);
-  }
-  const bool cuda = q_ ? same_device({&gu, &h, &q, &scales}) : same_device({&gu, &h});
+  const Fp8Output out = optional_fp8_output(q_, scales_, gu, kSwigluGroup);
+  const View &q = out.q, &scales = out.scales;
+  const ScaleKind kind = out.kind;
+  const bool cuda = out.given ? same_device({&gu, &h, &q, &scales}) : same_device({&gu, &h});
   auto* qd = static_cast<uint8_t*>(q.data);
   if (cuda)
     COAT_GPU_CALL(swiglu_fwd(gu.data, dt, gu.rows(), inter, h.data, qd, scales.data, kind, fmt, stream_of(stream)));
@@ -65,7 +51,7 @@ void swiglu_bwd_py(const Array& q_, const Array& scales_, const Array& dh_, MutA
   const Fp8Format fmt = fp8_format(fmt_);
   expect_kind(q, Kind::kUInt8);
   const int64_t inter = inter_of(q);
-  const ScaleKind kind = check_scales(scales, q.numel);
+  const ScaleKind kind = check_group_scales(scales, q.numel, kSwigluGroup);
   const DType dt = float_dtype(dh);
   expect_h_shape(dh, q, inter);
   expect_kind(dgu, dh.kind);

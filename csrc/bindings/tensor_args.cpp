@@ -84,6 +84,27 @@ void expect_same_shape(const View& v, const View& ref) {
                                            shape_str(v.shape));
 }
 
+ScaleKind check_group_scales(const View& scales, int64_t numel, int64_t group) {
+  COAT_CHECK_ARG(scales.kind == Kind::kFloat32 || scales.kind == Kind::kUInt8,
+                 "scales must be float32 or uint8 (E8M0), got " + std::string(kind_name(scales.kind)));
+  expect_numel(scales, numel / group, "one per group of " + std::to_string(group));
+  return scales.kind == Kind::kUInt8 ? ScaleKind::kE8M0 : ScaleKind::kFloat32;
+}
+
+Fp8Output optional_fp8_output(const std::optional<MutArray>& q, const std::optional<MutArray>& scales,
+                              const View& like, int64_t group) {
+  COAT_CHECK_ARG(q.has_value() == scales.has_value(), "q and scales must be given together");
+  Fp8Output out;
+  if (!q) return out;
+  out.given = true;
+  out.q = view_of(*q, "q");
+  out.scales = view_of(*scales, "scales");
+  expect_kind(out.q, Kind::kUInt8);
+  expect_same_shape(out.q, like);
+  out.kind = check_group_scales(out.scales, like.numel, group);
+  return out;
+}
+
 void require_cuda_build() {
   COAT_CHECK_ARG(built_with_cuda(),
                  "coat was built without CUDA kernels; reinstall it where nvcc is available to use "

@@ -54,6 +54,19 @@ Fp8Format fp8_format(int f);
 ScaleKind scale_kind(int k);
 inline cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// Scales of FP8 codes quantized in 1x`group` groups: fp32 or E8M0 bytes, one per group of `numel`.
+ScaleKind check_group_scales(const View& scales, int64_t numel, int64_t group);
+
+// An optional FP8 output of a fused kernel: codes shaped like `like` plus their 1x`group` scales,
+// given both or neither (given = false, null pointers, fp32 scale kind).
+struct Fp8Output {
+  View q, scales;
+  ScaleKind kind = ScaleKind::kFloat32;
+  bool given = false;
+};
+Fp8Output optional_fp8_output(const std::optional<MutArray>& q, const std::optional<MutArray>& scales,
+                              const View& like, int64_t group);
+
 // Raises when the build has no CUDA kernels and a CUDA tensor was passed.
 void require_cuda_build();
 

@@ -174,8 +174,7 @@ COAT_HD float dre_fast_lut_entry(int mag, Fp8Format fmt) {
 }
 
 // dre_decode_value_fast with the log2 from the table (lut[mag] = dre_fast_lut_entry(mag, fmt)).
-COAT_HD float dre_decode_fast(uint8_t c, const DreGroupFast& g, Fp8Format fmt, const float* lut) {
-  (void)fmt;
+COAT_HD float dre_decode_fast(uint8_t c, const DreGroupFast& g, const float* lut) {
   const float a = g.mx * fast_exp2(lut[c & 0x7F] * g.inv_k);
   return (c & 0x80) ? -a : a;
 }

@@ -38,26 +38,28 @@ inline void check_rmsnorm_fwd(const void* x, const void* w, int64_t rows, int64_
   COAT_CHECK_ARG(q == nullptr || scales != nullptr || n == 0, "scales must not be null when q is given");
 }
 
-inline void check_rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, const float* rstd,
-                                  const void* w, int64_t rows, int64_t cols, const void* y) {
+// What the FP8 forward saves and the backward reads: codes, scales, rstd, and the weight.
+inline void check_rmsnorm_saved(const uint8_t* q, const void* scales, const float* rstd, const void* w,
+                                int64_t rows, int64_t cols) {
   check_norm_shape(rows, cols);
   const int64_t n = rows * cols;
   check_norm_ptr(q, n, "q");
   check_norm_ptr(scales, n, "scales");
   check_norm_ptr(rstd, n, "rstd");
   check_norm_ptr(w, cols, "weight");
-  check_norm_ptr(y, n, "y");
+}
+
+inline void check_rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, const float* rstd,
+                                  const void* w, int64_t rows, int64_t cols, const void* y) {
+  check_rmsnorm_saved(q, scales, rstd, w, rows, cols);
+  check_norm_ptr(y, rows * cols, "y");
 }
 
 inline void check_rmsnorm_bwd(const uint8_t* q, const void* scales, const float* rstd, const void* w,
                               const void* dy, int64_t rows, int64_t cols, const void* dx,
                               const float* dw) {
-  check_norm_shape(rows, cols);
+  check_rmsnorm_saved(q, scales, rstd, w, rows, cols);
   const int64_t n = rows * cols;
-  check_norm_ptr(q, n, "q");
-  check_norm_ptr(scales, n, "scales");
-  check_norm_ptr(rstd, n, "rstd");
-  check_norm_ptr(w, cols, "weight");
   check_norm_ptr(dy, n, "dy");
   check_norm_ptr(dx, n, "dx");
   check_norm_ptr(dw, cols, "dw");

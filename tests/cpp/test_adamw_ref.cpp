@@ -63,7 +63,7 @@ void fast_decode(const std::vector<uint8_t>& q, const std::vector<float>& gm, co
   float lut[128];
   for (int i = 0; i < 128; ++i) lut[i] = adamw::code_log2(i, f);
   for (int64_t j = 0; j < n; ++j)
-    out[j] = dre_decode_fast(q[j], dre_group_fast(gm[j / G], k[j / G], f), f, lut);
+    out[j] = dre_decode_fast(q[j], dre_group_fast(gm[j / G], k[j / G], f), lut);
 }
 
 void fast_quantize(const std::vector<float>& x, int64_t n, Fp8Format f, bool expansion, float range,
