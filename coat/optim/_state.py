@@ -25,13 +25,26 @@ def log2_range(fmt: str) -> float:
     return _C.DRE_LOG2_RANGE_E4M3 if fmt == "e4m3" else _C.DRE_LOG2_RANGE_E5M2
 
 
-def param_seed(seed: int, index: int) -> int:
-    """Stochastic-rounding seed of the index-th parameter: a splitmix64 step of (seed, index), and
-    of the rank under torch.distributed, so that shards do not share their rounding noise."""
-    rank = 0
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank = torch.distributed.get_rank()
-    z = (seed + 0x9E3779B97F4A7C15 * (index + 1) + 0xD1B54A32D192ED03 * rank) & 0xFFFFFFFFFFFFFFFF
+def shard_index(p: torch.Tensor) -> int:
+    """Which shard of a DTensor parameter this rank holds (its coordinates along the mesh dims the
+    parameter is sharded over); 0 for a plain or fully replicated parameter."""
+    if not _is_dtensor(p):
+        return 0
+    from torch.distributed.tensor import Shard
+
+    mesh, index = p.device_mesh, 0
+    coord = mesh.get_coordinate() or [0] * mesh.ndim
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            index = index * mesh.size(dim) + coord[dim]
+    return index
+
+
+def param_seed(seed: int, index: int, shard: int) -> int:
+    """Stochastic-rounding seed of the index-th parameter's `shard` (shard_index): a splitmix64 step
+    of the three. Shards get their own rounding noise; replicas of the same data (DDP, the
+    replicate dimension of HSDP) the same noise, so that they stay identical."""
+    z = (seed + 0x9E3779B97F4A7C15 * (index + 1) + 0xD1B54A32D192ED03 * shard) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & _MASK63
@@ -73,7 +86,7 @@ def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], 
 # The step works on each rank's local shard, with groups local to the shard. For a checkpoint every
 # rank's state must be saved, so state_dict() wraps them as DTensors laid out like the parameter
 # (codes, master) or as a dim-0 sharded vector of equal per-rank blocks (group metadata padded to
-# the largest shard's group count; the seed of the stochastic rounding, one per rank).
+# the largest shard's group count; the seed of the stochastic rounding, one per shard).
 # Resharding is not supported: the groups follow the shard boundaries.
 
 
@@ -82,17 +95,21 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _shard0_layout(p: torch.Tensor) -> tuple[Any, int, int]:
-    """(mesh, world size, group count of the largest shard) of an FSDP2-style parameter."""
-    from torch.distributed.tensor import Shard
+    """(mesh, shard count, group count of the largest shard) of a parameter sharded on dim 0 along one
+    mesh dimension and replicated along any others (FSDP2, HSDP)."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    mesh = p.device_mesh
-    if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-        raise NotImplementedError(f"coat.optim.AdamW state dicts support parameters sharded on dim 0 over a 1-D "
-                                  f"mesh (FSDP2's layout), got placements {tuple(p.placements)} on a "
-                                  f"{mesh.ndim}-D mesh")
-    world = mesh.size()
-    rows = -(-p.shape[0] // world) if p.dim() > 0 else 1
-    per_row = p[0].numel() if p.dim() > 0 else 1
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    sharded = [d for d, pl in enumerate(placements) if isinstance(pl, Shard)]
+    if (len(sharded) != 1 or placements[sharded[0]] != Shard(0)
+            or not all(isinstance(pl, (Shard, Replicate)) for pl in placements)):
+        raise NotImplementedError(f"coat.optim.AdamW state dicts support parameters sharded on dim 0 along one "
+                                  f"mesh dimension and replicated along the others (FSDP2, HSDP); got "
+                                  f"placements {placements}. Convert with coat.optim.to_torch_adamw_state "
+                                  "per rank instead.")
+    world = mesh.size(sharded[0])
+    rows = -(-p.shape[0] // world)
+    per_row = p[0].numel()
     return mesh, world, groups(rows * per_row)
 
 
@@ -100,6 +117,8 @@ def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     """The state of the local shard of DTensor parameter p, as DTensors every rank contributes to."""
     from torch.distributed.tensor import DTensor, Shard
 
+    if not any(isinstance(pl, Shard) for pl in p.placements):
+        return st  # replicated everywhere: every rank holds the same state, plain tensors say so
     mesh, world, g_full = _shard0_layout(p)
 
     def like_param(t: torch.Tensor) -> Any:
@@ -108,7 +127,7 @@ def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     def per_rank(t: torch.Tensor, n: int) -> Any:
         block = torch.zeros(n, dtype=t.dtype, device=t.device)
         block[: t.numel()] = t.reshape(-1)
-        return DTensor.from_local(block, mesh, [Shard(0)], run_check=False, shape=(world * n,), stride=(1,))
+        return DTensor.from_local(block, mesh, p.placements, run_check=False, shape=(world * n,), stride=(1,))
 
     out = dict(st)
     for name in _MOMENTS:
@@ -253,7 +272,7 @@ def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[
         if kind == "fp32":
             out["master"] = local.detach().float().clone()
         if kind == "bf16_sr":
-            out["sr_seed"] = torch.tensor(param_seed(optimizer.seed, len(state)), dtype=torch.int64)
+            out["sr_seed"] = torch.tensor(param_seed(optimizer.seed, len(state), shard_index(p)), dtype=torch.int64)
         state[pid] = out
     pgroups = []
     for tg, g in zip(torch_state["param_groups"], optimizer.param_groups):

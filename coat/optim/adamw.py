@@ -66,7 +66,7 @@ class AdamW(torch.optim.Optimizer):
     and writes nothing when an inf was found (gradients are left scaled in ``.grad``).
 
     Under FSDP2, ``state_dict()`` returns each sharded parameter's state as DTensors (codes and
-    master laid out like the parameter, group metadata and seeds as one block per rank), so
+    master laid out like the parameter, group metadata and seeds as one block per shard), so
     ``torch.distributed.checkpoint`` with ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
     saves every rank's shard and resumes bit-identically at the same world size.
     """
@@ -159,7 +159,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = _state.new_state(local, group["m_format"], group["v_format"], self._master_kind(local.dtype),
-                                 _state.param_seed(self.seed, self._seeded))
+                                 _state.param_seed(self.seed, self._seeded, _state.shard_index(p)))
         self._seeded += 1
         self.state[p] = state
         return state

@@ -120,7 +120,7 @@ def _steps(model: torch.nn.Module, opt: co.AdamW, data) -> None:
 
 
 def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: torch.dtype, master: str,
-                backend: str) -> None:
+                backend: str, mesh_shape: tuple[int, ...] = (2,)) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
@@ -129,7 +129,9 @@ def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: to
 
     dev = _init(rank, world, port, backend)
     try:
-        mesh = init_device_mesh(dev, (world,))
+        # (2, 2): HSDP, replicated over the first mesh dimension, sharded over the second
+        names = ("replicate", "shard")[-len(mesh_shape):]
+        mesh = init_device_mesh(dev, mesh_shape, mesh_dim_names=names)
 
         def fresh():
             model = _model().to(dev, dtype)
@@ -171,3 +173,46 @@ def test_fsdp2_distributed_checkpoint_resumes_bit_identically(tmp_path, dtype, m
     assert got["ok_torch"]
     for a, b in zip(got["straight"], got["resumed"]):
         assert torch.equal(a, b)  # every rank's codes, group metadata, master and seed came back
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_hsdp_distributed_checkpoint_resumes_bit_identically(tmp_path):
+    out = str(tmp_path / "dcp.pt")
+    mp.spawn(_dcp_worker, args=(4, _free_port(), str(tmp_path / "ckpt"), out, torch.bfloat16, "bf16_sr", "gloo",
+                                (2, 2)), nprocs=4, join=True)
+    got = torch.load(out)
+    for a, b in zip(got["straight"], got["resumed"]):
+        assert torch.equal(a, b)
+
+
+# ---- replicated parameters (DDP): every replica must round the same way -----------------------
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(rank, world, port, "gloo")
+    try:
+        model = DDP(_model().to(torch.bfloat16))
+        opt = co.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights="bf16_sr")
+        g = torch.Generator().manual_seed(10 + rank)  # each rank its own batch; DDP averages the grads
+        for _ in range(STEPS):
+            x, y = torch.randn(8, 201, generator=g), torch.randn(8, 1, generator=g)
+            torch.nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
+            opt.step()
+            opt.zero_grad()
+        flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_ddp_replicas_round_identically(tmp_path):
+    out = str(tmp_path / "ddp.pt")
+    mp.spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    a, b = torch.load(out)
+    assert torch.equal(a, b)  # same grads, same seeds: stochastic rounding must not split the replicas
