@@ -2,17 +2,24 @@
 // configuration. Numerics in coat/adamw.h; the per-element and per-group math is adamw_math.h and
 // dre.h, shared with the CPU reference.
 //
-// The step moves ~16 bytes per parameter and should run near copy bandwidth, so the kernel is laid
-// out to spend few instructions per element (benchmarks/RESULTS.md section 4 has the history):
-// - a lane owns 8 elements (two runs of 4, so that half-warps touch whole sectors), 16 lanes a
-//   group of 128, a warp a pair of groups: the per-group work (decode/encode parameters, k16) is
-//   shared by 8 elements;
-// - decoding looks the log2 of each code up in conflict-free shared tables (the stochastic-rounding
-//   step converts codes with the hardware and takes the MUFU's log2 instead); exp2, log2 for
-//   encoding, sqrt and reciprocals come from the MUFU; encoding converts pairs of values with one
-//   cvt; group max / non-zero min are redux.sync reductions on the bits of non-negative floats;
-// - persistent blocks stream through contiguous chunks; each warp keeps the inputs of the next
-//   pairs in flight with cp.async into shared-memory stages (no registers held);
+// The step moves ~16 bytes per parameter and should run near copy bandwidth (benchmarks/RESULTS.md
+// section 4 has the history). It is bound by memory traffic, not by its arithmetic: a variant
+// that skipped all the math ran no faster. What mattered most was how the bytes move:
+// - every store covers whole 32-byte sectors. A group's metadata (4-byte max, 1-byte k16) stored
+//   on its own left partial sectors that the memory system had to merge, which cost ~20% of the
+//   step; so a warp takes runs of 16 consecutive pairs (32 groups) and writes their metadata at
+//   once, a lane per group;
+// - a lane owns 8 elements (two runs of 4, so that half-warps read and write whole sectors), 16
+//   lanes a group of 128, a warp a pair of groups;
+// - one persistent block of 16 warps per SM streams through a contiguous chunk; each warp keeps
+//   the next pairs in flight with 16-byte cp.async copies into shared-memory stages, as deep as
+//   shared memory allows;
+// - the arithmetic stays off the critical path: decoding looks the log2 of each code up in
+//   conflict-free shared tables (the stochastic-rounding step converts codes with the hardware and
+//   takes the MUFU's log2 instead); exp2, log2 for encoding, sqrt and reciprocals come from the
+//   MUFU; encoding converts pairs of values with one cvt; group max / non-zero min are redux.sync
+//   reductions on the bits of non-negative floats; per-group floor and int <-> float conversions
+//   use FMA-pipe bit tricks;
 // - non-finite moments (a rare, warp-uniform case) take a slow path that keeps them out of the
 //   group statistics and stores them as the NaN code.
 #include <cfloat>
@@ -27,12 +34,11 @@
 namespace coat {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int G = kDreGroupSize;
+constexpr int kWarps = 16;      // one block of 16 warps per SM (measured against 2 x 8 and 1 x 24)
+constexpr int kThreads = 32 * kWarps;
 constexpr int kE = 8;           // elements per lane
 constexpr int kPair = 2 * G;    // elements per warp step
-constexpr int kBlocksPerSm = 2;
 static_assert(G == 16 * kE, "16 lanes per group");
 
 __device__ __forceinline__ int64_t groups_of(int64_t n) { return (n + G - 1) / G; }
@@ -242,69 +248,104 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// One warp's stage (one pair): offsets into it.
+// One warp's stage (one pair): the pair's 256 elements of each array and its metadata. A 16-byte
+// global chunk holds whole 4-element runs of consecutive lanes, and is placed so that all runs of
+// chunk c (c = 0, 1) lie lane-major in 32 consecutive slots: lane l's run c of T is at
+// (c * 32 + l) * 4 sizeof(T), and a warp's reads are conflict-free. The metadata are 8 words,
+// [m_gmax, v_gmax, m_k16 word, v_k16 word] of the pair's first group, then of its second.
 template <typename Src, typename Gr>
 struct Stage {
   static constexpr int kSrc = 0;
-  static constexpr int kGr = kSrc + 32 * kE * static_cast<int>(sizeof(Src));
-  static constexpr int kCodes = kGr + 32 * kE * static_cast<int>(sizeof(Gr));  // lane: m c0 c1, v c0 c1
-  static constexpr int kMeta = kCodes + 32 * 16;  // lane: m_gmax, v_gmax, m_k16 word, v_k16 word
-  static constexpr int kBytes = kMeta + 32 * 16;
+  static constexpr int kGr = kSrc + kPair * static_cast<int>(sizeof(Src));
+  static constexpr int kM = kGr + kPair * static_cast<int>(sizeof(Gr));
+  static constexpr int kV = kM + kPair;
+  static constexpr int kMeta = kV + kPair;
+  static constexpr int kBytes = kMeta + 32;
 };
 
-// Pairs per warp in shared-memory stages (kDepth - 1 in flight ahead): 4 where two blocks of 8
-// warps still fit an SM's 228 KB next to the decode tables, else 3 (fp32 inputs).
-template <typename Src, typename Gr>
-constexpr int kDepthFor = kWarps * 4 * Stage<Src, Gr>::kBytes + 2 * kLutFloats * 4 <= 112 * 1024 ? 4 : 3;
+// Pairs per warp in shared-memory stages (kDepth - 1 in flight ahead): the deepest up to 6 that
+// fits an SM's 228 KB next to the decode tables (kLut) and the per-warp buffers. The step is
+// bound by memory traffic, so more bytes in flight is what counts.
+template <typename Src, typename Gr, bool kLut>
+constexpr int depth_for() {
+  int d = 6;
+  while (d > 2 && kWarps * d * Stage<Src, Gr>::kBytes + (kLut ? 2 * kLutFloats * 4 : 0) + kWarps * 512 + 1024 > 228 * 1024)
+    --d;
+  return d;
+}
+template <typename Src, typename Gr, bool kLut>
+constexpr int kDepthFor = depth_for<Src, Gr, kLut>();
 
+// Shared memory of the stages of a block.
+template <typename Src, typename Gr, bool kLut>
+constexpr int kStagesBytes = kWarps * kDepthFor<Src, Gr, kLut> * Stage<Src, Gr>::kBytes;
+
+// Stage offset of the 16-byte chunk that starts at element e of a pair (elements of kT bytes).
+__device__ __forceinline__ int stage_slot(int e, int kT) { return ((e / 64 % 2) * 2 + e / G) * 64 * kT + (e % 64) * kT; }
+
+// Start the 16-byte copies of one array's block of a pair at `src` into the stage at dst: lane l
+// copies chunks l, l + 32, ...
 template <typename T>
-__device__ __forceinline__ int chunk_slot(int lane, int c) {
-  constexpr int kCb = 4 * static_cast<int>(sizeof(T));
-  return kCb == 16 ? (c * 32 + lane) * 16 : lane * 2 * kCb + c * kCb;
+__device__ __forceinline__ void issue_array(uint32_t dst, const T* src, int lane) {
+  constexpr int kT = static_cast<int>(sizeof(T));
+  constexpr int kChunks = kPair * kT / 16;
+  static_assert(kChunks % 32 == 0, "whole warps of chunks");
+#pragma unroll
+  for (int r = 0; r < kChunks / 32; ++r) {
+    const int e = (lane + 32 * r) * 16 / kT;
+    cp_async<16>(dst + stage_slot(e, kT), src + e);
+  }
 }
 
-// Start the copies of pair `at` into stage st. The k16 bytes come as the aligned word holding them
-// (the caller keeps lg below the group count rounded down to 4, so the word is in bounds).
+// Start the copies of pair j into stage st. The k16 bytes come as the aligned word holding both
+// of the pair's (the caller keeps the pair within the group count rounded down to 4, so the word
+// is in bounds).
 template <typename P, typename Src, typename Gr, MasterKind M>
-__device__ __forceinline__ void issue_stage(const AdamwTensor& d, const LanePos& at, uint32_t st, int lane) {
+__device__ __forceinline__ void issue_stage(const AdamwTensor& d, int64_t j, uint32_t st, int lane) {
   using S = Stage<Src, Gr>;
-  const Src* src = static_cast<const Src*>(src_of<M, P>(d)) + at.i0;
-  const Gr* grad = static_cast<const Gr*>(d.grad) + at.i0;
+  const int64_t e0 = j * kPair;
+  issue_array(st + S::kSrc, static_cast<const Src*>(src_of<M, P>(d)) + e0, lane);
+  issue_array(st + S::kGr, static_cast<const Gr*>(d.grad) + e0, lane);
+  // m's codes (lanes 0-15) and v's (lanes 16-31) in one instruction: 16 chunks each.
+  const int e = (lane & 15) * 16;
+  cp_async<16>(st + (lane < 16 ? S::kM : S::kV) + stage_slot(e, 1), (lane < 16 ? d.m_q : d.v_q) + e0 + e);
+  if (lane < 8) {
+    const int f = lane & 3;
+    const int64_t lg = 2 * j + (lane >> 2);
+    const void* w = f == 0   ? static_cast<const void*>(d.m_gmax + lg)
+                    : f == 1 ? static_cast<const void*>(d.v_gmax + lg)
+                    : f == 2 ? static_cast<const void*>(d.m_k16 + (2 * j & ~int64_t{3}))
+                             : static_cast<const void*>(d.v_k16 + (2 * j & ~int64_t{3}));
+    cp_async<4>(st + S::kMeta + 4 * lane, w);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void read_runs(const uint8_t* arr, int lane, uint32_t (&w)[kWords<T>]) {
+  constexpr int kRun = 4 * static_cast<int>(sizeof(T));
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    cp_async<4 * sizeof(Src)>(st + S::kSrc + chunk_slot<Src>(lane, c), src + c * kChunkStride);
-    cp_async<4 * sizeof(Gr)>(st + S::kGr + chunk_slot<Gr>(lane, c), grad + c * kChunkStride);
-    cp_async<4>(st + S::kCodes + lane * 16 + 4 * c, d.m_q + at.i0 + c * kChunkStride);
-    cp_async<4>(st + S::kCodes + lane * 16 + 8 + 4 * c, d.v_q + at.i0 + c * kChunkStride);
-  }
-  cp_async<4>(st + S::kMeta + lane * 16, d.m_gmax + at.lg);
-  cp_async<4>(st + S::kMeta + lane * 16 + 4, d.v_gmax + at.lg);
-  cp_async<4>(st + S::kMeta + lane * 16 + 8, d.m_k16 + (at.lg & ~int64_t{3}));
-  cp_async<4>(st + S::kMeta + lane * 16 + 12, d.v_k16 + (at.lg & ~int64_t{3}));
-}
-
-template <typename T>
-__device__ __forceinline__ void read_chunks(const uint8_t* arr, int lane, uint32_t (&w)[kWords<T>]) {
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const uint4 a = *reinterpret_cast<const uint4*>(arr + chunk_slot<T>(lane, c));
+    const uint8_t* r = arr + (c * 32 + lane) * kRun;
+    if constexpr (kRun == 16) {
+      const uint4 a = *reinterpret_cast<const uint4*>(r);
       w[4 * c] = a.x; w[4 * c + 1] = a.y; w[4 * c + 2] = a.z; w[4 * c + 3] = a.w;
+    } else if constexpr (kRun == 8) {
+      const uint2 a = *reinterpret_cast<const uint2*>(r);
+      w[2 * c] = a.x; w[2 * c + 1] = a.y;
+    } else {
+      w[c] = *reinterpret_cast<const uint32_t*>(r);
     }
-  } else {
-    const uint4 a = *reinterpret_cast<const uint4*>(arr + chunk_slot<T>(lane, 0));
-    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
   }
 }
 
 template <typename Src, typename Gr>
 __device__ __forceinline__ void read_stage(const uint8_t* st, const LanePos& at, int lane, LaneIn<Src, Gr>& in) {
   using S = Stage<Src, Gr>;
-  read_chunks<Src>(st + S::kSrc, lane, in.p);
-  read_chunks<Gr>(st + S::kGr, lane, in.g);
-  const uint4 q = *reinterpret_cast<const uint4*>(st + S::kCodes + lane * 16);
-  in.mq[0] = q.x; in.mq[1] = q.y; in.vq[0] = q.z; in.vq[1] = q.w;
-  const uint4 mt = *reinterpret_cast<const uint4*>(st + S::kMeta + lane * 16);
+  read_runs<Src>(st + S::kSrc, lane, in.p);
+  read_runs<Gr>(st + S::kGr, lane, in.g);
+  read_runs<uint8_t>(st + S::kM, lane, in.mq);
+  read_runs<uint8_t>(st + S::kV, lane, in.vq);
+  const uint4 mt = *reinterpret_cast<const uint4*>(st + S::kMeta + 16 * (lane >> 4));
   in.m_mx = __uint_as_float(mt.x);
   in.v_mx = __uint_as_float(mt.y);
   const int sh = 8 * static_cast<int>(at.lg & 3);
@@ -361,10 +402,17 @@ __device__ __forceinline__ void store_codes(const AdamwTensor& d, const LanePos&
   }
 }
 
+// A group's new metadata (the same in all 16 lanes of its half-warp).
+struct GroupMeta {
+  float m_mx, v_mx;
+  uint32_t m_k16, v_k16;
+};
+
 // Decode -> AdamW -> new group max / non-zero min -> k16 -> encode -> store, for a lane's 8
-// elements. kFull: a full group of an aligned tensor (vector stores); else element-wise, guarded.
+// elements; returns the group's new metadata for the caller to store. kFull: a full group of an
+// aligned tensor (vector stores); else element-wise, guarded.
 template <typename P, typename Src, typename Gr, MasterKind M, Fp8Format MF, Fp8Format VF, bool kFull>
-__device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& at, const LaneIn<Src, Gr>& in,
+__device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LanePos& at, const LaneIn<Src, Gr>& in,
                                           const TensorStep& ts, const AdamwConfig& c, const float* lut) {
   const bool upper = (threadIdx.x & 31) >= 16;
   const DreGroupFast m_old = dre_group_fast(in.m_mx, static_cast<uint8_t>(in.m_k16), MF);
@@ -443,16 +491,11 @@ __device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& a
     v_hi = __uint_as_float(half_max(__float_as_uint(vh), upper));
     v_lo = __uint_as_float(half_min(__float_as_uint(vl), upper));
   }
-  const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, c.expansion, c.m_log2_range);
-  const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, c.expansion, c.v_log2_range);
-  if (at.ok && (threadIdx.x & 15) == 0) {  // old metadata is in registers already
-    __stcs(d.m_gmax + at.lg, m_hi);
-    __stcs(reinterpret_cast<unsigned char*>(d.m_k16) + at.lg, static_cast<unsigned char>(m_k16));
-    __stcs(d.v_gmax + at.lg, v_hi);
-    __stcs(reinterpret_cast<unsigned char*>(d.v_k16) + at.lg, static_cast<unsigned char>(v_k16));
-  }
-  const DreGroupFast m_new = dre_group_fast(m_hi, m_k16, MF);
-  const DreGroupFast v_new = dre_group_fast(v_hi, v_k16, VF);
+  const float m_l = fast_log2(m_hi), v_l = fast_log2(v_hi);
+  const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, m_l, c.expansion, c.m_log2_range);
+  const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, v_l, c.expansion, c.v_log2_range);
+  const DreGroupFast m_new = dre_group_fast_l(m_hi, m_l, m_k16, MF);
+  const DreGroupFast v_new = dre_group_fast_l(v_hi, v_l, v_k16, VF);
   uint32_t mq[2], vq[2];
   if (!nonfinite) {
 #pragma unroll
@@ -471,6 +514,46 @@ __device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& a
     }
   }
   store_codes<kFull>(d, at, mq, vq);
+  return {m_hi, v_hi, m_k16, v_k16};
+}
+
+// A group's metadata straight to global memory (lanes 0 and 16 for their groups). Scattered
+// 1- and 4-byte stores cost the memory system far more than their size (partial sectors), so
+// the vector path gathers whole runs first (RunMeta).
+__device__ __forceinline__ void store_meta(const AdamwTensor& d, const LanePos& at, const GroupMeta& g) {
+  if (at.ok && (threadIdx.x & 15) == 0) {
+    d.m_gmax[at.lg] = g.m_mx;
+    d.m_k16[at.lg] = static_cast<uint8_t>(g.m_k16);
+    d.v_gmax[at.lg] = g.v_mx;
+    d.v_k16[at.lg] = static_cast<uint8_t>(g.v_k16);
+  }
+}
+
+// A warp's metadata for a run of kRun consecutive pairs (2 kRun = 32 groups, sector-aligned):
+// gathered in shared memory, then written by the whole warp as full sectors (a lane per group).
+constexpr int kRun = 16;
+struct RunMeta {
+  float m_mx[2 * kRun], v_mx[2 * kRun];
+  uint8_t m_k16[2 * kRun], v_k16[2 * kRun];
+};
+
+__device__ __forceinline__ void gather_meta(RunMeta& r, int i, const GroupMeta& g) {
+  if ((threadIdx.x & 15) == 0) {
+    const int s = 2 * i + ((threadIdx.x >> 4) & 1);
+    r.m_mx[s] = g.m_mx;
+    r.v_mx[s] = g.v_mx;
+    r.m_k16[s] = static_cast<uint8_t>(g.m_k16);
+    r.v_k16[s] = static_cast<uint8_t>(g.v_k16);
+  }
+}
+
+__device__ __forceinline__ void flush_meta(const AdamwTensor& d, const RunMeta& r, int64_t g0, int lane) {
+  __syncwarp();
+  __stcs(d.m_gmax + g0 + lane, r.m_mx[lane]);
+  __stcs(d.v_gmax + g0 + lane, r.v_mx[lane]);
+  __stcs(reinterpret_cast<unsigned char*>(d.m_k16) + g0 + lane, static_cast<unsigned char>(r.m_k16[lane]));
+  __stcs(reinterpret_cast<unsigned char*>(d.v_k16) + g0 + lane, static_cast<unsigned char>(r.v_k16[lane]));
+  __syncwarp();
 }
 
 // Block b updates the groups [b chunk, (b + 1) chunk) of the launch's numbering. Within each tensor
@@ -479,12 +562,12 @@ __device__ __forceinline__ void step_pair(const AdamwTensor& d, const LanePos& a
 // the vector path, pipelined kDepth deep; the rest (at most one pair at each end of a share, the
 // tensor's partial last group, unaligned tensors) take the element-wise path.
 template <typename P, typename Gr, MasterKind M, Fp8Format MF, Fp8Format VF>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, 1)
     adamw_kernel(const AdamwTensor* __restrict__ tensors, int64_t n_tensors, int64_t n_groups, int64_t chunk,
                  AdamwConfig c) {
   using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
   constexpr int kStageBytes = Stage<Src, Gr>::kBytes;
-  constexpr int kDepth = kDepthFor<Src, Gr>;
+  constexpr int kDepth = kDepthFor<Src, Gr, kLutDecode<M>>;
   extern __shared__ __align__(16) uint8_t smem[];  // kDepth stages per warp
   if (c.found_inf != nullptr && *c.found_inf != 0.0f) return;
   const int64_t cb = static_cast<int64_t>(blockIdx.x) * chunk;
@@ -505,6 +588,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   // held in registers, the compiler rematerialises them from the fp64 hyperparameters each time.
   __shared__ TensorStep warp_ts[kWarps];
   TensorStep& ts = warp_ts[warp];
+  __shared__ RunMeta run_meta[kWarps];
+  RunMeta& run = run_meta[warp];
   const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
 
   int64_t lo = 0, hi = n_tensors - 1;  // the last descriptor with group_begin <= cb
@@ -525,8 +610,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       ts.inv_gs = inv_gs;
     }
     __syncwarp();
-    const bool aligned = cuda::aligned(src_of<M, P>(d), 4 * sizeof(Src)) && cuda::aligned(d.param, 4 * sizeof(P)) &&
-                         cuda::aligned(d.grad, 4 * sizeof(Gr)) && cuda::aligned(d.m_q, 4) && cuda::aligned(d.v_q, 4) &&
+    // Staged arrays are copied in 16-byte chunks; stores are 4-element vectors.
+    const bool aligned = cuda::aligned(src_of<M, P>(d), 16) && cuda::aligned(d.grad, 16) && cuda::aligned(d.m_q, 16) &&
+                         cuda::aligned(d.v_q, 16) && cuda::aligned(d.param, 4 * sizeof(P)) &&
                          cuda::aligned(d.m_k16, 4) && cuda::aligned(d.v_k16, 4);
     // Vector-path groups end: full groups, whose k16 word is within the group count.
     int64_t full = aligned ? d.numel / G : 0;
@@ -535,33 +621,53 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const int64_t in_lo = (lb + 1) / 2;
     const int64_t in_hi = full / 2 > in_lo ? full / 2 : in_lo;
 
-    // This warp's pairs in_lo + warp + kWarps k, k < n_mine; kDepth - 1 of them in flight ahead.
-    const int64_t j0 = in_lo + warp;
-    const int64_t n_mine = j0 < in_hi ? (in_hi - j0 + kWarps - 1) / kWarps : 0;
+    // The vector-path pairs [in_lo, in_hi): runs of kRun pairs aligned to kRun in the tensor
+    // ([ra, rb); warp w takes runs w, w + kWarps, ...), whose metadata go out as whole sectors, and
+    // the pairs before and after them ([in_lo, ra), [rb, in_hi); round-robin), whose metadata are
+    // stored directly. A warp walks its runs' pairs, then its others: k < n_mine, kDepth - 1
+    // ahead in flight.
+    const int64_t up = (in_lo + kRun - 1) / kRun * kRun;
+    const int64_t ra = up < in_hi ? up : in_hi;
+    const int64_t down = in_hi / kRun * kRun;
+    const int64_t rb = down > ra ? down : ra;
+    const int64_t n_runs = (rb - ra) / kRun;
+    const int64_t n_body = (warp < n_runs ? (n_runs - warp + kWarps - 1) / kWarps : 0) * kRun;
+    const int64_t n_head = ra - in_lo, n_x = n_head + (in_hi - rb);
+    const int64_t n_mine = n_body + (warp < n_x ? (n_x - warp + kWarps - 1) / kWarps : 0);
+    auto pair_of = [&](int64_t k) -> int64_t {
+      if (k < n_body) return ra + kRun * (warp + kWarps * (k / kRun)) + k % kRun;
+      const int64_t e = warp + kWarps * (k - n_body);
+      return e < n_head ? in_lo + e : rb + (e - n_head);
+    };
 #pragma unroll
     for (int k = 0; k < kDepth - 1; ++k) {
-      if (k < n_mine)
-        issue_stage<P, Src, Gr, M>(d, lane_pos<true>(j0 + k * kWarps, lane, lb, le), stage0 + k * kStageBytes, lane);
+      if (k < n_mine) issue_stage<P, Src, Gr, M>(d, pair_of(k), stage0 + k * kStageBytes, lane);
       cp_async_commit();
     }
     for (int64_t k = 0; k < n_mine; ++k) {
       cp_async_wait<kDepth - 2>();  // stage k has landed (the kDepth - 2 after it may not have)
-      const LanePos at = lane_pos<true>(j0 + k * kWarps, lane, lb, le);
+      const int64_t j = pair_of(k);
+      const LanePos at = lane_pos<true>(j, lane, lb, le);
       LaneIn<Src, Gr> in;
       read_stage(smem + warp * kDepth * kStageBytes + (k % kDepth) * kStageBytes, at, lane, in);
       // Refill the slot read in the previous iteration while this one's shared loads are in flight.
       const int64_t kn = k + kDepth - 1;
       if (kn < n_mine)
-        issue_stage<P, Src, Gr, M>(d, lane_pos<true>(j0 + kn * kWarps, lane, lb, le),
-                                   stage0 + static_cast<uint32_t>(kn % kDepth) * kStageBytes, lane);
+        issue_stage<P, Src, Gr, M>(d, pair_of(kn), stage0 + static_cast<uint32_t>(kn % kDepth) * kStageBytes, lane);
       cp_async_commit();
-      step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c, lut);
+      const GroupMeta g = step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c, lut);
+      if (k < n_body) {
+        gather_meta(run, static_cast<int>(k % kRun), g);
+        if (k % kRun == kRun - 1) flush_meta(d, run, 2 * (j - (kRun - 1)), lane);
+      } else {
+        store_meta(d, at, g);
+      }
     }
     auto edge = [&](int64_t jj) {
       const LanePos at = lane_pos<false>(jj, lane, lb, le);
       LaneIn<Src, Gr> in;
       load_any<P, Src, Gr, M>(d, at, in);
-      step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c, lut);
+      store_meta(d, at, step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c, lut));
     };
     if (lb % 2 == 1 && warp == kWarps - 1) edge(lb / 2);
     for (int64_t jj = in_hi + warp; jj < (le + 1) / 2; jj += kWarps) edge(jj);
@@ -571,8 +677,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 template <typename P, typename Gr, MasterKind M>
 void launch_formats(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_groups, const AdamwConfig& c,
                     cudaStream_t stream) {
-  // Persistent blocks, each with a contiguous chunk of groups (even, so most pairs are whole).
-  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * kBlocksPerSm;
+  // Persistent blocks (one per SM), each with a contiguous chunk of groups (even, so most pairs
+  // are whole).
+  const int64_t cap = static_cast<int64_t>(cuda::sm_count());
   const int64_t want = (n_groups + 2 * kWarps - 1) / (2 * kWarps);
   const int64_t blocks = want < cap ? want : cap;
   int64_t chunk = (n_groups + blocks - 1) / blocks;
@@ -583,12 +690,12 @@ void launch_formats(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_gro
   auto* kernel = m4 ? (v4 ? adamw_kernel<P, Gr, M, E4, E4> : adamw_kernel<P, Gr, M, E4, E5>)
                     : (v4 ? adamw_kernel<P, Gr, M, E5, E4> : adamw_kernel<P, Gr, M, E5, E5>);
   using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
-  constexpr int smem = kWarps * kDepthFor<Src, Gr> * Stage<Src, Gr>::kBytes;
+  constexpr int smem = kStagesBytes<Src, Gr, kLutDecode<M>>;
   static bool configured[4] = {false, false, false, false};  // per format pair; benign race
   bool& done = configured[(m4 ? 0 : 2) + (v4 ? 0 : 1)];
   if (!done) {
     COAT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    // Two blocks per SM need nearly all of it (stages + decode tables).
+    // The block needs nearly all of it (stages + decode tables).
     COAT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          cudaSharedmemCarveoutMaxShared));
     done = true;

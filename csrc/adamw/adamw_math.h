@@ -89,8 +89,9 @@ COAT_HD void group_minmax(float x, float& mx, float& mn) {
 // variants cost ~100 instructions per element each way and would make the step compute-bound.
 // CPU and GPU steps therefore agree to ~1e-7 relative in the fp32 math; a code differs by one step
 // only where a value sits within an ulp of an FP8 rounding boundary.
-COAT_HD uint8_t group_k16(float mx, float mn, bool expansion, float log2_range) {
-  return expansion ? dre_k16_fast(mx, mn, log2_range) : static_cast<uint8_t>(kDreMinK16);
+// log2_mx = fast_log2(mx), shared with the group's encoding parameters (dre_group_fast_l).
+COAT_HD uint8_t group_k16(float mx, float mn, float log2_mx, bool expansion, float log2_range) {
+  return expansion ? dre_k16_fast_l(mx, mn, log2_mx, log2_range) : static_cast<uint8_t>(kDreMinK16);
 }
 
 // The decode table of a format (dre_fast_lut_entry: identical on host and device).

@@ -116,13 +116,39 @@ COAT_HD float fast_div(float a, float b) {
 #endif
 }
 
+// A small non-negative integer (k16, below 2^23) as a float: on the device by the bit pattern
+// 2^23 + n on the FMA pipe (the I2F conversion shares the MUFU's busy pipe).
+COAT_HD float small_uint_to_float(uint32_t n) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(0x4B000000u | n) - 8388608.0f;
+#else
+  return static_cast<float>(n);
+#endif
+}
+
+// floor(x) for 0 <= x < 2^23 as 2^23 + floor(x) (rounding down), whose low bits are the integer:
+// no FRND / F2I on the device.
+COAT_HD float floor_biased(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rd(x, 8388608.0f);
+#else
+  return std::floor(x) + 8388608.0f;
+#endif
+}
+
 // Branch-free (the kernel computes it once per group and lane): a zero span gives +inf and clamps
-// to the largest k16; a constant, empty or all-zero group gets the smallest.
+// to the largest k16; a constant, empty or all-zero group gets the smallest (NaN spans clamp
+// there too). log2_mx = fast_log2(mx), which the caller also needs for encoding.
+COAT_HD uint8_t dre_k16_fast_l(float mx, float mn, float log2_mx, float log2_range) {
+  const float span = log2_mx - fast_log2(mn);
+  float k16 = fminf(fmaxf(fast_div(16.0f * log2_range, span), static_cast<float>(kDreMinK16)),
+                    static_cast<float>(kDreMaxK16));
+  k16 = mx > mn && mn > 0.0f ? k16 : static_cast<float>(kDreMinK16);
+  return static_cast<uint8_t>(bits_of(floor_biased(k16)));
+}
+
 COAT_HD uint8_t dre_k16_fast(float mx, float mn, float log2_range) {
-  const float span = fast_log2(mx) - fast_log2(mn);
-  float k16 = floorf(fast_div(16.0f * log2_range, span));
-  k16 = fminf(fmaxf(k16, static_cast<float>(kDreMinK16)), static_cast<float>(kDreMaxK16));
-  return mx > mn && mn > 0.0f ? static_cast<uint8_t>(k16) : static_cast<uint8_t>(kDreMinK16);
+  return dre_k16_fast_l(mx, mn, fast_log2(mx), log2_range);
 }
 
 struct DreGroupFast {
@@ -136,14 +162,19 @@ struct DreGroupFast {
 // code decodes to mx exactly without a compare.
 COAT_HD float fp8_inv_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 1.0f / kE4M3Max : 1.0f / kE5M2Max; }
 
-COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
+// log2_mx = fast_log2(mx) (ignored when mx == 0).
+COAT_HD DreGroupFast dre_group_fast_l(float mx, float log2_mx, uint8_t k16, Fp8Format fmt) {
   DreGroupFast g;
-  const float l = mx > 0.0f ? fast_log2(mx) : 0.0f;
+  const float kf = small_uint_to_float(k16);
   g.mx = mx;
-  g.k = static_cast<float>(k16) * 0.0625f;
-  g.inv_k = fast_div(16.0f, static_cast<float>(k16));
-  g.c_enc = fp8_log2_max(fmt) - g.k * l;
+  g.k = kf * 0.0625f;
+  g.inv_k = fast_div(16.0f, kf);
+  g.c_enc = fp8_log2_max(fmt) - g.k * (mx > 0.0f ? log2_mx : 0.0f);
   return g;
+}
+
+COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
+  return dre_group_fast_l(mx, mx > 0.0f ? fast_log2(mx) : 0.0f, k16, fmt);
 }
 
 // The value whose FP8 rounding is x's code, sign(x) fmt_max (|x| / mx)^k. Branch-free: log2(0) =

@@ -72,7 +72,7 @@ void fast_quantize(const std::vector<float>& x, int64_t n, Fp8Format f, bool exp
     float mx = 0.0f, mn = INFINITY;
     for (int64_t j = g * G; j < std::min<int64_t>(n, g * G + G); ++j) adamw::group_minmax(x[j], mx, mn);
     gm[g] = mx;
-    k[g] = adamw::group_k16(mx, mn, expansion, range);
+    k[g] = adamw::group_k16(mx, mn, fast_log2(mx), expansion, range);
     const DreGroupFast grp = dre_group_fast(mx, k[g], f);
     for (int64_t j = g * G; j < std::min<int64_t>(n, g * G + G); ++j) q[j] = adamw::encode_state(x[j], grp, f);
   }
