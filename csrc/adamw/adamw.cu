@@ -224,10 +224,9 @@ __device__ __forceinline__ void load_meta(const AdamwTensor& d, const LanePos& a
 }
 
 // ---- the vector path: cp.async into per-lane slots of shared memory ---------------------------
-// A warp keeps kDepth pairs in flight without spending registers on them. Each lane fills and
-// reads only its own slots, so cp.async.wait_group is all the synchronisation needed. Layouts keep
-// warp-wide shared accesses conflict-free: 16-byte chunks chunk-major, smaller ones lane-major (a
-// lane's two chunks adjacent, read as one 16-byte access).
+// A warp keeps kDepth pairs in flight without spending registers on them. Its lanes copy chunks
+// that other lanes of the same warp read, so each stage is handed over by cp.async.wait_group and
+// a __syncwarp (which also orders the previous reads of a slot before its refill).
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -646,6 +645,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     for (int64_t k = 0; k < n_mine; ++k) {
       cp_async_wait<kDepth - 2>();  // stage k has landed (the kDepth - 2 after it may not have)
+      __syncwarp();                 // ... for every lane's copies
       const int64_t j = pair_of(k);
       const LanePos at = lane_pos<true>(j, lane, lb, le);
       LaneIn<Src, Gr> in;
