@@ -13,9 +13,9 @@ pytestmark = pytest.mark.gpu
 SIZES = [(1,), (3,), (127,), (128,), (129,), (33, 71), (4097,), (70001,), (64, 1000)]
 
 
-def _params(dtype, device, seed=0):
+def _params(dtype, device, seed=0, sizes=SIZES):
     g = torch.Generator().manual_seed(seed)
-    ps = [torch.randn(s, generator=g).to(dtype).to(device) for s in SIZES]
+    ps = [torch.randn(s, generator=g).to(dtype).to(device) for s in sizes]
     # a misaligned one: a view at an odd element offset of a larger buffer (scalar path)
     buf = torch.randn(5000, generator=g).to(dtype).to(device)
     ps.append(buf[1:4098])
@@ -40,11 +40,23 @@ def test_gpu_matches_cpu(dtype, gdtype, master, expansion):
     """The step's state math uses the hardware log2/exp2 on the GPU and libm on the CPU (dre.h's
     fast variants), so the two agree to ~1e-7 in fp32 and an FP8 code differs by one step only
     where a moment sits on a rounding boundary. The AdamW update itself is the same IEEE math."""
-    cpu, gpu = _params(dtype, "cpu"), _params(dtype, "cuda")
+    _compare(SIZES, dtype, gdtype, master, expansion, steps=4)
+
+
+@pytest.mark.parametrize("dtype,gdtype,master", [(torch.float32, torch.float32, "fp32"),
+                                                 (torch.bfloat16, torch.bfloat16, "fp32")])
+def test_gpu_matches_cpu_large(dtype, gdtype, master):
+    """Tensors large enough that every block's share holds whole runs of 32 groups, whose metadata
+    the kernel gathers and stores as whole sectors, next to a block boundary inside a tensor."""
+    _compare([(2048, 1500), (1000, 3001), (7,), (131, 4099)], dtype, gdtype, master, True, steps=2)
+
+
+def _compare(sizes, dtype, gdtype, master, expansion, steps):
+    cpu, gpu = _params(dtype, "cpu", sizes=sizes), _params(dtype, "cuda", sizes=sizes)
     start = [p.detach().float().clone() for p in cpu]
     kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05, master_weights=master, expansion=expansion)
     oc, og = co.AdamW(cpu, **kw), co.AdamW(gpu, **kw)
-    for step in range(4):
+    for step in range(steps):
         grads = _grads(cpu, gdtype, step)
         for pc, pg, g in zip(cpu, gpu, grads):
             pc.grad, pg.grad = g, g.cuda()
