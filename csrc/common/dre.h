@@ -147,10 +147,6 @@ COAT_HD uint8_t dre_k16_fast_l(float mx, float mn, float log2_mx, float log2_ran
   return static_cast<uint8_t>(bits_of(floor_biased(k16)));
 }
 
-COAT_HD uint8_t dre_k16_fast(float mx, float mn, float log2_range) {
-  return dre_k16_fast_l(mx, mn, fast_log2(mx), log2_range);
-}
-
 struct DreGroupFast {
   float mx;     // largest finite |x| (0 for an all-zero group)
   float k;      // k16 / 16
@@ -174,7 +170,7 @@ COAT_HD DreGroupFast dre_group_fast_l(float mx, float log2_mx, uint8_t k16, Fp8F
 }
 
 COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
-  return dre_group_fast_l(mx, mx > 0.0f ? fast_log2(mx) : 0.0f, k16, fmt);
+  return dre_group_fast_l(mx, fast_log2(mx), k16, fmt);
 }
 
 // The value whose FP8 rounding is x's code, sign(x) fmt_max (|x| / mx)^k. Branch-free: log2(0) =
