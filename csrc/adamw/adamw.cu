@@ -518,7 +518,7 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
 
 // A group's metadata straight to global memory (lanes 0 and 16 for their groups). Scattered
 // 1- and 4-byte stores cost the memory system far more than their size (partial sectors), so
-// the vector path gathers whole windows first (WindowRing).
+// the vector path gathers whole runs first (RunMeta).
 __device__ __forceinline__ void store_meta(const AdamwTensor& d, const LanePos& at, const GroupMeta& g) {
   if (at.ok && (threadIdx.x & 15) == 0) {
     d.m_gmax[at.lg] = g.m_mx;
@@ -528,62 +528,31 @@ __device__ __forceinline__ void store_meta(const AdamwTensor& d, const LanePos& 
   }
 }
 
-// The block's 16 warps sweep a tensor's body in windows of kWarps consecutive pairs (warp w takes
-// pair w of each window), so that at any time the block reads and writes one contiguous stretch of
-// every array, as a copy does. A window is 32 sector-aligned groups: its metadata are gathered in
-// a shared ring of kSlots windows and written, as whole sectors, by the warp that completes the
-// window (a lane per group). Warps drift apart by at most kSlots windows: a slot is refilled only
-// after the window kSlots before has been written out.
-constexpr int kWindow = kWarps;  // pairs per window
-static_assert(2 * kWindow == 32, "a window's groups: one per lane");
-constexpr int kSlots = 4;
-struct WindowRing {
-  float m_mx[kSlots][32], v_mx[kSlots][32];
-  uint8_t m_k16[kSlots][32], v_k16[kSlots][32];
-  int arrived[kSlots];   // groups of the window in the slot gathered so far
-  int64_t next[kSlots];  // the window the slot takes next
+// A warp's metadata for a run of kRun consecutive pairs (2 kRun = 32 groups, sector-aligned):
+// gathered in shared memory, then written by the whole warp as full sectors (a lane per group).
+constexpr int kRun = 16;
+struct RunMeta {
+  float m_mx[2 * kRun], v_mx[2 * kRun];
+  uint8_t m_k16[2 * kRun], v_k16[2 * kRun];
 };
 
-__device__ __forceinline__ void ring_init(WindowRing& r) {
-  if (threadIdx.x < kSlots) {
-    r.arrived[threadIdx.x] = 0;
-    r.next[threadIdx.x] = threadIdx.x;
+__device__ __forceinline__ void gather_meta(RunMeta& r, int i, const GroupMeta& g) {
+  if ((threadIdx.x & 15) == 0) {
+    const int s = 2 * i + ((threadIdx.x >> 4) & 1);
+    r.m_mx[s] = g.m_mx;
+    r.v_mx[s] = g.v_mx;
+    r.m_k16[s] = static_cast<uint8_t>(g.m_k16);
+    r.v_k16[s] = static_cast<uint8_t>(g.v_k16);
   }
 }
 
-// Lanes 0 and 16 of each warp put their group's metadata into window w's slot; the lane that
-// brings the 32nd group has its warp write the window (groups g0 ... g0 + 31) out.
-__device__ __forceinline__ void gather_window(WindowRing& r, int64_t w, const AdamwTensor& d, int64_t g0,
-                                              const GroupMeta& g, int warp, int lane) {
-  const int s = static_cast<int>(w % kSlots);
-  if (lane == 0) {
-    while (*reinterpret_cast<volatile int64_t*>(&r.next[s]) != w) {
-    }
-  }
+__device__ __forceinline__ void flush_meta(const AdamwTensor& d, const RunMeta& r, int64_t g0, int lane) {
   __syncwarp();
-  bool last = false;
-  if ((lane & 15) == 0) {
-    const int i = 2 * warp + (lane >> 4);
-    r.m_mx[s][i] = g.m_mx;
-    r.v_mx[s][i] = g.v_mx;
-    r.m_k16[s][i] = static_cast<uint8_t>(g.m_k16);
-    r.v_k16[s][i] = static_cast<uint8_t>(g.v_k16);
-    __threadfence_block();
-    last = atomicAdd(&r.arrived[s], 1) == 31;
-  }
-  if (__ballot_sync(0xFFFFFFFFu, last) != 0u) {
-    __threadfence_block();
-    __stcs(d.m_gmax + g0 + lane, r.m_mx[s][lane]);
-    __stcs(d.v_gmax + g0 + lane, r.v_mx[s][lane]);
-    __stcs(reinterpret_cast<unsigned char*>(d.m_k16) + g0 + lane, static_cast<unsigned char>(r.m_k16[s][lane]));
-    __stcs(reinterpret_cast<unsigned char*>(d.v_k16) + g0 + lane, static_cast<unsigned char>(r.v_k16[s][lane]));
-    __syncwarp();
-    if (lane == 0) {
-      r.arrived[s] = 0;
-      __threadfence_block();
-      *reinterpret_cast<volatile int64_t*>(&r.next[s]) = w + kSlots;
-    }
-  }
+  __stcs(d.m_gmax + g0 + lane, r.m_mx[lane]);
+  __stcs(d.v_gmax + g0 + lane, r.v_mx[lane]);
+  __stcs(reinterpret_cast<unsigned char*>(d.m_k16) + g0 + lane, static_cast<unsigned char>(r.m_k16[lane]));
+  __stcs(reinterpret_cast<unsigned char*>(d.v_k16) + g0 + lane, static_cast<unsigned char>(r.v_k16[lane]));
+  __syncwarp();
 }
 
 // Block b updates the groups [b chunk, (b + 1) chunk) of the launch's numbering. Within each tensor
@@ -618,10 +587,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // held in registers, the compiler rematerialises them from the fp64 hyperparameters each time.
   __shared__ TensorStep warp_ts[kWarps];
   TensorStep& ts = warp_ts[warp];
-  __shared__ WindowRing ring;
-  ring_init(ring);
-  __syncthreads();
-  int64_t window = 0;  // windows the block has swept so far (the same count in every warp)
+  __shared__ RunMeta run_meta[kWarps];
+  RunMeta& run = run_meta[warp];
   const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
 
   int64_t lo = 0, hi = n_tensors - 1;  // the last descriptor with group_begin <= cb
@@ -653,20 +620,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t in_lo = (lb + 1) / 2;
     const int64_t in_hi = full / 2 > in_lo ? full / 2 : in_lo;
 
-    // The vector-path pairs [in_lo, in_hi): windows of kWindow pairs aligned to kWindow in the
-    // tensor ([ra, rb); warp w takes pair w of each), whose metadata go out as whole sectors, and
+    // The vector-path pairs [in_lo, in_hi): runs of kRun pairs aligned to kRun in the tensor
+    // ([ra, rb); warp w takes runs w, w + kWarps, ...), whose metadata go out as whole sectors, and
     // the pairs before and after them ([in_lo, ra), [rb, in_hi); round-robin), whose metadata are
-    // stored directly. A warp walks its window pairs, then its others: k < n_mine, kDepth - 1
+    // stored directly. A warp walks its runs' pairs, then its others: k < n_mine, kDepth - 1
     // ahead in flight.
-    const int64_t up = (in_lo + kWindow - 1) / kWindow * kWindow;
+    const int64_t up = (in_lo + kRun - 1) / kRun * kRun;
     const int64_t ra = up < in_hi ? up : in_hi;
-    const int64_t down = in_hi / kWindow * kWindow;
+    const int64_t down = in_hi / kRun * kRun;
     const int64_t rb = down > ra ? down : ra;
-    const int64_t n_body = (rb - ra) / kWindow;  // windows, one pair of each per warp
+    const int64_t n_runs = (rb - ra) / kRun;
+    const int64_t n_body = (warp < n_runs ? (n_runs - warp + kWarps - 1) / kWarps : 0) * kRun;
     const int64_t n_head = ra - in_lo, n_x = n_head + (in_hi - rb);
     const int64_t n_mine = n_body + (warp < n_x ? (n_x - warp + kWarps - 1) / kWarps : 0);
     auto pair_of = [&](int64_t k) -> int64_t {
-      if (k < n_body) return ra + kWindow * k + warp;
+      if (k < n_body) return ra + kRun * (warp + kWarps * (k / kRun)) + k % kRun;
       const int64_t e = warp + kWarps * (k - n_body);
       return e < n_head ? in_lo + e : rb + (e - n_head);
     };
@@ -689,7 +657,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       cp_async_commit();
       const GroupMeta g = step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c, lut);
       if (k < n_body) {
-        gather_window(ring, window + k, d, 2 * (ra + kWindow * k), g, warp, lane);
+        gather_meta(run, static_cast<int>(k % kRun), g);
+        if (k % kRun == kRun - 1) flush_meta(d, run, 2 * (j - (kRun - 1)), lane);
       } else {
         store_meta(d, at, g);
       }
@@ -700,7 +669,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       load_any<P, Src, Gr, M>(d, at, in);
       store_meta(d, at, step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c, lut));
     };
-    window += n_body;
     if (lb % 2 == 1 && warp == kWarps - 1) edge(lb / 2);
     for (int64_t jj = in_hi + warp; jj < (le + 1) / 2; jj += kWarps) edge(jj);
   }
