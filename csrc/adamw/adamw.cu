@@ -630,12 +630,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t down = in_hi / kRun * kRun;
     const int64_t rb = down > ra ? down : ra;
     const int64_t n_runs = (rb - ra) / kRun;
-    const int64_t run0 = n_runs * warp / kWarps;  // this warp's runs: [run0, run1)
-    const int64_t n_body = (n_runs * (warp + 1) / kWarps - run0) * kRun;
+    const int64_t n_body = (warp < n_runs ? (n_runs - warp + kWarps - 1) / kWarps : 0) * kRun;
     const int64_t n_head = ra - in_lo, n_x = n_head + (in_hi - rb);
     const int64_t n_mine = n_body + (warp < n_x ? (n_x - warp + kWarps - 1) / kWarps : 0);
     auto pair_of = [&](int64_t k) -> int64_t {
-      if (k < n_body) return ra + kRun * run0 + k;
+      if (k < n_body) return ra + kRun * (warp + kWarps * (k / kRun)) + k % kRun;
       const int64_t e = warp + kWarps * (k - n_body);
       return e < n_head ? in_lo + e : rb + (e - n_head);
     };
