@@ -41,16 +41,13 @@ def adamw_step(
     m_log2_range: float,
     v_log2_range: float,
     cpu_threads: int,
-    schedule: torch.Tensor | None = None,
 ) -> None:
     """One step over the tensors of ``descs`` (int64 [n, DESC_WORDS], layout of coat::AdamwTensor,
-    on the device of the states). Scalars given as tensors are fp32 with one element. ``schedule``
-    (CUDA only): an int32 scratch word on that device, for no other concurrent step, through which the
-    kernel's blocks share out the last part of the work."""
+    on the device of the states). Scalars given as tensors are fp32 with one element."""
     with _dev_ctx(descs):
         _C.adamw_step(
             descs, int(n_groups), float(lr), lr_tensor, float(beta1), float(beta2), float(eps),
             float(weight_decay), grad_scale, found_inf, DTYPE_IDS[param_dtype], DTYPE_IDS[grad_dtype],
             MASTER_IDS[master], int(m_fmt), int(v_fmt), bool(expansion), float(m_log2_range),
-            float(v_log2_range), int(cpu_threads), schedule, _stream(descs),
+            float(v_log2_range), int(cpu_threads), _stream(descs),
         )

@@ -104,8 +104,6 @@ class AdamW(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.seed = seed
         self._desc_cache: dict[tuple, tuple] = {}
-        # Per CUDA device: the kernel's scratch counter word (its launches share out work through it).
-        self._schedule: dict[torch.device, torch.Tensor] = {}
         self._seeded = 0  # parameters whose state was created so far (their seeds' index)
         super().__init__(params, defaults)
 
@@ -294,18 +292,11 @@ class AdamW(torch.optim.Optimizer):
                     found_inf=fi, param_dtype=pdtype, grad_dtype=gdtype, master=master,
                     m_fmt=CORE_ID[m_fmt], v_fmt=CORE_ID[v_fmt], expansion=group["expansion"],
                     m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
-                    cpu_threads=torch.get_num_threads(), schedule=self._schedule_word(device),
+                    cpu_threads=torch.get_num_threads(),
                 )
             if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
                 torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
         return loss
-
-    def _schedule_word(self, device: torch.device) -> torch.Tensor | None:
-        if device.type != "cuda":
-            return None
-        if device not in self._schedule:
-            self._schedule[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return self._schedule[device]
 
     @staticmethod
     def _raise_on_nonfinite(buckets: dict[tuple, list]) -> None:

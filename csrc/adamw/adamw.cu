@@ -555,31 +555,23 @@ __device__ __forceinline__ void flush_meta(const AdamwTensor& d, const RunMeta& 
   __syncwarp();
 }
 
-// How a launch's groups are shared out. Block b first updates the static chunk
-// [b chunk, (b + 1) chunk); then, while any are left, it takes units of `unit` groups from
-// [dyn_begin, n_groups) in the order its counter hands them out (*counter: zero at launch).
-// SMs do not get equal shares of memory bandwidth (with equal static shares the first blocks
-// finished 15% before the last, and the SMs idled 3% of the step on average), so the last quarter
-// of the work goes to whichever block is free.
-struct Schedule {
-  int64_t chunk;
-  int64_t dyn_begin, unit, n_units;
-  unsigned int* counter;  // null: no dynamic part
-};
-
-// Within each tensor of a block's range, the groups are split into pairs (local groups 2j, 2j + 1).
-// Pairs wholly inside the range and made of full groups of an aligned tensor take the vector path,
-// pipelined kDepth deep; the rest (at most one pair at each end of a range, the tensor's partial
-// last group, unaligned tensors) take the element-wise path.
+// Block b updates the groups [b chunk, (b + 1) chunk) of the launch's numbering. Within each tensor
+// those are split into pairs (local groups 2j, 2j + 1); warp w takes pairs w, w + 8, ... of the
+// block's share. Pairs wholly inside the share and made of full groups of an aligned tensor take
+// the vector path, pipelined kDepth deep; the rest (at most one pair at each end of a share, the
+// tensor's partial last group, unaligned tensors) take the element-wise path.
 template <typename P, typename Gr, MasterKind M, Fp8Format MF, Fp8Format VF>
 __global__ void __launch_bounds__(kThreads, 1)
-    adamw_kernel(const AdamwTensor* __restrict__ tensors, int64_t n_tensors, int64_t n_groups, Schedule sched,
+    adamw_kernel(const AdamwTensor* __restrict__ tensors, int64_t n_tensors, int64_t n_groups, int64_t chunk,
                  AdamwConfig c) {
   using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
   constexpr int kStageBytes = Stage<Src, Gr>::kBytes;
   constexpr int kDepth = kDepthFor<Src, Gr, kLutDecode<M>>;
   extern __shared__ __align__(16) uint8_t smem[];  // kDepth stages per warp
   if (c.found_inf != nullptr && *c.found_inf != 0.0f) return;
+  const int64_t cb = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int64_t ce = cb + chunk < n_groups ? cb + chunk : n_groups;
+  if (cb >= ce) return;
   const float* lut = nullptr;
   if constexpr (kLutDecode<M>) {
     __shared__ float tables[2 * kLutFloats];  // m's table, then v's
@@ -599,130 +591,100 @@ __global__ void __launch_bounds__(kThreads, 1)
   RunMeta& run = run_meta[warp];
   const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
 
-  // Groups [cb, ce) of the launch.
-  auto sweep = [&](const int64_t cb, const int64_t ce) {
-    if (cb >= ce) return;
-    int64_t lo = 0, hi = n_tensors - 1;  // the last descriptor with group_begin <= cb
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) >> 1;
-      if (tensors[mid].group_begin <= cb) lo = mid; else hi = mid - 1;
+  int64_t lo = 0, hi = n_tensors - 1;  // the last descriptor with group_begin <= cb
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (tensors[mid].group_begin <= cb) lo = mid; else hi = mid - 1;
+  }
+  for (int64_t ti = lo; ti < n_tensors; ++ti) {
+    const AdamwTensor d = tensors[ti];
+    if (d.group_begin >= ce) break;
+    const int64_t ng = groups_of(d.numel);
+    const int64_t lb = (cb > d.group_begin ? cb : d.group_begin) - d.group_begin;
+    const int64_t le = (ce < d.group_begin + ng ? ce : d.group_begin + ng) - d.group_begin;
+    __syncwarp();  // every lane is done with the previous tensor's values
+    if (lane == 0) {
+      ts.t = adamw::step_count(*d.step);
+      ts.s = adamw::make_scalars(lr, c, ts.t);
+      ts.inv_gs = inv_gs;
     }
-    for (int64_t ti = lo; ti < n_tensors; ++ti) {
-      const AdamwTensor d = tensors[ti];
-      if (d.group_begin >= ce) break;
-      const int64_t ng = groups_of(d.numel);
-      const int64_t lb = (cb > d.group_begin ? cb : d.group_begin) - d.group_begin;
-      const int64_t le = (ce < d.group_begin + ng ? ce : d.group_begin + ng) - d.group_begin;
-      __syncwarp();  // every lane is done with the previous tensor's values
-      if (lane == 0) {
-        ts.t = adamw::step_count(*d.step);
-        ts.s = adamw::make_scalars(lr, c, ts.t);
-        ts.inv_gs = inv_gs;
-      }
-      __syncwarp();
-      // Staged arrays are copied in 16-byte chunks; stores are 4-element vectors.
-      const bool aligned = cuda::aligned(src_of<M, P>(d), 16) && cuda::aligned(d.grad, 16) && cuda::aligned(d.m_q, 16) &&
-                           cuda::aligned(d.v_q, 16) && cuda::aligned(d.param, 4 * sizeof(P)) &&
-                           cuda::aligned(d.m_k16, 4) && cuda::aligned(d.v_k16, 4);
-      // Vector-path groups end: full groups, whose k16 word is within the group count.
-      int64_t full = aligned ? d.numel / G : 0;
-      full = full < (ng & ~int64_t{3}) ? full : (ng & ~int64_t{3});
-      full = full < le ? full : le;
-      const int64_t in_lo = (lb + 1) / 2;
-      const int64_t in_hi = full / 2 > in_lo ? full / 2 : in_lo;
+    __syncwarp();
+    // Staged arrays are copied in 16-byte chunks; stores are 4-element vectors.
+    const bool aligned = cuda::aligned(src_of<M, P>(d), 16) && cuda::aligned(d.grad, 16) && cuda::aligned(d.m_q, 16) &&
+                         cuda::aligned(d.v_q, 16) && cuda::aligned(d.param, 4 * sizeof(P)) &&
+                         cuda::aligned(d.m_k16, 4) && cuda::aligned(d.v_k16, 4);
+    // Vector-path groups end: full groups, whose k16 word is within the group count.
+    int64_t full = aligned ? d.numel / G : 0;
+    full = full < (ng & ~int64_t{3}) ? full : (ng & ~int64_t{3});
+    full = full < le ? full : le;
+    const int64_t in_lo = (lb + 1) / 2;
+    const int64_t in_hi = full / 2 > in_lo ? full / 2 : in_lo;
 
-      // The vector-path pairs [in_lo, in_hi): runs of kRun pairs aligned to kRun in the tensor
-      // ([ra, rb); warp w takes runs w, w + kWarps, ...), whose metadata go out as whole sectors, and
-      // the pairs before and after them ([in_lo, ra), [rb, in_hi); round-robin), whose metadata are
-      // stored directly. A warp walks its runs' pairs, then its others: k < n_mine, kDepth - 1
-      // ahead in flight.
-      const int64_t up = (in_lo + kRun - 1) / kRun * kRun;
-      const int64_t ra = up < in_hi ? up : in_hi;
-      const int64_t down = in_hi / kRun * kRun;
-      const int64_t rb = down > ra ? down : ra;
-      const int64_t n_runs = (rb - ra) / kRun;
-      const int64_t n_body = (warp < n_runs ? (n_runs - warp + kWarps - 1) / kWarps : 0) * kRun;
-      const int64_t n_head = ra - in_lo, n_x = n_head + (in_hi - rb);
-      const int64_t n_mine = n_body + (warp < n_x ? (n_x - warp + kWarps - 1) / kWarps : 0);
-      auto pair_of = [&](int64_t k) -> int64_t {
-        if (k < n_body) return ra + kRun * (warp + kWarps * (k / kRun)) + k % kRun;
-        const int64_t e = warp + kWarps * (k - n_body);
-        return e < n_head ? in_lo + e : rb + (e - n_head);
-      };
-  #pragma unroll
-      for (int k = 0; k < kDepth - 1; ++k) {
-        if (k < n_mine) issue_stage<P, Src, Gr, M>(d, pair_of(k), stage0 + k * kStageBytes, lane);
-        cp_async_commit();
-      }
-      for (int64_t k = 0; k < n_mine; ++k) {
-        cp_async_wait<kDepth - 2>();  // stage k has landed (the kDepth - 2 after it may not have)
-        __syncwarp();                 // ... for every lane's copies
-        const int64_t j = pair_of(k);
-        const LanePos at = lane_pos<true>(j, lane, lb, le);
-        LaneIn<Src, Gr> in;
-        read_stage(smem + warp * kDepth * kStageBytes + (k % kDepth) * kStageBytes, at, lane, in);
-        // Refill the slot read in the previous iteration while this one's shared loads are in flight.
-        const int64_t kn = k + kDepth - 1;
-        if (kn < n_mine)
-          issue_stage<P, Src, Gr, M>(d, pair_of(kn), stage0 + static_cast<uint32_t>(kn % kDepth) * kStageBytes, lane);
-        cp_async_commit();
-        const GroupMeta g = step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c, lut);
-        if (k < n_body) {
-          gather_meta(run, static_cast<int>(k % kRun), g);
-          if (k % kRun == kRun - 1) flush_meta(d, run, 2 * (j - (kRun - 1)), lane);
-        } else {
-          store_meta(d, at, g);
-        }
-      }
-      auto edge = [&](int64_t jj) {
-        const LanePos at = lane_pos<false>(jj, lane, lb, le);
-        LaneIn<Src, Gr> in;
-        load_any<P, Src, Gr, M>(d, at, in);
-        store_meta(d, at, step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c, lut));
-      };
-      if (lb % 2 == 1 && warp == kWarps - 1) edge(lb / 2);
-      for (int64_t jj = in_hi + warp; jj < (le + 1) / 2; jj += kWarps) edge(jj);
+    // The vector-path pairs [in_lo, in_hi): runs of kRun pairs aligned to kRun in the tensor
+    // ([ra, rb); warp w takes runs w, w + kWarps, ...), whose metadata go out as whole sectors, and
+    // the pairs before and after them ([in_lo, ra), [rb, in_hi); round-robin), whose metadata are
+    // stored directly. A warp walks its runs' pairs, then its others: k < n_mine, kDepth - 1
+    // ahead in flight.
+    const int64_t up = (in_lo + kRun - 1) / kRun * kRun;
+    const int64_t ra = up < in_hi ? up : in_hi;
+    const int64_t down = in_hi / kRun * kRun;
+    const int64_t rb = down > ra ? down : ra;
+    const int64_t n_runs = (rb - ra) / kRun;
+    const int64_t n_body = (warp < n_runs ? (n_runs - warp + kWarps - 1) / kWarps : 0) * kRun;
+    const int64_t n_head = ra - in_lo, n_x = n_head + (in_hi - rb);
+    const int64_t n_mine = n_body + (warp < n_x ? (n_x - warp + kWarps - 1) / kWarps : 0);
+    auto pair_of = [&](int64_t k) -> int64_t {
+      if (k < n_body) return ra + kRun * (warp + kWarps * (k / kRun)) + k % kRun;
+      const int64_t e = warp + kWarps * (k - n_body);
+      return e < n_head ? in_lo + e : rb + (e - n_head);
+    };
+#pragma unroll
+    for (int k = 0; k < kDepth - 1; ++k) {
+      if (k < n_mine) issue_stage<P, Src, Gr, M>(d, pair_of(k), stage0 + k * kStageBytes, lane);
+      cp_async_commit();
     }
-  };
-
-  const int64_t cb = static_cast<int64_t>(blockIdx.x) * sched.chunk;
-  sweep(cb, cb + sched.chunk < sched.dyn_begin ? cb + sched.chunk : sched.dyn_begin);
-  if (sched.counter == nullptr) return;
-  __shared__ int64_t next_unit;
-  for (;;) {
-    __syncthreads();  // every warp is done with the previous range (and has read next_unit)
-    if (threadIdx.x == 0) next_unit = atomicAdd(sched.counter, 1u);
-    __syncthreads();
-    const int64_t u = next_unit;
-    if (u >= sched.n_units) return;
-    const int64_t ub = sched.dyn_begin + u * sched.unit;
-    sweep(ub, ub + sched.unit < n_groups ? ub + sched.unit : n_groups);
+    for (int64_t k = 0; k < n_mine; ++k) {
+      cp_async_wait<kDepth - 2>();  // stage k has landed (the kDepth - 2 after it may not have)
+      __syncwarp();                 // ... for every lane's copies
+      const int64_t j = pair_of(k);
+      const LanePos at = lane_pos<true>(j, lane, lb, le);
+      LaneIn<Src, Gr> in;
+      read_stage(smem + warp * kDepth * kStageBytes + (k % kDepth) * kStageBytes, at, lane, in);
+      // Refill the slot read in the previous iteration while this one's shared loads are in flight.
+      const int64_t kn = k + kDepth - 1;
+      if (kn < n_mine)
+        issue_stage<P, Src, Gr, M>(d, pair_of(kn), stage0 + static_cast<uint32_t>(kn % kDepth) * kStageBytes, lane);
+      cp_async_commit();
+      const GroupMeta g = step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c, lut);
+      if (k < n_body) {
+        gather_meta(run, static_cast<int>(k % kRun), g);
+        if (k % kRun == kRun - 1) flush_meta(d, run, 2 * (j - (kRun - 1)), lane);
+      } else {
+        store_meta(d, at, g);
+      }
+    }
+    auto edge = [&](int64_t jj) {
+      const LanePos at = lane_pos<false>(jj, lane, lb, le);
+      LaneIn<Src, Gr> in;
+      load_any<P, Src, Gr, M>(d, at, in);
+      store_meta(d, at, step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c, lut));
+    };
+    if (lb % 2 == 1 && warp == kWarps - 1) edge(lb / 2);
+    for (int64_t jj = in_hi + warp; jj < (le + 1) / 2; jj += kWarps) edge(jj);
   }
 }
 
 template <typename P, typename Gr, MasterKind M>
 void launch_formats(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_groups, const AdamwConfig& c,
                     cudaStream_t stream) {
-  // Persistent blocks (one per SM): three quarters of the groups in equal static chunks (even, so
-  // most pairs are whole), the rest in units of about 1/32 of a chunk for whichever block is free.
+  // Persistent blocks (one per SM), each with a contiguous chunk of groups (even, so most pairs
+  // are whole).
   const int64_t cap = static_cast<int64_t>(cuda::sm_count());
   const int64_t want = (n_groups + 2 * kWarps - 1) / (2 * kWarps);
   const int64_t blocks = want < cap ? want : cap;
-  Schedule sched{};
-  sched.counter = c.schedule;
-  if (sched.counter != nullptr) {
-    sched.chunk = n_groups * 3 / 4 / blocks / 2 * 2;
-    sched.dyn_begin = sched.chunk * blocks;
-    const int64_t unit = (n_groups - sched.dyn_begin + 32 * blocks - 1) / (32 * blocks);
-    sched.unit = unit < 1024 ? 1024 : unit + unit % 2;
-    sched.n_units = (n_groups - sched.dyn_begin + sched.unit - 1) / sched.unit;
-    COAT_CUDA_CHECK(cudaMemsetAsync(sched.counter, 0, sizeof(unsigned int), stream));
-  } else {
-    sched.chunk = (n_groups + blocks - 1) / blocks;
-    sched.chunk += sched.chunk % 2;
-    sched.dyn_begin = n_groups;
-  }
-  const unsigned grid = static_cast<unsigned>(blocks);
+  int64_t chunk = (n_groups + blocks - 1) / blocks;
+  chunk += chunk % 2;
+  const unsigned grid = static_cast<unsigned>((n_groups + chunk - 1) / chunk);
   constexpr auto E4 = Fp8Format::kE4M3, E5 = Fp8Format::kE5M2;
   const bool m4 = c.m_fmt == E4, v4 = c.v_fmt == E4;
   auto* kernel = m4 ? (v4 ? adamw_kernel<P, Gr, M, E4, E4> : adamw_kernel<P, Gr, M, E4, E5>)
@@ -738,7 +700,7 @@ void launch_formats(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_gro
                                          cudaSharedmemCarveoutMaxShared));
     done = true;
   }
-  kernel<<<grid, kThreads, smem, stream>>>(tensors, n_tensors, n_groups, sched, c);
+  kernel<<<grid, kThreads, smem, stream>>>(tensors, n_tensors, n_groups, chunk, c);
   COAT_CHECK_LAUNCH();
 }
 

@@ -30,8 +30,7 @@ void adamw_step_py(MutArray descs_, int64_t n_groups, double lr, std::optional<A
                    double beta1, double beta2, double eps, double weight_decay,
                    std::optional<Array> grad_scale, std::optional<Array> found_inf, int param_dtype,
                    int grad_dtype, int master, int m_fmt, int v_fmt, bool expansion,
-                   float m_log2_range, float v_log2_range, int cpu_threads, std::optional<MutArray> schedule,
-                   uintptr_t stream) {
+                   float m_log2_range, float v_log2_range, int cpu_threads, uintptr_t stream) {
   const View descs = view_of(descs_, "descs");
   COAT_CHECK_ARG(descs_.dtype() == nb::dtype<int64_t>(), "descs must be int64");
   COAT_CHECK_ARG(descs.shape.size() == 2 && descs.shape[1] == 16,
@@ -56,13 +55,6 @@ void adamw_step_py(MutArray descs_, int64_t n_groups, double lr, std::optional<A
   c.m_log2_range = m_log2_range;
   c.v_log2_range = v_log2_range;
   c.cpu_threads = cpu_threads < 1 ? 1 : cpu_threads;
-  if (schedule) {
-    View v = view_of(*schedule, "schedule");
-    COAT_CHECK_ARG(schedule->dtype() == nb::dtype<int32_t>(), "schedule must be int32");
-    expect_numel(v, 1, "one counter word");
-    views.push_back(v);
-    c.schedule = static_cast<unsigned int*>(v.data);
-  }
   for (const View& v : views) {
     COAT_CHECK_ARG(v.cuda == descs.cuda && v.device == descs.device,
                    std::string(v.name) + " is on a different device than the optimizer states");
@@ -85,7 +77,7 @@ void register_adamw(nb::module_& m) {
         arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("grad_scale").none(),
         arg("found_inf").none(), arg("param_dtype"), arg("grad_dtype"), arg("master"), arg("m_fmt"),
         arg("v_fmt"), arg("expansion"), arg("m_log2_range"), arg("v_log2_range"), arg("cpu_threads"),
-        arg("schedule").none(), arg("stream"));
+        arg("stream"));
 }
 
 }  // namespace

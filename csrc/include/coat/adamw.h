@@ -23,8 +23,7 @@
 // counter-based hash of (seed, t, element index / 4): the CPU reference and the kernel round
 // identically, and a resumed run (same seed, same t) continues bit-identically.
 //
-// Everything is deterministic: which block updates a group changes nothing in its values, so a
-// resumed run continues bit-identically. The CPU
+// Everything is deterministic (no atomics; a resumed run continues bit-identically). The CPU
 // reference (coat::ref::adamw_step) and the kernel run the same formulas in the same order, but the
 // kernel takes log2/exp2, the square root and the reciprocal from the hardware's approximations
 // (the step is bound by instruction issue otherwise): the two agree to a few ulp in the fp32
@@ -78,9 +77,6 @@ struct AdamwConfig {
   const float* lr_tensor = nullptr;   // when set, *lr_tensor replaces lr (read on the device)
   const float* grad_scale = nullptr;  // when set, gradients are multiplied by 1 / *grad_scale
   const float* found_inf = nullptr;   // when set and non-zero, nothing is written at all
-  // Device kernel only: a counter word, private to this launch's stream, through which blocks
-  // share out the last part of the work (the launch zeroes it first). Null: static shares only.
-  unsigned int* schedule = nullptr;
   DType param_dtype = DType::kFloat32;
   DType grad_dtype = DType::kFloat32;
   MasterKind master = MasterKind::kNone;
