@@ -7,7 +7,9 @@ Configurations, run one after another with memory freed in between:
   coat  bf16 params, bf16_sr (no master) + bf16 grads
   coat  fp32 params + fp32 grads
   torch AdamW(fused=True), fp32 params + fp32 grads   (the baseline; needs ~108 GB at full size)
-For each: median step time over CUDA-event-timed steps after warm-up, bytes moved per parameter
+For each: the step time of `--iters` steps run back to back (CUDA events around them all; the host
+queues ahead as in training, so this is the GPU's time), also the median of steps timed one at a
+time from an idle GPU (which adds the host's work in step()) and that host time; bytes moved per parameter
 (counted from what the kernel must read and write), achieved bandwidth, the bandwidth floor from a
 device-to-device copy measured in the same run, the ratio to torch, optimizer-state bytes per
 parameter and the extra memory allocated during a step. A markdown table is printed last and JSON
@@ -24,6 +26,7 @@ import gc
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -96,19 +99,33 @@ def bench(name: str, shapes, warmup: int, iters: int) -> dict:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    # Steps one at a time, the GPU idle before each: these times include the host's work in
+    # step() before the launch (host_s, timed on the host), which a training loop hides by queueing
+    # ahead.
+    times, host = [], []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         opt.step()
+        host.append(time.perf_counter() - t0)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
+    # Steps back to back (the host queues ahead, as in training): the GPU time of a step.
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        opt.step()
+    b.record()
+    b.synchronize()
+    step_s = a.elapsed_time(b) / 1e3 / iters
     peak_extra = torch.cuda.max_memory_allocated() - base
     state = [t for s in opt.state.values() for k, t in s.items() if isinstance(t, torch.Tensor) and k != "step"]
     moments = sum(t.numel() * t.element_size() for t, k in
                   ((t, k) for s in opt.state.values() for k, t in s.items()) if k.startswith("exp_avg"))
-    res = {"config": name, "params": n, "step_s": statistics.median(times), "step_s_min": min(times),
+    res = {"config": name, "params": n, "step_s": step_s, "step_s_synced": statistics.median(times),
+           "step_s_synced_min": min(times), "host_s": statistics.median(host),
            "bytes_per_param": BYTES[name], "state_bytes_per_param": sum(t.numel() * t.element_size() for t in state) / n,
            "moment_bytes_per_param": moments / n, "step_peak_extra_bytes": peak_extra,
            "total_allocated_gb": base / 1e9}
@@ -137,7 +154,8 @@ def main() -> None:
         r["floor_s"] = r["bytes_per_param"] * r["params"] / bw
         r["vs_floor"] = r["step_s"] / r["floor_s"]
         rows.append(r)
-        print(f"{name}: {r['step_s'] * 1e3:.2f} ms ({r['vs_floor']:.2f}x floor)", flush=True)
+        print(f"{name}: {r['step_s'] * 1e3:.2f} ms ({r['vs_floor']:.2f}x floor); one at a time "
+              f"{r['step_s_synced'] * 1e3:.2f} ms, host {r['host_s'] * 1e3:.2f} ms", flush=True)
     torch_row = next((r for r in rows if r["config"].startswith("torch")), None)
     for r in rows:
         r["speedup_vs_torch_fused"] = torch_row["step_s"] / r["step_s"] if torch_row else None
