@@ -72,6 +72,11 @@ def check_state_device(state: dict[str, Any], local: torch.Tensor) -> None:
                              "move the model before creating the optimizer or loading its state dict")
 
 
+def tensor_ptrs(state: dict[str, Any]) -> list[int]:
+    """The data pointers of a parameter's state tensors (the descriptor cache's key)."""
+    return [t.data_ptr() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
 def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int) -> list[int]:
     """One coat::AdamwTensor (16 int64 words) for the kernel."""
     master = st.get("master")

@@ -226,19 +226,23 @@ class AdamW(torch.optim.Optimizer):
                 # its step count, so that every rank holds the same states with the same steps, as
                 # distributed state dicts expect; it has no row in the kernel's descriptor table.
                 state = self.state[p] or self._init_state(p, local, group)
-                _state.check_state_device(state, local)
                 master = self._master_kind(local.dtype)
                 buckets[(local.device, local.dtype, grad.dtype, master, gi)].append((p, local, grad, state))
         return buckets
 
     def _descriptors(self, key: tuple, items: list) -> tuple[torch.Tensor, int]:
-        """The descriptor table of one launch; rebuilt only when a pointer changed (new grads)."""
-        ptrs = tuple((local.data_ptr(), grad.data_ptr(), id(state)) for _, local, grad, state in items)
+        """The descriptor table of one launch; rebuilt only when a pointer changed (new grads, a
+        moved model, loaded states: load_state_dict and add_param_group clear the cache)."""
+        # Every pointer the table holds: a state tensor replaced in place (opt.state[p][k] = ...) must
+        # not leave the kernel writing to the old one.
+        ptrs = tuple((local.data_ptr(), grad.data_ptr(), id(state), *_state.tensor_ptrs(state))
+                     for _, local, grad, state in items)
         hit = self._desc_cache.get(key)
         if hit is not None and hit[0] == ptrs:
             return hit[1], hit[2]
         rows, begin = [], 0
         for _, local, grad, state in items:
+            _state.check_state_device(state, local)  # a moved tensor changes a pointer: checked here
             if local.numel() == 0:
                 continue
             rows.append(_state.descriptor_row(local, grad, state, begin))
@@ -263,6 +267,8 @@ class AdamW(torch.optim.Optimizer):
         buckets = self._gather()
         if self.nonfinite == "raise":
             self._raise_on_nonfinite(buckets)
+        # Every table (and with it every check of the states) before anything is written.
+        tables = {key: self._descriptors(key, items) for key, items in buckets.items()}
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         on_device: dict[tuple, torch.Tensor] = {}
@@ -279,7 +285,7 @@ class AdamW(torch.optim.Optimizer):
             group = self.param_groups[gi]
             steps = [st["step"] for _, _, _, st in items]
             torch._foreach_add_(steps, 1)
-            table, n_groups = self._descriptors(key, items)
+            table, n_groups = tables[key]
             lr = group["lr"]
             lr_t = to_dev(lr, device, f"lr{gi}") if isinstance(lr, torch.Tensor) else None
             fi = to_dev(found_inf, device, "found_inf")

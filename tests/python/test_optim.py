@@ -311,6 +311,24 @@ def test_bad_inputs():
     assert torch.equal(p.detach(), torch.ones(4))
 
 
+def test_state_tensor_replaced_in_place_is_followed():
+    # The step reuses its table of pointers across steps; a state tensor swapped into opt.state
+    # (as offloading code does) must be the one updated, and the old one left alone.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = co.AdamW([p], lr=1e-2)
+    p.grad = torch.randn(1000)
+    opt.step()
+    st = opt.state[p]
+    old = st["exp_avg_q"]
+    kept = old.clone()
+    st["exp_avg_q"] = old.clone()
+    p.grad.copy_(torch.randn(1000))  # the same gradient tensor: no other pointer changed
+    opt.step()
+    assert torch.equal(old, kept)
+    assert not torch.equal(st["exp_avg_q"], kept)
+
+
 def test_distributed_checkpoint_round_trip(tmp_path):
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     m = _mlp()
