@@ -89,10 +89,13 @@ def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], 
 
 # ---- sharded parameters (FSDP2): states as DTensors for torch.distributed.checkpoint ----------
 # The step works on each rank's local shard, with groups local to the shard. For a checkpoint every
-# rank's state must be saved, so state_dict() wraps them as DTensors laid out like the parameter
-# (codes, master) or as a dim-0 sharded vector of equal per-rank blocks (group metadata padded to
-# the largest shard's group count; the seed of the stochastic rounding, one per shard).
-# Resharding is not supported: the groups follow the shard boundaries.
+# rank's state must be saved, so state_dict() wraps them as DTensors: codes and master laid out
+# like the parameter; the group metadata as a grid over the whole parameter when every shard starts
+# on a 128-element boundary (rows of a multiple of 128 elements, or 1-D shards of a multiple of
+# 128), so that the checkpoint holds the same groups whatever the world size and loads, exactly,
+# at another one; else as per-rank blocks padded to the largest shard's group count, which load
+# only at the world size that wrote them. The stochastic-rounding seed is one per shard (per-rank
+# blocks): bf16_sr states load only at the world size that wrote them.
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -118,6 +121,24 @@ def _shard0_layout(p: torch.Tensor) -> tuple[Any, int, int]:
     return mesh, world, groups(rows * per_row)
 
 
+def group_grid(p: torch.Tensor, world: int) -> tuple[int, ...] | None:
+    """Global shape of p's group metadata if each of `world` dim-0 shards starts on a group boundary
+    of the whole parameter and a dim-0 split of that shape gives every shard its own groups, else
+    None. (R, C / 128) for rows of C = k 128 elements (any world size); (G,) for a 1-D parameter
+    whose shards are whole multiples of 128 (G = its group count)."""
+    n = p.numel()
+    if n == 0 or p.dim() == 0:
+        return None
+    rows, per_row = p.shape[0], n // p.shape[0]
+    if p.dim() >= 2 and per_row % 128 == 0:
+        return (rows, per_row // 128)
+    chunk = -(-rows // world) * per_row  # elements of a full shard
+    g = groups(n)
+    if chunk % 128 == 0 and -(-g // world) * 128 == chunk:
+        return (g,)
+    return None
+
+
 def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     """The state of the local shard of DTensor parameter p, as DTensors every rank contributes to."""
     from torch.distributed.tensor import DTensor, Shard
@@ -134,11 +155,19 @@ def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
         block[: t.numel()] = t.reshape(-1)
         return DTensor.from_local(block, mesh, p.placements, run_check=False, shape=(world * n,), stride=(1,))
 
+    grid = group_grid(p, world)
+
+    def on_grid(t: torch.Tensor) -> Any:  # this shard's groups: whole rows (or a slice) of the grid
+        local = t.reshape(-1, *grid[1:])
+        stride = (grid[1], 1) if len(grid) == 2 else (1,)
+        return DTensor.from_local(local, mesh, p.placements, run_check=False, shape=grid, stride=stride)
+
     out = dict(st)
     for name in _MOMENTS:
         out[name + "_q"] = like_param(st[name + "_q"])
-        out[name + "_gmax"] = per_rank(st[name + "_gmax"], g_full)
-        out[name + "_k16"] = per_rank(st[name + "_k16"], g_full)
+        for meta in ("_gmax", "_k16"):
+            t = st[name + meta]
+            out[name + meta] = on_grid(t) if grid is not None else per_rank(t, g_full)
     if "master" in st:
         out["master"] = like_param(st["master"])
     if "sr_seed" in st:
@@ -152,8 +181,8 @@ def _from_dtensors(saved: dict[str, Any], n: int) -> dict[str, Any]:
     for k, t in saved.items():
         if _is_dtensor(t):
             t = t.to_local()
-            if k.endswith(("_gmax", "_k16")):
-                t = t[: groups(n)]
+            if k.endswith(("_gmax", "_k16")):  # grid rows (exact) or a padded per-rank block
+                t = t.reshape(-1)[: groups(n)]
             elif k == "sr_seed":
                 t = t.reshape(())
         out[k] = t
