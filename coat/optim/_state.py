@@ -40,14 +40,21 @@ def shard_index(p: torch.Tensor) -> int:
     return index
 
 
-def param_seed(seed: int, index: int, shard: int) -> int:
-    """Stochastic-rounding seed of the index-th parameter's `shard` (shard_index): a splitmix64 step
-    of the three. Shards get their own rounding noise; replicas of the same data (DDP, the
-    replicate dimension of HSDP) the same noise, so that they stay identical."""
+def param_seed(seed: int, index: int, shard: int = 0) -> int:
+    """Stochastic-rounding seed of the index-th parameter (shard 0), or of its `shard`
+    (shard_index): a splitmix64 step of the three. The state keeps the parameter's seed (the same
+    on every rank, so a checkpoint holds one seed whatever the world size); the step rounds each
+    shard with shard_seed of it. Shards get their own rounding noise; replicas of the same data
+    (DDP, the replicate dimension of HSDP) the same noise, so that they stay identical."""
     z = (seed + 0x9E3779B97F4A7C15 * (index + 1) + 0xD1B54A32D192ED03 * shard) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & _MASK63
+
+
+def shard_seed(seed: int, shard: int) -> int:
+    """The seed a shard is rounded with, from its parameter's seed (itself for shard 0)."""
+    return seed if shard == 0 else param_seed(seed, 0, shard)
 
 
 def new_state(local: torch.Tensor, m_fmt: str, v_fmt: str, master: str, seed: int) -> dict[str, Any]:
@@ -77,10 +84,10 @@ def tensor_ptrs(state: dict[str, Any]) -> list[int]:
     return [t.data_ptr() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
-def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int) -> list[int]:
-    """One coat::AdamwTensor (16 int64 words) for the kernel."""
+def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int, shard: int) -> list[int]:
+    """One coat::AdamwTensor (16 int64 words) for the kernel; `shard`: shard_index of the parameter."""
     master = st.get("master")
-    seed = int(st["sr_seed"]) if "sr_seed" in st else 0
+    seed = shard_seed(int(st["sr_seed"]), shard) if "sr_seed" in st else 0
     return [local.data_ptr(), grad.data_ptr(), master.data_ptr() if master is not None else 0,
             st["exp_avg_q"].data_ptr(), st["exp_avg_gmax"].data_ptr(), st["exp_avg_k16"].data_ptr(),
             st["exp_avg_sq_q"].data_ptr(), st["exp_avg_sq_gmax"].data_ptr(), st["exp_avg_sq_k16"].data_ptr(),
@@ -94,8 +101,8 @@ def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], 
 # on a 128-element boundary (rows of a multiple of 128 elements, or 1-D shards of a multiple of
 # 128), so that the checkpoint holds the same groups whatever the world size and loads, exactly,
 # at another one; else as per-rank blocks padded to the largest shard's group count, which load
-# only at the world size that wrote them. The stochastic-rounding seed is one per shard (per-rank
-# blocks): bf16_sr states load only at the world size that wrote them.
+# only at the world size that wrote them. The stochastic-rounding seed is the parameter's (the
+# same on all ranks; each shard rounds with shard_seed of it), so it stays a plain tensor.
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -170,9 +177,7 @@ def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
             out[name + meta] = on_grid(t) if grid is not None else per_rank(t, g_full)
     if "master" in st:
         out["master"] = like_param(st["master"])
-    if "sr_seed" in st:
-        out["sr_seed"] = per_rank(st["sr_seed"], 1)
-    return out
+    return out  # sr_seed: the parameter's, the same on every rank
 
 
 def _from_dtensors(saved: dict[str, Any], n: int) -> dict[str, Any]:
@@ -183,8 +188,6 @@ def _from_dtensors(saved: dict[str, Any], n: int) -> dict[str, Any]:
             t = t.to_local()
             if k.endswith(("_gmax", "_k16")):  # grid rows (exact) or a padded per-rank block
                 t = t.reshape(-1)[: groups(n)]
-            elif k == "sr_seed":
-                t = t.reshape(())
         out[k] = t
     return out
 
@@ -306,7 +309,7 @@ def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[
         if kind == "fp32":
             out["master"] = local.detach().float().clone()
         if kind == "bf16_sr":
-            out["sr_seed"] = torch.tensor(param_seed(optimizer.seed, len(state), shard_index(p)), dtype=torch.int64)
+            out["sr_seed"] = torch.tensor(param_seed(optimizer.seed, len(state)), dtype=torch.int64)
         state[pid] = out
     pgroups = []
     for tg, g in zip(torch_state["param_groups"], optimizer.param_groups):

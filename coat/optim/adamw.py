@@ -159,7 +159,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = _state.new_state(local, group["m_format"], group["v_format"], self._master_kind(local.dtype),
-                                 _state.param_seed(self.seed, self._seeded, _state.shard_index(p)))
+                                 _state.param_seed(self.seed, self._seeded))
         self._seeded += 1
         self.state[p] = state
         return state
@@ -241,11 +241,11 @@ class AdamW(torch.optim.Optimizer):
         if hit is not None and hit[0] == ptrs:
             return hit[1], hit[2]
         rows, begin = [], 0
-        for _, local, grad, state in items:
+        for p, local, grad, state in items:
             _state.check_state_device(state, local)  # a moved tensor changes a pointer: checked here
             if local.numel() == 0:
                 continue
-            rows.append(_state.descriptor_row(local, grad, state, begin))
+            rows.append(_state.descriptor_row(local, grad, state, begin, _state.shard_index(p)))
             begin += _state.groups(local.numel())
         host = torch.tensor(rows, dtype=torch.int64)
         device = key[0]

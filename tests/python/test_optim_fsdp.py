@@ -223,7 +223,7 @@ def _full_optim_state(model: torch.nn.Module, opt: co.AdamW) -> dict[str, torch.
     return flat
 
 
-def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: torch.dtype,
+def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: torch.dtype, master: str,
                     phase: str, mesh_shape: tuple[int, ...]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
@@ -236,7 +236,7 @@ def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype
         model = _aligned_model().to(dev, dtype)
         names = ("replicate", "shard")[-len(mesh_shape):]  # (2, 2): HSDP
         fully_shard(model, mesh=init_device_mesh(dev, mesh_shape, mesh_dim_names=names))
-        opt = co.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights="fp32")
+        opt = co.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=master)
         data = _aligned_data()
         if phase == "save":
             _steps(model, opt, data[:SPLIT])
@@ -259,21 +259,25 @@ def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("dtype,mesh", [(torch.float32, (4,)), (torch.bfloat16, (4,)), (torch.float32, (2, 2))])
-def test_fsdp2_checkpoint_loads_at_another_world_size(tmp_path, dtype, mesh):
+@pytest.mark.parametrize("dtype,master,mesh", [(torch.float32, "fp32", (4,)), (torch.bfloat16, "fp32", (4,)),
+                                               (torch.bfloat16, "bf16_sr", (4,)), (torch.float32, "fp32", (2, 2))])
+def test_fsdp2_checkpoint_loads_at_another_world_size(tmp_path, dtype, master, mesh):
     # Saved by 2 FSDP2 ranks, loaded by 4 (FSDP2 over 4, or HSDP: 2 replicas of 2 shards).
     ckpt = str(tmp_path / "ckpt")
-    mp.spawn(_reshard_worker, args=(2, _free_port(), ckpt, str(tmp_path / "a.pt"), dtype, "save", (2,)), nprocs=2,
-             join=True)
-    mp.spawn(_reshard_worker, args=(4, _free_port(), ckpt, str(tmp_path / "b.pt"), dtype, "load", mesh), nprocs=4,
-             join=True)
+    mp.spawn(_reshard_worker, args=(2, _free_port(), ckpt, str(tmp_path / "a.pt"), dtype, master, "save", (2,)),
+             nprocs=2, join=True)
+    mp.spawn(_reshard_worker, args=(4, _free_port(), ckpt, str(tmp_path / "b.pt"), dtype, master, "load", mesh),
+             nprocs=4, join=True)
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert a["state"].keys() == b["state"].keys()
     assert any(k.endswith("exp_avg_gmax") for k in a["state"])
     for k, t in a["state"].items():  # codes, group metadata, master, step: all of them, exactly
         assert torch.equal(t, b["state"][k]), k
-    for x, y in zip(a["params"], b["params"]):  # the steps after it agree (gradients are reduced over 2
-        assert torch.allclose(x.float(), y.float(), rtol=0, atol=1e-4)  # or 4 ranks: rounding only)
+    # The steps after it agree: gradients are reduced over 2 or 4 ranks (rounding only); with bf16_sr
+    # the shards of 4 ranks draw other rounding noise than those of 2 (a few bf16 steps).
+    tol = 2e-3 if master == "bf16_sr" else 1e-4
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.allclose(x.float(), y.float(), rtol=0, atol=tol)
 
 
 # ---- replicated parameters (DDP): every replica must round the same way -----------------------
