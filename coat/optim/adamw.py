@@ -65,10 +65,12 @@ class AdamW(torch.optim.Optimizer):
     ``grad_scale`` and ``found_inf`` to the step, the kernel unscales the gradients (times 1/scale)
     and writes nothing when an inf was found (gradients are left scaled in ``.grad``).
 
-    Under FSDP2, ``state_dict()`` returns each sharded parameter's state as DTensors (codes and
-    master laid out like the parameter, group metadata and seeds as one block per shard), so
+    Under FSDP2 / HSDP, ``state_dict()`` returns each sharded parameter's state as DTensors (codes
+    and master laid out like the parameter; group metadata as a grid over the whole parameter where
+    every shard starts on a 128-element group boundary, else one block per shard), so
     ``torch.distributed.checkpoint`` with ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
-    saves every rank's shard and resumes bit-identically at the same world size.
+    saves every rank's shard and resumes bit-identically at the same world size, and loads exactly
+    at another world size where the metadata is a grid.
     """
 
     _step_supports_amp_scaling = True

@@ -120,38 +120,48 @@ def _steps(model: torch.nn.Module, opt: co.AdamW, data) -> None:
         opt.zero_grad()
 
 
-def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: torch.dtype, master: str,
-                backend: str, mesh_shape: tuple[int, ...] = (2,)) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+def _sharded(model: torch.nn.Module, dev: str, mesh_shape: tuple[int, ...], master: str):
+    """model under fully_shard over a mesh of mesh_shape ((2, 2): HSDP, replicated over the first
+    dimension, sharded over the second), and a coat.optim.AdamW over it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    names = ("replicate", "shard")[-len(mesh_shape):]
+    fully_shard(model, mesh=init_device_mesh(dev, mesh_shape, mesh_dim_names=names))
+    return model, co.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=master)
+
+
+def _dcp_save(model: torch.nn.Module, opt: co.AdamW, ckpt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+
+
+def _dcp_load(model: torch.nn.Module, opt: co.AdamW, ckpt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: torch.dtype, master: str,
+                backend: str, mesh_shape: tuple[int, ...] = (2,)) -> None:
     dev = _init(rank, world, port, backend)
     try:
-        # (2, 2): HSDP, replicated over the first mesh dimension, sharded over the second
-        names = ("replicate", "shard")[-len(mesh_shape):]
-        mesh = init_device_mesh(dev, mesh_shape, mesh_dim_names=names)
-
-        def fresh():
-            model = _model().to(dev, dtype)
-            fully_shard(model, mesh=mesh)
-            return model, co.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=master)
-
         data = _data()
-        model, opt = fresh()
+        model, opt = _sharded(_model().to(dev, dtype), dev, mesh_shape, master)
         _steps(model, opt, data[:SPLIT])
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=ckpt)
+        _dcp_save(model, opt, ckpt)
         _steps(model, opt, data[SPLIT:])
         straight = [p.full_tensor().detach().cpu() for p in model.parameters()]
 
-        model, opt = fresh()
-        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        dcp.load(sd, checkpoint_id=ckpt)
-        set_model_state_dict(model, sd["model"])
-        set_optimizer_state_dict(model, opt, sd["optim"])
+        model, opt = _sharded(_model().to(dev, dtype), dev, mesh_shape, master)
+        _dcp_load(model, opt, ckpt)
         _steps(model, opt, data[SPLIT:])
         resumed = [p.full_tensor().detach().cpu() for p in model.parameters()]
         torch_sd = co.to_torch_adamw_state(opt)  # per-shard moments as DTensors like the parameters
@@ -225,32 +235,17 @@ def _full_optim_state(model: torch.nn.Module, opt: co.AdamW) -> dict[str, torch.
 
 def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: torch.dtype, master: str,
                     phase: str, mesh_shape: tuple[int, ...]) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     dev = _init(rank, world, port, "gloo")
     try:
-        model = _aligned_model().to(dev, dtype)
-        names = ("replicate", "shard")[-len(mesh_shape):]  # (2, 2): HSDP
-        fully_shard(model, mesh=init_device_mesh(dev, mesh_shape, mesh_dim_names=names))
-        opt = co.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=master)
+        model, opt = _sharded(_aligned_model().to(dev, dtype), dev, mesh_shape, master)
         data = _aligned_data()
         if phase == "save":
             _steps(model, opt, data[:SPLIT])
-            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                     checkpoint_id=ckpt)
-            saved = _full_optim_state(model, opt)
-            _steps(model, opt, data[SPLIT:])
+            _dcp_save(model, opt, ckpt)
         else:
-            sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-            dcp.load(sd, checkpoint_id=ckpt)
-            set_model_state_dict(model, sd["model"])
-            set_optimizer_state_dict(model, opt, sd["optim"])
-            saved = _full_optim_state(model, opt)
-            _steps(model, opt, data[SPLIT:])
+            _dcp_load(model, opt, ckpt)
+        saved = _full_optim_state(model, opt)
+        _steps(model, opt, data[SPLIT:])
         params = [p.full_tensor().detach().cpu() for p in model.parameters()]
         if rank == 0:
             torch.save({"state": saved, "params": params}, out)
