@@ -168,7 +168,7 @@ def main():
                 ("coat fp8, torch._scaled_mm GEMMs", "fp8", "scaled_mm")]
     for name, recipe, backend in variants:
         _fp8mm._BACKEND = backend
-        _fp8mm.clear_weight_cache()
+        coat.nn.invalidate_weight_cache()
         layer = coat.convert(copy.deepcopy(hf), recipe=recipe)
         r, y, dx, g = bench(name, layer, x, dy, pe, pos, args.reps)
         r.update(err_out=rel(y, y_ref), err_dx=rel(dx, dx_ref),

@@ -16,10 +16,9 @@ from typing import Optional
 import torch
 
 from .. import _C
+from ._util import custom_op
 from ._util import dev_ctx as _dev_ctx
-from ._util import fmt_id as _fmt_id
 from ._util import stream as _stream
-from ._util import u8 as _u8
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Output dtypes and the core's enum for each.
@@ -43,13 +42,18 @@ def force_bf16(enabled: bool = True):
         _force_bf16 = old
 
 
-def _workspace(device: torch.device, stream: int) -> torch.Tensor:
-    key = (device.index, stream)
+def _workspace(device: int, stream: int) -> torch.Tensor:
+    key = (device, stream)
     ws = _workspaces.get(key)
     if ws is None:
-        ws = torch.empty(_C.GEMM_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws = torch.empty(_C.GEMM_WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", device))
         _workspaces[key] = ws
     return ws
+
+
+# Whether each CUDA device runs FP8 natively (then no scratch is ever needed): asked once.
+_native_fp8: dict[int, bool] = {}
+_FMT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 
 
 def _name(dt: torch.dtype) -> str:
@@ -113,27 +117,18 @@ def _run(a, b, scale_a, scale_b, bias, out_dtype, out_scale, want_amax):
     force = _force_bf16
     if a.is_cuda:
         a, b, bias = _aligned(a), _aligned(b), _aligned(bias)
-        ws = _workspace(a.device, st)
-        nbytes = _C.gemm_fp8_scratch_bytes(a.device.index, m, n, k, _OUT[out_dtype], force)
-        if nbytes:
-            scratch = torch.empty(nbytes, dtype=torch.uint8, device=a.device)
+        dev = a.get_device()
+        ws = _workspace(dev, st)
+        native = _native_fp8.get(dev)
+        if native is None:
+            native = _native_fp8[dev] = bool(_C.gemm_fp8_native(dev))
+        if force or not native:
+            nbytes = _C.gemm_fp8_scratch_bytes(dev, m, n, k, _OUT[out_dtype], force)
+            if nbytes:
+                scratch = torch.empty(nbytes, dtype=torch.uint8, device=a.device)
     with _dev_ctx(a):
-        _C.gemm_fp8(
-            _u8(a.detach()),
-            _fmt_id(a.dtype, "a"),
-            scale_a.detach().reshape(1),
-            _u8(b.detach()),
-            _fmt_id(b.dtype, "b"),
-            scale_b.detach().reshape(1),
-            None if bias is None else bias.detach(),
-            _u8(out) if out_dtype == torch.float8_e4m3fn else out,
-            None if out_scale is None else out_scale.detach().reshape(1),
-            amax,
-            ws,
-            scratch,
-            force,
-            st,
-        )
+        _C.gemm_fp8(a, _FMT[a.dtype], scale_a, b, _FMT[b.dtype], scale_b, bias, out, out_scale, amax, ws, scratch,
+                    force, st)
     return out, amax
 
 
@@ -144,7 +139,7 @@ def _check_fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype) -> None:
     check_args(a, b, scale_a, scale_b, bias, out_dtype)
 
 
-@torch.library.custom_op("coat::fp8_gemm", mutates_args=())
+@custom_op("coat::fp8_gemm", mutates_args=())
 def fp8_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -164,7 +159,7 @@ def _(a, b, scale_a, scale_b, bias, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("coat::fp8_gemm_amax", mutates_args=())
+@custom_op("coat::fp8_gemm_amax", mutates_args=())
 def fp8_gemm_amax(
     a: torch.Tensor,
     b: torch.Tensor,

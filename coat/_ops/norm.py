@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from ._util import custom_op
 from ._util import dev_ctx as _dev_ctx
 from ._util import fmt_id as _fmt_id
 from ._util import stream as _stream
-from ._util import u8 as _u8
 
 GROUP = 16
 
@@ -17,7 +17,7 @@ def _scales(shape, e8m0: bool, device) -> torch.Tensor:
     return torch.empty((*shape[:-1], shape[-1] // GROUP), dtype=torch.uint8 if e8m0 else torch.float32, device=device)
 
 
-@torch.library.custom_op("coat::rmsnorm_fwd", mutates_args=())
+@custom_op("coat::rmsnorm_fwd", mutates_args=())
 def rmsnorm_fwd(
     x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool, fp8_dtype: torch.dtype, e8m0: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,7 +28,7 @@ def rmsnorm_fwd(
     q = torch.empty(x.shape if quantize else (0,), dtype=fp8_dtype, device=x.device)
     s = _scales(x.shape, e8m0, x.device) if quantize else torch.empty(0, device=x.device)
     with _dev_ctx(x):
-        _C.rmsnorm_fwd(x.detach(), weight.detach(), float(eps), y, rstd, _u8(q) if quantize else None,
+        _C.rmsnorm_fwd(x, weight, float(eps), y, rstd, q if quantize else None,
                        s if quantize else None, fmt, _stream(x))
     return y, rstd, q, s
 
@@ -43,7 +43,7 @@ def _(x, weight, eps, quantize, fp8_dtype, e8m0):
     )
 
 
-@torch.library.custom_op("coat::rmsnorm_fwd_fp8", mutates_args=())
+@custom_op("coat::rmsnorm_fwd_fp8", mutates_args=())
 def rmsnorm_fwd_fp8(
     q: torch.Tensor, scales: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -51,7 +51,7 @@ def rmsnorm_fwd_fp8(
     fmt = _fmt_id(q.dtype, "q")
     y = torch.empty(q.shape, dtype=dtype, device=q.device)
     with _dev_ctx(q):
-        _C.rmsnorm_fwd_fp8(_u8(q.detach()), scales.detach(), rstd.detach(), weight.detach(), y, fmt, _stream(q))
+        _C.rmsnorm_fwd_fp8(q, scales, rstd, weight, y, fmt, _stream(q))
     return y
 
 
@@ -60,7 +60,7 @@ def _(q, scales, rstd, weight, dtype):
     return q.new_empty(q.shape, dtype=dtype)
 
 
-@torch.library.custom_op("coat::rmsnorm_bwd", mutates_args=())
+@custom_op("coat::rmsnorm_bwd", mutates_args=())
 def rmsnorm_bwd(
     q: torch.Tensor, scales: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +72,7 @@ def rmsnorm_bwd(
     ws = torch.empty((_C.rmsnorm_bwd_parts(rows), cols), dtype=torch.float32, device=q.device)
     dw = torch.empty(cols, dtype=torch.float32, device=q.device)
     with _dev_ctx(q):
-        _C.rmsnorm_bwd(_u8(q.detach()), scales.detach(), rstd.detach(), weight.detach(), dy.detach(), dx, ws, dw,
+        _C.rmsnorm_bwd(q, scales, rstd, weight, dy, dx, ws, dw,
                        fmt, _stream(q))
     return dx, dw
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from ._util import custom_op
 from ._util import dev_ctx, stream
 
 _DRE_GROUP = _C.DRE_GROUP_SIZE
@@ -28,11 +29,11 @@ def _new(shape, dtype, like: torch.Tensor) -> torch.Tensor:
 # ---- per-tensor -------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("coat::quantize_per_tensor", mutates_args=())
+@custom_op("coat::quantize_per_tensor", mutates_args=())
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: int) -> torch.Tensor:
     q = _new(x.shape, _U8, x)
     with dev_ctx(x):
-        _C.quantize_per_tensor(x.detach(), scale.detach(), q, None, fmt, stream(x))
+        _C.quantize_per_tensor(x, scale, q, None, fmt, stream(x))
     return q
 
 
@@ -41,11 +42,11 @@ def _(x, scale, fmt):
     return _new(x.shape, _U8, x)
 
 
-@torch.library.custom_op("coat::quantize_per_tensor_t", mutates_args=())
+@custom_op("coat::quantize_per_tensor_t", mutates_args=())
 def quantize_per_tensor_t(x: torch.Tensor, scale: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
     q, q_t = _new(x.shape, _U8, x), _new(_t_shape(x), _U8, x)
     with dev_ctx(x):
-        _C.quantize_per_tensor(x.detach(), scale.detach(), q, q_t, fmt, stream(x))
+        _C.quantize_per_tensor(x, scale, q, q_t, fmt, stream(x))
     return q, q_t
 
 
@@ -54,7 +55,7 @@ def _(x, scale, fmt):
     return _new(x.shape, _U8, x), _new(_t_shape(x), _U8, x)
 
 
-@torch.library.custom_op("coat::quantize_per_tensor_amax", mutates_args=())
+@custom_op("coat::quantize_per_tensor_amax", mutates_args=())
 def quantize_per_tensor_amax(
     x: torch.Tensor, fmt: int, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,7 +64,7 @@ def quantize_per_tensor_amax(
     q_t = _new(_t_shape(x) if transpose else (0,), _U8, x)
     scale, amax = _new(1, torch.float32, x), _new(1, torch.float32, x)
     with dev_ctx(x):
-        _C.quantize_per_tensor_amax(x.detach(), amax, scale, q, q_t if transpose else None, fmt, stream(x))
+        _C.quantize_per_tensor_amax(x, amax, scale, q, q_t if transpose else None, fmt, stream(x))
     return q, q_t, scale, amax
 
 
@@ -77,11 +78,76 @@ def _(x, fmt, transpose):
     )
 
 
-@torch.library.custom_op("coat::dequantize_per_tensor", mutates_args=())
+# ---- stacked row blocks (fused projections' weights) -------------------------------------------
+
+
+def _stacked_shapes(parts, rowmajor: bool, transpose: bool):
+    rows = sum(p.shape[0] for p in parts)
+    cols = parts[0].shape[1]
+    return ((rows, cols) if rowmajor else (0,)), ((cols, rows) if transpose else (0,))
+
+
+def _check_stacked(parts, rowmajor: bool, transpose: bool) -> None:
+    if not parts:
+        raise ValueError("parts must hold at least one tensor")
+    if not (rowmajor or transpose):
+        raise ValueError("ask for rowmajor codes, transposed codes or both")
+    for i, p in enumerate(parts):
+        if p.dim() != 2 or p.shape[1] != parts[0].shape[1]:
+            raise ValueError(f"parts[{i}] must be 2-D with parts[0]'s {parts[0].shape[-1]} columns, got {list(p.shape)}")
+
+
+@custom_op("coat::quantize_stacked_amax", mutates_args=())
+def quantize_stacked_amax(
+    parts: list[torch.Tensor], fmt: int, rowmajor: bool, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 of X = cat(parts, 0), read where the parts lie (no concatenated copy), with
+    its scale from max |X| computed on the device: (q [R, K] or empty, q_t [K, R] or empty, scale)."""
+    _check_stacked(parts, rowmajor, transpose)
+    x = parts[0]
+    qs, ts = _stacked_shapes(parts, rowmajor, transpose)
+    q, q_t = _new(qs, _U8, x), _new(ts, _U8, x)
+    scale, amax = _new(1, torch.float32, x), _new(1, torch.float32, x)
+    with dev_ctx(x):
+        _C.quantize_stacked(parts, None, amax, scale, q if rowmajor else None, q_t if transpose else None, fmt,
+                            stream(x))
+    return q, q_t, scale
+
+
+@quantize_stacked_amax.register_fake
+def _(parts, fmt, rowmajor, transpose):
+    _check_stacked(parts, rowmajor, transpose)
+    qs, ts = _stacked_shapes(parts, rowmajor, transpose)
+    return _new(qs, _U8, parts[0]), _new(ts, _U8, parts[0]), _new(1, torch.float32, parts[0])
+
+
+@custom_op("coat::quantize_stacked", mutates_args=())
+def quantize_stacked(
+    parts: list[torch.Tensor], scale: torch.Tensor, fmt: int, rowmajor: bool, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As quantize_stacked_amax with a given scale (no amax pass): (q or empty, q_t or empty)."""
+    _check_stacked(parts, rowmajor, transpose)
+    x = parts[0]
+    qs, ts = _stacked_shapes(parts, rowmajor, transpose)
+    q, q_t = _new(qs, _U8, x), _new(ts, _U8, x)
+    with dev_ctx(x):
+        _C.quantize_stacked(parts, scale, None, None, q if rowmajor else None, q_t if transpose else None, fmt,
+                            stream(x))
+    return q, q_t
+
+
+@quantize_stacked.register_fake
+def _(parts, scale, fmt, rowmajor, transpose):
+    _check_stacked(parts, rowmajor, transpose)
+    qs, ts = _stacked_shapes(parts, rowmajor, transpose)
+    return _new(qs, _U8, parts[0]), _new(ts, _U8, parts[0])
+
+
+@custom_op("coat::dequantize_per_tensor", mutates_args=())
 def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor, fmt: int, dtype: torch.dtype) -> torch.Tensor:
     y = _new(q.shape, dtype, q)
     with dev_ctx(q):
-        _C.dequantize_per_tensor(q.detach(), scale.detach(), y, fmt, stream(q))
+        _C.dequantize_per_tensor(q, scale, y, fmt, stream(q))
     return y
 
 
@@ -97,14 +163,14 @@ def _scales_shape(x: torch.Tensor, group_size: int) -> tuple[int, ...]:
     return (*x.shape[:-1], x.shape[-1] // group_size) if x.dim() else (0,)
 
 
-@torch.library.custom_op("coat::quantize_per_group", mutates_args=())
+@custom_op("coat::quantize_per_group", mutates_args=())
 def quantize_per_group(x: torch.Tensor, group_size: int, fmt: int, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension for per-group quantization")
     q = _new(x.shape, _U8, x)
     scales = _new(_scales_shape(x, group_size), _U8 if e8m0 else torch.float32, x)
     with dev_ctx(x):
-        _C.quantize_per_group(x.detach(), scales, q, group_size, fmt, int(e8m0), stream(x))
+        _C.quantize_per_group(x, scales, q, group_size, fmt, int(e8m0), stream(x))
     return q, scales
 
 
@@ -113,14 +179,14 @@ def _(x, group_size, fmt, e8m0):
     return _new(x.shape, _U8, x), _new(_scales_shape(x, group_size), _U8 if e8m0 else torch.float32, x)
 
 
-@torch.library.custom_op("coat::dequantize_per_group", mutates_args=())
+@custom_op("coat::dequantize_per_group", mutates_args=())
 def dequantize_per_group(
     q: torch.Tensor, scales: torch.Tensor, group_size: int, fmt: int, dtype: torch.dtype
 ) -> torch.Tensor:
     y = _new(q.shape, dtype, q)
     kind = 1 if scales.dtype == _U8 else 0
     with dev_ctx(q):
-        _C.dequantize_per_group(q.detach(), scales.detach(), y, group_size, fmt, kind, stream(q))
+        _C.dequantize_per_group(q, scales, y, group_size, fmt, kind, stream(q))
     return y
 
 
@@ -136,12 +202,12 @@ def _dre_groups(n: int) -> int:
     return (n + _DRE_GROUP - 1) // _DRE_GROUP
 
 
-@torch.library.custom_op("coat::dre_quantize", mutates_args=())
+@custom_op("coat::dre_quantize", mutates_args=())
 def dre_quantize(x: torch.Tensor, fmt: int, log2_range: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _dre_groups(x.numel())
     q, gmax, k16 = _new(x.shape, _U8, x), _new(g, torch.float32, x), _new(g, _U8, x)
     with dev_ctx(x):
-        _C.dre_quantize(x.detach(), q, gmax, k16, fmt, log2_range, stream(x))
+        _C.dre_quantize(x, q, gmax, k16, fmt, log2_range, stream(x))
     return q, gmax, k16
 
 
@@ -151,11 +217,11 @@ def _(x, fmt, log2_range):
     return _new(x.shape, _U8, x), _new(g, torch.float32, x), _new(g, _U8, x)
 
 
-@torch.library.custom_op("coat::dre_dequantize", mutates_args=())
+@custom_op("coat::dre_dequantize", mutates_args=())
 def dre_dequantize(q: torch.Tensor, gmax: torch.Tensor, k16: torch.Tensor, fmt: int) -> torch.Tensor:
     y = _new(q.shape, torch.float32, q)
     with dev_ctx(q):
-        _C.dre_dequantize(q.detach(), gmax.detach(), k16.detach(), y, fmt, stream(q))
+        _C.dre_dequantize(q, gmax, k16, y, fmt, stream(q))
     return y
 
 

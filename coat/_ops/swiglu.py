@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from ._util import custom_op
 from ._util import dev_ctx as _dev_ctx
 from ._util import fmt_id as _fmt_id
 from ._util import stream as _stream
-from ._util import u8 as _u8
 
 GROUP = 16
 
@@ -22,7 +22,7 @@ def _scales(shape, e8m0: bool, device) -> torch.Tensor:
     return torch.empty((*shape[:-1], shape[-1] // GROUP), dtype=torch.uint8 if e8m0 else torch.float32, device=device)
 
 
-@torch.library.custom_op("coat::swiglu_fwd", mutates_args=())
+@custom_op("coat::swiglu_fwd", mutates_args=())
 def swiglu_fwd(
     gate_up: torch.Tensor, quantize: bool, fp8_dtype: torch.dtype, e8m0: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -32,7 +32,7 @@ def swiglu_fwd(
     q = torch.empty(gate_up.shape if quantize else (0,), dtype=fp8_dtype, device=gate_up.device)
     s = _scales(gate_up.shape, e8m0, gate_up.device) if quantize else torch.empty(0, device=gate_up.device)
     with _dev_ctx(gate_up):
-        _C.swiglu_fwd(gate_up.detach(), h, _u8(q) if quantize else None, s if quantize else None, fmt,
+        _C.swiglu_fwd(gate_up, h, q if quantize else None, s if quantize else None, fmt,
                       _stream(gate_up))
     return h, q, s
 
@@ -46,7 +46,7 @@ def _(gate_up, quantize, fp8_dtype, e8m0):
     )
 
 
-@torch.library.custom_op("coat::swiglu_bwd", mutates_args=())
+@custom_op("coat::swiglu_bwd", mutates_args=())
 def swiglu_bwd(
     q: torch.Tensor, scales: torch.Tensor, dh: torch.Tensor, recompute_h: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +55,7 @@ def swiglu_bwd(
     dgu = torch.empty(q.shape, dtype=dh.dtype, device=dh.device)
     h = torch.empty(dh.shape if recompute_h else (0,), dtype=dh.dtype, device=dh.device)
     with _dev_ctx(q):
-        _C.swiglu_bwd(_u8(q.detach()), scales.detach(), dh.detach(), dgu, h if recompute_h else None, fmt,
+        _C.swiglu_bwd(q, scales, dh, dgu, h if recompute_h else None, fmt,
                       _stream(q))
     return dgu, h
 

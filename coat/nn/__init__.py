@@ -1,12 +1,12 @@
 """Autograd functions and modules with FP8 compute and FP8 saved activations."""
 
-from ._fp8mm import clear_weight_cache
 from .attention import Fp8AttentionMixin, apply_rope
 from .layer import Fp8DecoderLayerMixin
 from .linear import Fp8Linear, fp8_linear
 from .mlp import Fp8SwiGLUMixin, Fp8SwiGLUMLP, swiglu_down
 from .norm import Fp8RMSNorm, rms_norm
 from .recipe import RECIPES, Fp8Recipe
+from .weights import cached_bytes, invalidate_weight_cache
 
 __all__ = [
     "Fp8Linear",
@@ -21,5 +21,6 @@ __all__ = [
     "Fp8AttentionMixin",
     "apply_rope",
     "Fp8DecoderLayerMixin",
-    "clear_weight_cache",
+    "invalidate_weight_cache",
+    "cached_bytes",
 ]

@@ -1,11 +1,14 @@
-"""The fused FP8 block of a decoder layer: [RMSNorm ->] one GEMM over concatenated weights
-(fused QKV, fused gate/up, or a single projection) [+ bias].
+"""The fused FP8 block of a decoder layer: [RMSNorm ->] one GEMM over the stacked weights (fused
+QKV, fused gate/up, or a single projection) [+ bias].
 
 What it saves for backward:
 - with a norm: the norm INPUT in FP8 (1 x 16 groups) and rstd. The normed activation, its FP8
   copy and the GEMM input are recomputed in backward (one elementwise kernel + one quantization),
   so QKV (or gate/up) costs no saved memory of its own.
-- without a norm: the GEMM input in FP8 E4M3, transposed, with its per-tensor scale.
+- without a norm: the GEMM input in FP8 E4M3, transposed, with its per-tensor scale (nothing when
+  no weight trains).
+- the weights' FP8 scale (4 bytes); the FP8 weights themselves are made in forward and again,
+  transposed, in backward (``weights.py``), never kept in between.
 
 Backward: dY is quantized once to E5M2 (with its transpose); dX = dY W and dW = dY^T X run as FP8
 GEMMs; the norm backward reads dX in the compute dtype.
@@ -17,8 +20,11 @@ import torch
 
 from .._ops import norm as nops
 from . import _fp8mm as mm
+from . import weights as W
 from .norm import fp8_norm_ok, hf_rms_norm
 from .recipe import ACT_DTYPE, GRAD_DTYPE, Fp8Recipe
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -29,10 +35,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def wgrad_dtype(w: torch.Tensor) -> torch.dtype:
+    return w.dtype if w.dtype in _FLOATS else torch.float32
+
+
 class _NormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, *params):
-        recipe, eps, n_w, cdt = meta
+        recipe, eps, n_w, cdt, cache = meta
         weights, biases = params[:n_w], params[n_w:]
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
@@ -40,7 +50,7 @@ class _NormLinearFn(torch.autograd.Function):
             x2 = x2.contiguous()
         ctx.mode = "none"
         if norm_w is not None and fp8_norm_ok(k):
-            y, rstd, xq, xs = nops.rmsnorm_fwd(x2, norm_w.contiguous(), eps, True, ACT_DTYPE, recipe.e8m0)
+            y, rstd, xq, xs = nops.rmsnorm_fwd(x2, norm_w, eps, True, ACT_DTYPE, recipe.e8m0)
             yq, _, ys = mm.quantize(y, ACT_DTYPE, False)
             ctx.mode = "fp8norm"
             saved = (xq, xs, rstd)
@@ -49,64 +59,71 @@ class _NormLinearFn(torch.autograd.Function):
             yq, _, ys = mm.quantize(y.contiguous(), ACT_DTYPE, False)
             ctx.mode = "bf16norm"
             saved = (x2,)
-        else:
-            yq, yq_t, ys = mm.quantize(x2, ACT_DTYPE, True)
+        else:  # the GEMM input itself, transposed for dW (not kept when no weight trains)
+            need_wgrad = any(w.requires_grad for w in weights)
+            yq, yq_t, ys = mm.quantize(x2, ACT_DTYPE, need_wgrad)
             saved = (yq_t, ys)
-        w8 = mm.fp8_weight(tuple(weights), recipe.weight_cache)
+        w8 = W.forward_weight(weights, cache)
         out = mm.fp8_mm(yq, ys, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
         if biases:
             out = out + (biases[0] if len(biases) == 1 else torch.cat(biases)).to(cdt)
-        ctx.save_for_backward(*saved)
-        ctx.meta = (recipe, eps, n_w, cdt)
-        ctx.norm_w = norm_w
-        ctx.params = params
+        # Parameters go through save_for_backward: an in-place change before backward is an error.
+        ctx.save_for_backward(*saved, w8.scale, norm_w, *weights)
+        ctx.meta = (recipe, eps, n_w, cdt, cache, len(saved))
+        ctx.bias_meta = tuple((b.shape[0], b.dtype) for b in biases)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dout):
-        recipe, eps, n_w, cdt = ctx.meta
-        params, norm_w = ctx.params, ctx.norm_w
-        weights, biases = params[:n_w], params[n_w:]
-        saved = ctx.saved_tensors
+        recipe, eps, n_w, cdt, cache, n_saved = ctx.meta
+        tensors = ctx.saved_tensors
+        saved, w_scale, norm_w, weights = tensors[:n_saved], tensors[n_saved], tensors[n_saved + 1], tensors[n_saved + 2:]
         n = dout.shape[-1]
-        d2 = dout.reshape(-1, n).to(cdt).contiguous()
-        dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, True)
-        w8 = mm.fp8_weight(tuple(weights), recipe.weight_cache)
-        dy = mm.fp8_mm(dq, ds, w8.data_t, w8.scale, cdt)  # [M, K]
-
-        # The GEMM input for dW, recomputed from what was saved.
-        if ctx.mode == "fp8norm":
-            xq, xs, rstd = saved
-            y = nops.rmsnorm_fwd_fp8(xq, xs, rstd, norm_w.contiguous(), ctx.x_dtype)
-            _, y_t, ys = mm.quantize(y, ACT_DTYPE, True)
-        elif ctx.mode == "bf16norm":
-            (x2,) = saved
-            with torch.enable_grad():
-                xr = x2.detach().requires_grad_()
-                wr = norm_w.detach().requires_grad_()
-                y = hf_rms_norm(xr, wr, eps)
-            _, y_t, ys = mm.quantize(y.detach().contiguous(), ACT_DTYPE, True)
-        else:
-            y_t, ys = saved
+        d2 = dout.reshape(-1, n)
+        if d2.dtype != cdt:
+            d2 = d2.to(cdt)
+        if not d2.is_contiguous():
+            d2 = d2.contiguous()
+        need_w = any(ctx.needs_input_grad[3 : 3 + n_w])
+        dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
+        w8_t = W.backward_weight(weights, w_scale, cache)
+        dy = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, K]
+        del w8_t, dq
 
         grads_w = [None] * n_w
-        if any(ctx.needs_input_grad[3 : 3 + n_w]):
-            wdt = weights[0].dtype
-            dw = mm.fp8_mm(dq_t, ds, y_t, ys, wdt if wdt in (torch.float32, torch.bfloat16, torch.float16) else torch.float32)
-            grads_w = list(torch.split(dw, [w.shape[0] for w in weights], 0))
+        if need_w:
+            # The GEMM input for dW, recomputed from what was saved.
+            if ctx.mode == "fp8norm":
+                xq, xs, rstd = saved
+                y = nops.rmsnorm_fwd_fp8(xq, xs, rstd, norm_w, ctx.x_dtype)
+                _, y_t, ys = mm.quantize(y, ACT_DTYPE, True)
+                del y
+            elif ctx.mode == "bf16norm":
+                y = hf_rms_norm(saved[0], norm_w, eps)
+                _, y_t, ys = mm.quantize(y.contiguous(), ACT_DTYPE, True)
+                del y
+            else:
+                y_t, ys = saved
+            dw = mm.fp8_mm(dq_t, ds, y_t, ys, wgrad_dtype(weights[0]))
+            del y_t
+            grads_w = list(torch.split(dw, [w.shape[0] for w in weights], 0)) if n_w > 1 else [dw]
         grads_b = []
-        if biases:
+        if ctx.bias_meta:
             db = d2.float().sum(0)
-            grads_b = [g.to(b.dtype) for g, b in zip(torch.split(db, [b.shape[0] for b in biases]), biases)]
+            grads_b = [g.to(dt) for g, (_, dt) in zip(torch.split(db, [m for m, _ in ctx.bias_meta]), ctx.bias_meta)]
 
         dnorm = None
         if ctx.mode == "fp8norm":
-            dx, dnw = nops.rmsnorm_bwd(xq, xs, rstd, norm_w.contiguous(), dy)
+            xq, xs, rstd = saved
+            dx, dnw = nops.rmsnorm_bwd(xq, xs, rstd, norm_w, dy)
             dnorm = dnw.to(norm_w.dtype)
         elif ctx.mode == "bf16norm":
-            dx, dnw = torch.autograd.grad(y, (xr, wr), dy.to(y.dtype))
-            dnorm = dnw
+            with torch.enable_grad():
+                xr = saved[0].detach().requires_grad_()
+                wr = norm_w.detach().requires_grad_()
+                y = hf_rms_norm(xr, wr, eps)
+            dx, dnorm = torch.autograd.grad(y, (xr, wr), dy.to(y.dtype))
         else:
             dx = dy
         dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
@@ -128,5 +145,7 @@ def norm_linear(
     for w in weights:
         if w.dim() != 2 or w.shape[1] != x.shape[-1]:
             raise ValueError(f"weight of shape {tuple(w.shape)} does not take inputs of width {x.shape[-1]}")
-    meta = (recipe, float(eps), len(weights), compute_dtype(x))
+        if w.dtype != weights[0].dtype:
+            raise ValueError(f"fused weights must share one dtype, got {weights[0].dtype} and {w.dtype}")
+    meta = (recipe, float(eps), len(weights), compute_dtype(x), W.use_cache(recipe.weight_cache, weights))
     return _NormLinearFn.apply(meta, x, norm_weight, *weights, *biases)

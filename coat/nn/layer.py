@@ -7,9 +7,23 @@ from __future__ import annotations
 import torch
 
 
+def _fsdp_module_type():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return ()
+    return FSDPModule
+
+
 class Fp8DecoderLayerMixin:
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        recipe = getattr(self.self_attn, "coat_recipe", None)
+        if recipe is not None and recipe.weight_cache and isinstance(self, _fsdp_module_type()):
+            raise ValueError(
+                "Fp8Recipe(weight_cache=True) cannot be used under FSDP2: it would keep FP8 copies of the "
+                "unsharded weights on every rank; convert with weight_cache=False (the default)"
+            )
         residual = hidden_states
         h, _ = self.self_attn(
             hidden_states=hidden_states,

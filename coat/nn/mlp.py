@@ -15,7 +15,8 @@ from torch import nn
 
 from .._ops import swiglu as sops
 from . import _fp8mm as mm
-from .fused import compute_dtype, norm_linear
+from . import weights as W
+from .fused import compute_dtype, norm_linear, wgrad_dtype
 from .recipe import ACT_DTYPE, GRAD_DTYPE, Fp8Recipe, resolve
 
 
@@ -31,50 +32,61 @@ def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
 class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, gu, w_down, b_down):
-        recipe, cdt = meta
+        recipe, cdt, cache = meta
         i2 = gu.shape[-1]
-        gu2 = gu.reshape(-1, i2).contiguous()
+        gu2 = gu.reshape(-1, i2)
+        if not gu2.is_contiguous():
+            gu2 = gu2.contiguous()
         if fp8_swiglu_ok(i2 // 2):
             h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, recipe.e8m0)
-            ctx.save_for_backward(q, s)
+            saved = (q, s)
             ctx.fp8 = True
         else:  # intermediate size not a multiple of 16: keep gate/up in its own dtype
             h = _silu_mul(gu2)
-            ctx.save_for_backward(gu2)
+            saved = (gu2,)
             ctx.fp8 = False
         hq, _, hs = mm.quantize(h, ACT_DTYPE, False)
-        w8 = mm.fp8_weight((w_down,), recipe.weight_cache)
+        del h
+        w8 = W.forward_weight((w_down,), cache)
         out = mm.fp8_mm(hq, hs, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
         if b_down is not None:
             out = out + b_down.to(cdt)
-        ctx.meta, ctx.w_down, ctx.b_down = meta, w_down, b_down
+        ctx.save_for_backward(*saved, w8.scale, w_down)
+        ctx.meta = meta
+        ctx.b_dtype = None if b_down is None else b_down.dtype
         ctx.gu_shape, ctx.gu_dtype = gu.shape, gu.dtype
         return out.reshape(*gu.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dout):
-        recipe, cdt = ctx.meta
-        w_down, b_down = ctx.w_down, ctx.b_down
-        d2 = dout.reshape(-1, dout.shape[-1]).to(cdt).contiguous()
-        dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, True)
-        w8 = mm.fp8_weight((w_down,), recipe.weight_cache)
-        dh = mm.fp8_mm(dq, ds, w8.data_t, w8.scale, cdt)  # [M, I]
+        recipe, cdt, cache = ctx.meta
+        *saved, w_scale, w_down = ctx.saved_tensors
+        d2 = dout.reshape(-1, dout.shape[-1])
+        if d2.dtype != cdt:
+            d2 = d2.to(cdt)
+        if not d2.is_contiguous():
+            d2 = d2.contiguous()
+        need_w = ctx.needs_input_grad[2]
+        dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
+        w8_t = W.backward_weight((w_down,), w_scale, cache)
+        dh = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, I]
+        del w8_t, dq
         if ctx.fp8:
-            q, s = ctx.saved_tensors
-            dgu, h = sops.swiglu_bwd(q, s, dh, True)
+            q, s = saved
+            dgu, h = sops.swiglu_bwd(q, s, dh, need_w)
         else:
-            (gu2,) = ctx.saved_tensors
             with torch.enable_grad():
-                gr = gu2.detach().requires_grad_()
+                gr = saved[0].detach().requires_grad_()
                 hr = _silu_mul(gr)
             (dgu,) = torch.autograd.grad(hr, gr, dh.to(hr.dtype))
             h = hr.detach()
+        del dh
         dw = None
-        if ctx.needs_input_grad[2]:
+        if need_w:
             _, h_t, hs = mm.quantize(h.contiguous(), ACT_DTYPE, True)
-            wdt = w_down.dtype
-            dw = mm.fp8_mm(dq_t, ds, h_t, hs, wdt)
-        db = d2.float().sum(0).to(b_down.dtype) if b_down is not None and ctx.needs_input_grad[3] else None
+            del h
+            dw = mm.fp8_mm(dq_t, ds, h_t, hs, wgrad_dtype(w_down))
+        db = d2.float().sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[3] else None
         return None, dgu.to(ctx.gu_dtype).reshape(ctx.gu_shape), dw, db
 
 
@@ -82,7 +94,8 @@ def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tenso
     """down_proj(silu(gate) * up) over a fused [.., 2I] gate/up tensor."""
     if gate_up.shape[-1] % 2 or w_down.dim() != 2 or w_down.shape[1] * 2 != gate_up.shape[-1]:
         raise ValueError(f"gate_up of width {gate_up.shape[-1]} does not match down_proj {tuple(w_down.shape)}")
-    return _SwiGLUDownFn.apply((recipe, compute_dtype(gate_up)), gate_up, w_down, b_down)
+    meta = (recipe, compute_dtype(gate_up), W.use_cache(recipe.weight_cache, (w_down,)))
+    return _SwiGLUDownFn.apply(meta, gate_up, w_down, b_down)
 
 
 def _bias_list(*linears: nn.Linear) -> list[torch.Tensor]:

@@ -17,16 +17,22 @@ class Fp8Recipe:
     - Saved activations: non-linear op inputs (RMSNorm, SwiGLU) as E4M3 with one scale per 1 x 16
       group, ``act_scale`` = "fp32" (4 bytes per group) or "e8m0" (a power of two, 1 byte).
       Norm outputs, the SwiGLU output and RoPE are recomputed in backward, never saved.
-    - ``weight_cache``: the FP8 copy of each weight is made once and reused until the weight changes
-      (an optimizer step bumps the parameter's version counter), so micro-batches of one step
-      share it.
+    - ``weight_cache``: off (the default), the FP8 copy of a weight exists only while the GEMM that
+      reads it runs (made in forward, made again transposed in backward), so a converted model holds
+      no more memory between steps than the unconverted one. On, the codes and their transpose are
+      made once per optimizer step and reused by every micro-batch of a gradient accumulation until
+      the next ``optimizer.step()`` frees them: one quantization pass per step instead of two per
+      micro-batch, for 2 bytes per parameter of the converted layers held meanwhile. See
+      ``coat/nn/weights.py`` for what invalidates the cache.
     """
 
     act_scale: str = "fp32"
     fast_accum_fwd: bool = True
-    weight_cache: bool = True
+    weight_cache: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.weight_cache, bool):
+            raise ValueError(f"weight_cache must be True or False, got {self.weight_cache!r}")
         if self.act_scale not in ("fp32", "e8m0"):
             raise ValueError(f"act_scale must be 'fp32' or 'e8m0', got {self.act_scale!r}")
 

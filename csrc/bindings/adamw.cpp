@@ -32,7 +32,7 @@ void adamw_step_py(MutArray descs_, int64_t n_groups, double lr, std::optional<A
                    int grad_dtype, int master, int m_fmt, int v_fmt, bool expansion,
                    float m_log2_range, float v_log2_range, int cpu_threads, uintptr_t stream) {
   const View descs = view_of(descs_, "descs");
-  COAT_CHECK_ARG(descs_.dtype() == nb::dtype<int64_t>(), "descs must be int64");
+  expect_kind(descs, Kind::kInt64);
   COAT_CHECK_ARG(descs.shape.size() == 2 && descs.shape[1] == 16,
                  "descs must have shape [n, 16], got " + shape_str(descs.shape));
   std::vector<View> views{descs};

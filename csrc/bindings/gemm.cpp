@@ -16,7 +16,7 @@ GemmOut out_type_of(const View& out) {
     case Kind::kUInt8: return GemmOut::kE4M3;
     default:
       throw_invalid(std::string("out must be float32, bfloat16 or uint8 (e4m3 codes), got ") +
-                    kind_name(out.kind));
+                    out.dtype_name);
   }
 }
 

@@ -3,6 +3,10 @@
 #include "registry.h"
 #include "tensor_args.h"
 
+#include <nanobind/stl/vector.h>
+
+#include <vector>
+
 namespace coat {
 namespace bind {
 namespace {
@@ -80,6 +84,84 @@ void dequantize_per_tensor_py(const Array& q_, const Array& scale_, MutArray y_,
     COAT_GPU_CALL(dequantize_per_tensor(qd, fmt, q.numel, s, y.data, out, stream_of(stream)));
   else
     ref::dequantize_per_tensor(qd, fmt, q.numel, s, y.data, out);
+}
+
+// parts: 1..4 row blocks [rows_i, cols] of one float dtype (fused projections' weights). Either
+// `scale` (given; no amax pass) or `amax` and `scale_out` (computed on the device).
+void quantize_stacked_py(const std::vector<Array>& parts_, std::optional<Array> scale_,
+                         std::optional<MutArray> amax_, std::optional<MutArray> scale_out_,
+                         std::optional<MutArray> q_, std::optional<MutArray> q_t_, int fmt_,
+                         uintptr_t stream) {
+  static const char* kNames[kMaxStackParts] = {"parts[0]", "parts[1]", "parts[2]", "parts[3]"};
+  COAT_CHECK_ARG(!parts_.empty() && parts_.size() <= static_cast<size_t>(kMaxStackParts),
+                 "parts must hold 1 to " + std::to_string(kMaxStackParts) + " tensors, got " +
+                     std::to_string(parts_.size()));
+  COAT_CHECK_ARG(scale_.has_value() != amax_.has_value(),
+                 "give either scale (a given scale) or amax and scale_out (computed), not both");
+  COAT_CHECK_ARG(amax_.has_value() == scale_out_.has_value(), "amax and scale_out must be given together");
+  COAT_CHECK_ARG(q_.has_value() || q_t_.has_value(), "q and q_t must not both be None");
+  StackedRows x;
+  std::vector<View> parts;
+  parts.reserve(parts_.size());
+  for (size_t i = 0; i < parts_.size(); ++i) {
+    parts.push_back(view_of(parts_[i], kNames[i]));
+    const View& p = parts.back();
+    COAT_CHECK_ARG(p.shape.size() == 2, std::string(p.name) + " must be 2-D, got shape " + shape_str(p.shape));
+    const DType dt = float_dtype(p);
+    if (i == 0) {
+      x.dtype = dt;
+      x.cols = p.shape[1];
+    }
+    COAT_CHECK_ARG(dt == x.dtype, std::string(p.name) + " is " + p.dtype_name + " but parts[0] is " +
+                                      parts[0].dtype_name + ": all parts must share one dtype");
+    COAT_CHECK_ARG(p.shape[1] == x.cols, std::string(p.name) + " has " + std::to_string(p.shape[1]) +
+                                             " columns but parts[0] has " + std::to_string(x.cols));
+    x.data[i] = p.data;
+    x.rows[i] = p.shape[0];
+  }
+  x.count = static_cast<int>(parts.size());
+  int64_t rows = 0;
+  for (int i = 0; i < x.count; ++i) rows += x.rows[i];
+  std::vector<const View*> all;
+  for (const View& p : parts) all.push_back(&p);
+  View scale, amax, scale_out, q, q_t;
+  auto scalar = [&](const std::optional<MutArray>& a, View& v, const char* name) {
+    if (!a) return;
+    v = view_of(*a, name);
+    expect_kind(v, Kind::kFloat32);
+    expect_numel(v, 1, "one per-tensor value");
+    all.push_back(&v);
+  };
+  scalar(scale_, scale, "scale");
+  scalar(amax_, amax, "amax");
+  scalar(scale_out_, scale_out, "scale_out");
+  if (q_) {
+    q = view_of(*q_, "q");
+    expect_kind(q, Kind::kUInt8);
+    COAT_CHECK_ARG(q.shape == std::vector<int64_t>({rows, x.cols}),
+                   "q must have shape [R, cols] = [" + std::to_string(rows) + ", " +
+                       std::to_string(x.cols) + "], got " + shape_str(q.shape));
+    all.push_back(&q);
+  }
+  if (q_t_) {
+    q_t = view_of(*q_t_, "q_t");
+    expect_kind(q_t, Kind::kUInt8);
+    COAT_CHECK_ARG(q_t.shape == std::vector<int64_t>({x.cols, rows}),
+                   "q_t must have shape [cols, R] = [" + std::to_string(x.cols) + ", " +
+                       std::to_string(rows) + "], got " + shape_str(q_t.shape));
+    all.push_back(&q_t);
+  }
+  for (const View* v : all) same_device({all[0], v});
+  const Fp8Format fmt = fp8_format(fmt_);
+  const auto* sc = static_cast<const float*>(scale.data);
+  auto* am = static_cast<float*>(amax.data);
+  auto* so = static_cast<float*>(scale_out.data);
+  auto* qd = static_cast<uint8_t*>(q.data);
+  auto* qtd = static_cast<uint8_t*>(q_t.data);
+  if (all[0]->cuda)
+    COAT_GPU_CALL(quantize_stacked(x, fmt, sc, am, so, qd, qtd, stream_of(stream)));
+  else
+    ref::quantize_stacked(x, fmt, sc, am, so, qd, qtd);
 }
 
 void check_group_args(const View& x, const View& scales, int group, ScaleKind kind) {
@@ -180,6 +262,9 @@ void register_quantize(nb::module_& m) {
         arg("q_t").none(), arg("fmt"), arg("stream"));
   m.def("quantize_per_tensor_amax", &quantize_per_tensor_amax_py, arg("x"), arg("amax"),
         arg("scale"), arg("q"), arg("q_t").none(), arg("fmt"), arg("stream"));
+  m.def("quantize_stacked", &quantize_stacked_py, arg("parts"), arg("scale").none(),
+        arg("amax").none(), arg("scale_out").none(), arg("q").none(), arg("q_t").none(),
+        arg("fmt"), arg("stream"));
   m.def("dequantize_per_tensor", &dequantize_per_tensor_py, arg("q"), arg("scale"), arg("y"),
         arg("fmt"), arg("stream"));
   m.def("quantize_per_group", &quantize_per_group_py, arg("x"), arg("scales"), arg("q"),

@@ -1,5 +1,7 @@
 #include "tensor_args.h"
 
+#include <deque>
+
 namespace coat {
 namespace bind {
 
@@ -9,6 +11,7 @@ const char* kind_name(Kind k) {
     case Kind::kBFloat16: return "bfloat16";
     case Kind::kFloat16: return "float16";
     case Kind::kUInt8: return "uint8";
+    case Kind::kInt64: return "int64";
     default: return "an unsupported dtype";
   }
 }
@@ -19,43 +22,108 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-static Kind kind_of(nb::dlpack::dtype t) {
-  using C = nb::dlpack::dtype_code;
-  if (t.lanes != 1) return Kind::kOther;
-  if (t.code == static_cast<uint8_t>(C::Float) && t.bits == 32) return Kind::kFloat32;
-  if (t.code == static_cast<uint8_t>(C::Float) && t.bits == 16) return Kind::kFloat16;
-  if (t.code == static_cast<uint8_t>(C::Bfloat) && t.bits == 16) return Kind::kBFloat16;
-  if (t.code == static_cast<uint8_t>(C::UInt) && t.bits == 8) return Kind::kUInt8;
+namespace {
+
+PyObject* interned(const char* s) {
+  PyObject* o = PyUnicode_InternFromString(s);
+  if (o == nullptr) throw nb::python_error();
+  return o;
+}
+
+// Attribute names, interned once (the GIL is held whenever a binding runs).
+struct Names {
+  PyObject* data_ptr = interned("data_ptr");
+  PyObject* dtype = interned("dtype");
+  PyObject* shape = interned("shape");
+  PyObject* is_contiguous = interned("is_contiguous");
+  PyObject* is_cuda = interned("is_cuda");
+  PyObject* is_cpu = interned("is_cpu");
+  PyObject* get_device = interned("get_device");
+};
+const Names& names() {
+  static const Names n;
+  return n;
+}
+
+nb::object attr(PyObject* o, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(o, name);
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
+nb::object call0(PyObject* o, PyObject* name) {
+  PyObject* r = PyObject_CallMethodNoArgs(o, name);
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
+Kind kind_of_name(const std::string& s) {
+  if (s == "torch.float32") return Kind::kFloat32;
+  if (s == "torch.bfloat16") return Kind::kBFloat16;
+  if (s == "torch.float16") return Kind::kFloat16;
+  if (s == "torch.int64") return Kind::kInt64;
+  // FP8 codes are bytes; their format travels as an explicit argument.
+  if (s == "torch.uint8" || s == "torch.float8_e4m3fn" || s == "torch.float8_e5m2") return Kind::kUInt8;
   return Kind::kOther;
 }
 
-template <typename A>
-View view_of(const A& a, const char* name) {
+// dtype objects are process-lifetime singletons: map each once by identity. The name is kept for
+// error messages ("got float64").
+struct DtypeEntry {
+  PyObject* obj;
+  Kind kind;
+  std::string name;
+};
+const DtypeEntry& dtype_entry(PyObject* dtype) {
+  static std::deque<DtypeEntry> seen;  // deque: entries never move
+  for (const auto& e : seen)
+    if (e.obj == dtype) return e;
+  std::string s = nb::str(nb::handle(dtype)).c_str();
+  const Kind k = kind_of_name(s);
+  if (s.rfind("torch.", 0) == 0) s = s.substr(6);
+  Py_INCREF(dtype);
+  seen.push_back({dtype, k, s});
+  return seen.back();
+}
+
+bool truthy(const nb::object& o) {
+  const int t = PyObject_IsTrue(o.ptr());
+  if (t < 0) throw nb::python_error();
+  return t == 1;
+}
+
+}  // namespace
+
+View view_of(const TensorArg& a, const char* name) {
+  const Names& n = names();
+  PyObject* o = a.obj.ptr();
   View v;
   v.name = name;
-  v.data = const_cast<void*>(static_cast<const void*>(a.data()));
-  v.kind = kind_of(a.dtype());
-  const int dt = a.device_type();
-  COAT_CHECK_ARG(dt == nb::device::cpu::value || dt == nb::device::cuda::value,
-                 std::string(name) + " must be a CPU or CUDA tensor");
-  v.cuda = dt == nb::device::cuda::value;
-  v.device = a.device_id();
-  int64_t expect = 1;
-  v.shape.resize(a.ndim());
-  for (size_t i = 0; i < a.ndim(); ++i) v.shape[i] = static_cast<int64_t>(a.shape(i));
+  if (!PyObject_HasAttr(o, n.data_ptr) || !PyObject_HasAttr(o, n.shape))
+    throw_invalid(std::string(name) + " must be a torch.Tensor, got " +
+                  nb::type_name(a.obj.type()).c_str());
+  v.cuda = truthy(attr(o, n.is_cuda));
+  COAT_CHECK_ARG(v.cuda || truthy(attr(o, n.is_cpu)), std::string(name) + " must be a CPU or CUDA tensor");
+  v.device = v.cuda ? static_cast<int>(PyLong_AsLong(call0(o, n.get_device).ptr())) : 0;
+  const DtypeEntry& dt = dtype_entry(attr(o, n.dtype).ptr());
+  v.kind = dt.kind;
+  v.dtype_name = dt.name.c_str();
+  const nb::object shape = attr(o, n.shape);
+  const Py_ssize_t nd = PyTuple_Check(shape.ptr()) ? PyTuple_GET_SIZE(shape.ptr()) : -1;
+  COAT_CHECK_ARG(nd >= 0, std::string(name) + " has no tuple shape");
+  v.shape.resize(static_cast<size_t>(nd));
   v.numel = 1;
-  for (int64_t s : v.shape) v.numel *= s;
-  // C-contiguous: strides (in elements) are the suffix products, ignoring size-1 dims.
-  for (size_t i = a.ndim(); i-- > 0;) {
-    if (v.shape[i] != 1 && v.numel != 0)
-      COAT_CHECK_ARG(a.stride(i) == expect, std::string(name) + " must be contiguous (call " + name +
-                                                ".contiguous() first)");
-    expect *= v.shape[i];
+  for (Py_ssize_t i = 0; i < nd; ++i) {
+    v.shape[static_cast<size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    v.numel *= v.shape[static_cast<size_t>(i)];
   }
+  COAT_CHECK_ARG(truthy(call0(o, n.is_contiguous)),
+                 std::string(name) + " must be contiguous (call " + name + ".contiguous() first)");
+  v.data = reinterpret_cast<void*>(
+      static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(call0(o, n.data_ptr).ptr())));
+  if (PyErr_Occurred()) throw nb::python_error();
   return v;
 }
-template View view_of<Array>(const Array&, const char*);
-template View view_of<MutArray>(const MutArray&, const char*);
 
 DType float_dtype(const View& v) {
   switch (v.kind) {
@@ -64,13 +132,13 @@ DType float_dtype(const View& v) {
     case Kind::kFloat16: return DType::kFloat16;
     default:
       throw_invalid(std::string(v.name) + " must be float32, bfloat16 or float16, got " +
-                    kind_name(v.kind));
+                    v.dtype_name);
   }
 }
 
 void expect_kind(const View& v, Kind k) {
   COAT_CHECK_ARG(v.kind == k, std::string(v.name) + " must be " + kind_name(k) + ", got " +
-                                  kind_name(v.kind));
+                                  v.dtype_name);
 }
 
 void expect_numel(const View& v, int64_t n, const std::string& what) {
@@ -86,7 +154,7 @@ void expect_same_shape(const View& v, const View& ref) {
 
 ScaleKind check_group_scales(const View& scales, int64_t numel, int64_t group) {
   COAT_CHECK_ARG(scales.kind == Kind::kFloat32 || scales.kind == Kind::kUInt8,
-                 "scales must be float32 or uint8 (E8M0), got " + std::string(kind_name(scales.kind)));
+                 "scales must be float32 or uint8 (E8M0), got " + std::string(scales.dtype_name));
   expect_numel(scales, numel / group, "one per group of " + std::to_string(group));
   return scales.kind == Kind::kUInt8 ? ScaleKind::kE8M0 : ScaleKind::kFloat32;
 }

@@ -27,12 +27,35 @@ __device__ __forceinline__ float tensor_scale(const float* scale, const float* a
   return s;
 }
 
+// The stacked matrix as the per-tensor kernels read it: part p holds the flat elements
+// [first[p], first[p + 1]) of X. One part is a plain tensor; the lookup then costs one compare.
+template <typename T>
+struct Stack {
+  const T* x[kMaxStackParts];
+  int64_t first[kMaxStackParts + 1];  // flat element offsets
+  int64_t row0[kMaxStackParts + 1];   // row offsets
+  int count;
+  int64_t cols;
+
+  __device__ __forceinline__ const T* elem(int64_t i) const {
+    int p = 0;
+    while (p + 1 < count && i >= first[p + 1]) ++p;
+    return x[p] + (i - first[p]);
+  }
+  __device__ __forceinline__ const T* row(int64_t r) const {
+    int p = 0;
+    while (p + 1 < count && r >= row0[p + 1]) ++p;
+    return x[p] + (r - row0[p]) * cols;
+  }
+};
+
 // amax: thread t reads 8-element chunks t, t + stride, ... walking from the END of the tensor, so
 // that the chunks read last (the head) are still in L2 when the quantize pass starts there; two
 // 16-byte loads are in flight per thread. Bytes: n * sizeof(T) read. Partial maxima combine with an
 // integer atomicMax on the float bits (valid for non-negative floats); *amax must be zero before.
+// With vec, no 8-element chunk straddles two parts (the launcher checks).
 template <typename T>
-__global__ void amax_kernel(const T* __restrict__ x, int64_t n, bool vec, float* amax) {
+__global__ void amax_kernel(Stack<T> x, int64_t n, bool vec, float* amax) {
   float m = 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -40,25 +63,25 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t n, bool vec, float*
   int64_t c = chunks - 1 - tid;
   for (; c - stride >= 0; c -= 2 * stride) {
     float v[8], w[8];
-    cuda::load8(x + c * 8, v);
-    cuda::load8(x + (c - stride) * 8, w);
+    cuda::load8(x.elem(c * 8), v);
+    cuda::load8(x.elem((c - stride) * 8), w);
 #pragma unroll
     for (int i = 0; i < 8; ++i) m = fmaxf(m, fmaxf(finite_abs(v[i]), finite_abs(w[i])));
   }
   if (c >= 0) {
     float v[8];
-    cuda::load8(x + c * 8, v);
+    cuda::load8(x.elem(c * 8), v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) m = fmaxf(m, finite_abs(v[i]));
   }
-  for (int64_t i = chunks * 8 + tid; i < n; i += stride) m = fmaxf(m, finite_abs(Elem<T>::load(x[i])));
+  for (int64_t i = chunks * 8 + tid; i < n; i += stride) m = fmaxf(m, finite_abs(Elem<T>::load(*x.elem(i))));
   cuda::block_max_atomic(m, amax);
 }
 
 // Per-tensor quantize, row-major output only. Thread t handles 8-element chunks; bytes moved:
 // n * sizeof(T) read + n written.
 template <typename T>
-__global__ void quantize_tensor_kernel(const T* __restrict__ x, int64_t n, bool vec, Fp8Format fmt,
+__global__ void quantize_tensor_kernel(Stack<T> x, int64_t n, bool vec, Fp8Format fmt,
                                        const float* scale, const float* amax, float* scale_out,
                                        uint8_t* __restrict__ q) {
   const float inv = 1.0f / tensor_scale(scale, amax, scale_out, fmt);
@@ -68,8 +91,8 @@ __global__ void quantize_tensor_kernel(const T* __restrict__ x, int64_t n, bool 
   int64_t c = tid;
   for (; c + stride < chunks; c += 2 * stride) {  // two 16-byte loads in flight
     float v[8], w[8];
-    cuda::load8(x + c * 8, v);
-    cuda::load8(x + (c + stride) * 8, w);
+    cuda::load8(x.elem(c * 8), v);
+    cuda::load8(x.elem((c + stride) * 8), w);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       v[i] *= inv;
@@ -80,22 +103,23 @@ __global__ void quantize_tensor_kernel(const T* __restrict__ x, int64_t n, bool 
   }
   if (c < chunks) {
     float v[8];
-    cuda::load8(x + c * 8, v);
+    cuda::load8(x.elem(c * 8), v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] *= inv;
     reinterpret_cast<uint2*>(q)[c] = cuda::encode8(v, fmt);
   }
-  for (int64_t i = chunks * 8 + tid; i < n; i += stride) q[i] = encode_fp8(Elem<T>::load(x[i]) * inv, fmt);
+  for (int64_t i = chunks * 8 + tid; i < n; i += stride) q[i] = encode_fp8(Elem<T>::load(*x.elem(i)) * inv, fmt);
 }
 
-// Per-tensor quantize writing q [rows, cols] and q_t [cols, rows]. One 256-thread block per 64x64
-// tile: each thread loads two 8-element chunks (16 B each), writes their codes to q (8 B stores)
-// and to a shared tile, then writes 16 consecutive bytes of one q_t row. Partial or misaligned
-// tiles take a per-element path. Bytes: n * sizeof(T) read, 2n written.
+// Per-tensor quantize writing q [rows, cols] (if not null) and q_t [cols, rows]. One 256-thread
+// block per 64x64 tile: each thread loads two 8-element chunks (16 B each) of two rows (each row
+// looked up in its own part, so tiles may straddle parts), writes their codes to q (8 B stores) and
+// to a shared tile, then writes 16 consecutive bytes of one q_t row. Partial or misaligned tiles
+// take a per-element path. Bytes: n * sizeof(T) read, n (q_t) or 2n (q and q_t) written.
 constexpr int kTile = 64;
 template <typename T>
 __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
-    const T* __restrict__ x, int64_t rows, int64_t cols, bool vec, Fp8Format fmt, const float* scale,
+    Stack<T> x, int64_t rows, int64_t cols, bool vec, Fp8Format fmt, const float* scale,
     const float* amax, float* scale_out, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t) {
   __shared__ __align__(16) uint8_t tile[kTile][kTile + 16];
   const float inv = 1.0f / tensor_scale(scale, amax, scale_out, fmt);
@@ -110,7 +134,7 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int id = tid + 256 * i, rr = id >> 3, cc = (id & 7) * 8;
-        cuda::load8(x + (r0 + rr) * cols + c0 + cc, v[i]);
+        cuda::load8(x.row(r0 + rr) + c0 + cc, v[i]);
       }
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -118,7 +142,7 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[i][j] *= inv;
         const uint2 codes = cuda::encode8(v[i], fmt);
-        *reinterpret_cast<uint2*>(q + (r0 + rr) * cols + c0 + cc) = codes;
+        if (q != nullptr) *reinterpret_cast<uint2*>(q + (r0 + rr) * cols + c0 + cc) = codes;
         *reinterpret_cast<uint2*>(&tile[rr][cc]) = codes;
       }
       __syncthreads();
@@ -134,8 +158,8 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
         const int rr = i / kTile, cc = i % kTile;
         const int64_t r = r0 + rr, c = c0 + cc;
         if (r < rows && c < cols) {
-          const uint8_t code = encode_fp8(Elem<T>::load(x[r * cols + c]) * inv, fmt);
-          q[r * cols + c] = code;
+          const uint8_t code = encode_fp8(Elem<T>::load(x.row(r)[c]) * inv, fmt);
+          if (q != nullptr) q[r * cols + c] = code;
           tile[rr][cc] = code;
         }
       }
@@ -352,25 +376,61 @@ __global__ void dre_dequantize_kernel(const uint8_t* __restrict__ q, const float
 }
 
 template <typename T>
-void launch_quantize_tensor(const T* x, int64_t rows, int64_t cols, Fp8Format fmt,
-                            const float* scale, const float* amax, float* scale_out, uint8_t* q,
-                            uint8_t* q_t, cudaStream_t stream) {
-  const int64_t n = rows * cols;
+Stack<T> stack_of(const StackedRows& x, bool* vec_parts) {
+  Stack<T> s{};
+  s.count = x.count;
+  s.cols = x.cols;
+  bool vec = true;
+  for (int p = 0; p < x.count; ++p) {
+    s.x[p] = static_cast<const T*>(x.data[p]);
+    s.first[p + 1] = s.first[p] + x.rows[p] * x.cols;
+    s.row0[p + 1] = s.row0[p] + x.rows[p];
+    vec = vec && cuda::aligned(x.data[p], 16);
+    // A chunk of 8 must not straddle two parts (a single part may end in a scalar tail).
+    if (p + 1 < x.count) vec = vec && (x.rows[p] * x.cols) % 8 == 0;
+  }
+  *vec_parts = vec;
+  return s;
+}
+
+template <typename T>
+void launch_quantize_stacked(const StackedRows& x, int64_t rows, Fp8Format fmt, const float* scale,
+                             float* amax, float* scale_out, uint8_t* q, uint8_t* q_t,
+                             cudaStream_t stream) {
+  bool vec = false;
+  const Stack<T> s = stack_of<T>(x, &vec);
+  const int64_t cols = x.cols, n = rows * cols;
+  if (amax != nullptr) {
+    COAT_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+    // Runs for n == 0 too: the quantize launch then publishes amax = 0 and scale = 1.
+    amax_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(s, n, vec, amax);
+    COAT_CHECK_LAUNCH();
+  }
   if (q_t != nullptr) {
     const int64_t tiles = ceil_div(rows, kTile) * ceil_div(cols, kTile);
-    const bool vec = cuda::aligned(x, 16) && cuda::aligned(q, 8) && cuda::aligned(q_t, 16) &&
-                     cols % 8 == 0 && rows % 16 == 0;
+    const bool tvec = vec && (q == nullptr || cuda::aligned(q, 8)) && cuda::aligned(q_t, 16) &&
+                      cols % 8 == 0 && rows % 16 == 0;
     quantize_tensor_t_kernel<T><<<grid_for(tiles, 1, 8), kThreads, 0, stream>>>(
-        x, rows, cols, vec, fmt, scale, amax, scale_out, q, q_t);
+        s, rows, cols, tvec, fmt, scale, amax, scale_out, q, q_t);
   } else {
-    const bool vec = cuda::aligned(x, 16) && cuda::aligned(q, 8);
-    quantize_tensor_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
-        x, n, vec, fmt, scale, amax, scale_out, q);
+    const bool qvec = vec && cuda::aligned(q, 8);
+    quantize_tensor_kernel<T><<<grid_for(qvec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
+        s, n, qvec, fmt, scale, amax, scale_out, q);
   }
   COAT_CHECK_LAUNCH();
 }
 
 }  // namespace
+
+void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
+                      float* scale_out, uint8_t* q, uint8_t* q_t, cudaStream_t stream) {
+  const int64_t rows = detail::check_stacked(x, scale, amax, scale_out, q, q_t);
+  if (rows * x.cols == 0 && amax == nullptr) return;
+  dispatch_dtype(x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launch_quantize_stacked<T>(x, rows, fmt, scale, amax, scale_out, q, q_t, stream);
+  });
+}
 
 void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t cols, Fp8Format fmt,
                          const float* scale, uint8_t* q, uint8_t* q_t, cudaStream_t stream) {
@@ -378,32 +438,19 @@ void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t col
   detail::check_ptr(x, rows * cols, "x");
   detail::check_ptr(q, rows * cols, "q");
   COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
-  if (rows * cols == 0) return;
-  dispatch_dtype(x_dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    launch_quantize_tensor(static_cast<const T*>(x), rows, cols, fmt, scale, nullptr, nullptr, q,
-                           q_t, stream);
-  });
+  quantize_stacked(detail::one_part(x, x_dtype, rows, cols), fmt, scale, nullptr, nullptr, q, q_t,
+                   stream);
 }
 
 void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_t cols,
                               Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t,
                               cudaStream_t stream) {
   detail::check_shape(rows, cols);
-  const int64_t n = rows * cols;
-  detail::check_ptr(x, n, "x");
-  detail::check_ptr(q, n, "q");
+  detail::check_ptr(x, rows * cols, "x");
+  detail::check_ptr(q, rows * cols, "q");
   COAT_CHECK_ARG(amax != nullptr && scale != nullptr, "amax and scale must not be null");
-  COAT_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-  dispatch_dtype(x_dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const T* xt = static_cast<const T*>(x);
-    const bool vec = cuda::aligned(x, 16);
-    // Both launches also run for n == 0: they then publish amax = 0 and scale = 1.
-    amax_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(xt, n, vec, amax);
-    COAT_CHECK_LAUNCH();
-    launch_quantize_tensor(xt, rows, cols, fmt, nullptr, amax, scale, q, q_t, stream);
-  });
+  quantize_stacked(detail::one_part(x, x_dtype, rows, cols), fmt, nullptr, amax, scale, q, q_t,
+                   stream);
 }
 
 void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,

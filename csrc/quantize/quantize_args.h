@@ -32,6 +32,37 @@ inline void check_dre(int64_t n, float log2_range) {
                  "log2_range must be in (0, 64), got " + std::to_string(log2_range));
 }
 
+// Checks a stacked matrix and its outputs before anything is written; returns its row count.
+inline int64_t check_stacked(const StackedRows& x, const float* scale, const float* amax,
+                             const float* scale_out, const uint8_t* q, const uint8_t* q_t) {
+  COAT_CHECK_ARG(x.count >= 1 && x.count <= kMaxStackParts,
+                 "a stacked matrix has 1 to " + std::to_string(kMaxStackParts) + " parts, got " +
+                     std::to_string(x.count));
+  COAT_CHECK_ARG(x.cols >= 0, "cols must be >= 0, got " + std::to_string(x.cols));
+  int64_t rows = 0;
+  for (int i = 0; i < x.count; ++i) {
+    COAT_CHECK_ARG(x.rows[i] >= 0, "part " + std::to_string(i) + " has a negative row count");
+    check_ptr(x.data[i], x.rows[i] * x.cols, "part data");
+    rows += x.rows[i];
+  }
+  COAT_CHECK_ARG(q != nullptr || q_t != nullptr || rows * x.cols == 0, "q and q_t must not both be null");
+  if (amax != nullptr)
+    COAT_CHECK_ARG(scale_out != nullptr, "scale_out must not be null when amax is computed");
+  else
+    COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
+  return rows;
+}
+
+inline StackedRows one_part(const void* x, DType dtype, int64_t rows, int64_t cols) {
+  StackedRows s;
+  s.data[0] = x;
+  s.rows[0] = rows;
+  s.count = 1;
+  s.cols = cols;
+  s.dtype = dtype;
+  return s;
+}
+
 COAT_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace detail

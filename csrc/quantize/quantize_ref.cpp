@@ -22,14 +22,20 @@ float amax_of(const T* x, int64_t n) {
 }
 
 template <typename T>
-void quantize_tensor_impl(const T* x, int64_t rows, int64_t cols, Fp8Format fmt, float inv,
-                          uint8_t* q, uint8_t* q_t) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint8_t code = encode_fp8(Elem<T>::load(x[r * cols + c]) * inv, fmt);
-      q[r * cols + c] = code;
-      if (q_t) q_t[c * rows + r] = code;
+void quantize_stacked_impl(const StackedRows& x, int64_t rows, Fp8Format fmt, float inv, uint8_t* q,
+                           uint8_t* q_t) {
+  const int64_t cols = x.cols;
+  int64_t r0 = 0;
+  for (int p = 0; p < x.count; ++p) {
+    const T* xp = static_cast<const T*>(x.data[p]);
+    for (int64_t r = 0; r < x.rows[p]; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t code = encode_fp8(Elem<T>::load(xp[r * cols + c]) * inv, fmt);
+        if (q) q[(r0 + r) * cols + c] = code;
+        if (q_t) q_t[c * rows + r0 + r] = code;
+      }
     }
+    r0 += x.rows[p];
   }
 }
 
@@ -40,35 +46,41 @@ void store_out(void* y, int64_t i, float v) {
 
 }  // namespace
 
+void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
+                      float* scale_out, uint8_t* q, uint8_t* q_t) {
+  const int64_t rows = detail::check_stacked(x, scale, amax, scale_out, q, q_t);
+  dispatch_dtype(x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    float s = 0.0f;
+    if (amax != nullptr) {
+      float m = 0.0f;
+      for (int p = 0; p < x.count; ++p)
+        m = std::max(m, amax_of(static_cast<const T*>(x.data[p]), x.rows[p] * x.cols));
+      amax[0] = m;
+      s = scale_out[0] = scale_for(m, fmt);
+    } else if (rows * x.cols > 0) {
+      s = scale[0];
+    }
+    if (rows * x.cols > 0) quantize_stacked_impl<T>(x, rows, fmt, 1.0f / s, q, q_t);
+  });
+}
+
 void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t cols, Fp8Format fmt,
                          const float* scale, uint8_t* q, uint8_t* q_t) {
   detail::check_shape(rows, cols);
-  const int64_t n = rows * cols;
-  detail::check_ptr(x, n, "x");
-  detail::check_ptr(q, n, "q");
+  detail::check_ptr(x, rows * cols, "x");
+  detail::check_ptr(q, rows * cols, "q");
   COAT_CHECK_ARG(scale != nullptr, "scale must not be null");
-  if (n == 0) return;
-  const float inv = 1.0f / scale[0];
-  dispatch_dtype(x_dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    quantize_tensor_impl(static_cast<const T*>(x), rows, cols, fmt, inv, q, q_t);
-  });
+  quantize_stacked(detail::one_part(x, x_dtype, rows, cols), fmt, scale, nullptr, nullptr, q, q_t);
 }
 
 void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_t cols,
                               Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t) {
   detail::check_shape(rows, cols);
-  const int64_t n = rows * cols;
-  detail::check_ptr(x, n, "x");
-  detail::check_ptr(q, n, "q");
+  detail::check_ptr(x, rows * cols, "x");
+  detail::check_ptr(q, rows * cols, "q");
   COAT_CHECK_ARG(amax != nullptr && scale != nullptr, "amax and scale must not be null");
-  dispatch_dtype(x_dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const T* xt = static_cast<const T*>(x);
-    amax[0] = amax_of(xt, n);
-    scale[0] = scale_for(amax[0], fmt);
-    if (n > 0) quantize_tensor_impl(xt, rows, cols, fmt, 1.0f / scale[0], q, q_t);
-  });
+  quantize_stacked(detail::one_part(x, x_dtype, rows, cols), fmt, nullptr, amax, scale, q, q_t);
 }
 
 void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,

@@ -57,6 +57,60 @@ TEST(PerTensor, AmaxScaleAndCodes) {
   EXPECT_EQ(q[6], 0x7E) << "inf saturates";
 }
 
+TEST(Stacked, MatchesPerTensorOfTheConcatenation) {
+  // Parts of 5, 0 and 3 rows (a fused projection's weights) read where they lie.
+  const int64_t cols = 17;
+  const int64_t rows[3] = {5, 0, 3};
+  std::vector<std::vector<float>> parts;
+  std::vector<float> cat;
+  StackedRows s;
+  s.count = 3;
+  s.cols = cols;
+  s.dtype = DType::kFloat32;
+  for (int p = 0; p < 3; ++p) {
+    parts.push_back(randn(rows[p] * cols, 10 + p, 1.0f + p));
+    cat.insert(cat.end(), parts.back().begin(), parts.back().end());
+    s.data[p] = parts.back().data();
+    s.rows[p] = rows[p];
+  }
+  const int64_t R = 8;
+  std::vector<uint8_t> q(R * cols), qt(R * cols), rq(R * cols), rqt(R * cols), qt2(R * cols);
+  float amax = -1, scale = -1, ramax = -1, rscale = -1;
+  ref::quantize_stacked(s, Fp8Format::kE4M3, nullptr, &amax, &scale, q.data(), qt.data());
+  ref::quantize_per_tensor_amax(cat.data(), DType::kFloat32, R, cols, Fp8Format::kE4M3, &ramax, &rscale,
+                                rq.data(), rqt.data());
+  EXPECT_EQ(amax, ramax);
+  EXPECT_EQ(scale, rscale);
+  EXPECT_EQ(q, rq);
+  EXPECT_EQ(qt, rqt);
+  // The backward's pass: transposed codes only, with the forward's scale.
+  ref::quantize_stacked(s, Fp8Format::kE4M3, &scale, nullptr, nullptr, nullptr, qt2.data());
+  EXPECT_EQ(qt2, rqt);
+}
+
+TEST(Stacked, RejectsBadArguments) {
+  std::vector<float> x(8, 1.0f);
+  std::vector<uint8_t> q(8);
+  float scale = 1.0f, amax = 0.0f;
+  StackedRows s;
+  s.data[0] = x.data();
+  s.rows[0] = 2;
+  s.cols = 4;
+  s.count = 0;
+  EXPECT_THROW(ref::quantize_stacked(s, Fp8Format::kE4M3, &scale, nullptr, nullptr, q.data(), nullptr),
+               std::invalid_argument);
+  s.count = 1;
+  EXPECT_THROW(ref::quantize_stacked(s, Fp8Format::kE4M3, &scale, nullptr, nullptr, nullptr, nullptr),
+               std::invalid_argument);
+  EXPECT_THROW(ref::quantize_stacked(s, Fp8Format::kE4M3, nullptr, &amax, nullptr, q.data(), nullptr),
+               std::invalid_argument);
+  EXPECT_THROW(ref::quantize_stacked(s, Fp8Format::kE4M3, nullptr, nullptr, nullptr, q.data(), nullptr),
+               std::invalid_argument);
+  s.rows[0] = -1;
+  EXPECT_THROW(ref::quantize_stacked(s, Fp8Format::kE4M3, &scale, nullptr, nullptr, q.data(), nullptr),
+               std::invalid_argument);
+}
+
 TEST(PerTensor, EmptyAndZeroTensors) {
   float amax = -1, scale = -1;
   ref::quantize_per_tensor_amax(nullptr, DType::kBFloat16, 0, 5, Fp8Format::kE5M2, &amax, &scale,

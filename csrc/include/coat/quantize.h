@@ -42,6 +42,26 @@ void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_
                               Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t,
                               cudaStream_t stream);
 
+// A matrix X [R, cols] stored as up to kMaxStackParts row blocks in separate buffers: the separate
+// weights of a fused projection ([W_q; W_k; W_v], [W_gate; W_up]). Part i holds rows[i] rows,
+// row-major and contiguous, all of one dtype. R = the sum of rows[i].
+constexpr int kMaxStackParts = 4;
+struct StackedRows {
+  const void* data[kMaxStackParts] = {};
+  int64_t rows[kMaxStackParts] = {};
+  int count = 0;
+  int64_t cols = 0;
+  DType dtype = DType::kBFloat16;
+};
+
+// Per-tensor quantization of the stacked X, reading each part where it lies (no concatenated
+// copy): q [R, cols] and/or q_t [cols, R] (either may be null, not both). With amax == null the
+// scale is the given scale[0]; otherwise amax[0] = max |X| and scale_out[0] = amax / fmt_max are
+// computed first, on the device, as quantize_per_tensor_amax does (scale is then unused). One
+// part is exactly quantize_per_tensor(_amax): same kernels, same codes.
+void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
+                      float* scale_out, uint8_t* q, uint8_t* q_t, cudaStream_t stream);
+
 // y[i] = q[i] * scale[0], written as out_dtype (rounded to nearest even).
 void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
                            DType out_dtype, cudaStream_t stream);
@@ -86,6 +106,8 @@ void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_
                               Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t);
 void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
                            DType out_dtype);
+void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
+                      float* scale_out, uint8_t* q, uint8_t* q_t);
 void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols, int group,
                         Fp8Format fmt, ScaleKind scale_kind, void* scales, uint8_t* q);
 void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t cols, int group,

@@ -1,0 +1,157 @@
+"""The one FP8 weight path of coat's layers: E4M3 codes of a weight, or of the separate weights of a
+fused projection ([W_q; W_k; W_v], [W_gate; W_up]) read where they lie, with one per-tensor scale.
+
+Lifetime, by default (``Fp8Recipe(weight_cache=False)``): no FP8 copy of a weight outlives the op
+that needs it.
+
+- Forward: ``forward_weight`` makes the row-major codes [N, K] (an amax pass, then one quantize
+  pass over the separate parameters: no bf16 concatenation). They die with the forward GEMM; the
+  layer saves only the 4-byte scale.
+- Backward: ``backward_weight`` makes the transposed codes [K, N] that the input-gradient GEMM
+  needs, from the same parameters with the forward's scale, in one pass (the kernel transposes
+  through shared memory: no FP8 transpose copy). They die with that GEMM.
+
+So between steps a converted model holds exactly what the unconverted model holds, and inside a
+step at most the FP8 weight of the op running is alive. The price is that the bf16 weights are read
+three times per step (amax, forward codes, backward codes: 6 B/param read, 2 B/param written).
+
+``Fp8Recipe(weight_cache=True)`` trades memory for those passes under gradient accumulation: the
+codes and the transposed codes are made together, once per optimizer step, and kept until the next
+``step()`` of any torch optimizer (a global step hook frees them) or ``invalidate_weight_cache()``.
+That costs 2 bytes per parameter of the converted layers from the first micro-batch to the step.
+The cache is keyed on each parameter's identity, version counter, storage and shape, so in-place
+edits through the parameter (``with torch.no_grad(): p.mul_(...)``, ``load_state_dict``) and
+``p.data = t`` are seen. It is used only by forwards that record gradients (training); no-grad,
+inference-mode and compiled forwards always quantize afresh. Not seen: an in-place edit through
+``p.data`` (a tensor sharing the storage with a version counter of its own) between two
+micro-batches of one optimizer step; call ``invalidate_weight_cache()`` after such an edit. The
+cache is refused under FSDP2 (it would keep FP8 copies of unsharded weights).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._ops import quantize as qops
+from .recipe import ACT_DTYPE
+
+__all__ = ["Fp8Weight", "forward_weight", "backward_weight", "use_cache", "invalidate_weight_cache", "cached_bytes",
+           "stats"]
+
+_E4M3 = 0  # the core's format id of ACT_DTYPE (e4m3)
+
+#: Quantization passes over weights (tests and diagnostics): "forward" (amax + codes),
+#: "backward" (transposed codes), "cached" (both at once, weight_cache=True), "hits".
+stats = {"forward": 0, "backward": 0, "cached": 0, "hits": 0}
+
+
+class Fp8Weight(NamedTuple):
+    data: Optional[torch.Tensor]  # [N, K] E4M3 codes (row-major), or None
+    data_t: Optional[torch.Tensor]  # [K, N] E4M3 codes (the transpose), or None
+    scale: torch.Tensor  # [1] fp32 dequantization multiplier
+
+
+# ---- the cache of weight_cache=True ----------------------------------------------------------------
+
+# first parameter -> {ids of all parameters: (key, Fp8Weight)}; weak keys, so a deleted model's
+# entries go with it.
+_cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def invalidate_weight_cache() -> None:
+    """Frees every cached FP8 weight (``weight_cache=True``); the next forward quantizes afresh."""
+    _cache.clear()
+
+
+def _on_optimizer_step(*_args, **_kwargs) -> None:
+    if _cache:
+        _cache.clear()
+
+
+_step_hook = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+def cached_bytes() -> int:
+    """Bytes held by the weight cache now (0 unless ``weight_cache=True`` is in use)."""
+    total = 0
+    for per_first in list(_cache.values()):
+        for _, w in per_first.values():
+            total += sum(t.numel() * t.element_size() for t in (w.data, w.data_t, w.scale) if t is not None)
+    return total
+
+
+def _key(weights: Sequence[torch.Tensor]) -> tuple:
+    return tuple((w._version, w.data_ptr(), tuple(w.shape), w.dtype) for w in weights)
+
+
+def use_cache(enabled: bool, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether a layer's call may use the cache: asked where the layer is called (autograd
+    Functions run their forward with grad disabled), only for training forwards."""
+    return (
+        enabled
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch.is_inference_mode_enabled()
+        and any(w.requires_grad for w in weights)
+        and type(weights[0]) in (torch.Tensor, torch.nn.Parameter)
+    )
+
+
+def _count(kind: str) -> None:
+    if not torch.compiler.is_compiling():  # a side effect Dynamo must not trace
+        stats[kind] += 1
+
+
+def _lookup(weights: Sequence[torch.Tensor]) -> Optional[Fp8Weight]:
+    per_first = _cache.get(weights[0])
+    if per_first is None:
+        return None
+    hit = per_first.get(tuple(id(w) for w in weights))
+    if hit is None or hit[0] != _key(weights):
+        return None
+    return hit[1]
+
+
+def _cached(weights: Sequence[torch.Tensor]) -> Fp8Weight:
+    hit = _lookup(weights)
+    if hit is not None:
+        _count("hits")
+        return hit
+    q, q_t, scale = qops.quantize_stacked_amax(list(weights), _E4M3, True, True)
+    _count("cached")
+    entry = Fp8Weight(q.view(ACT_DTYPE), q_t.view(ACT_DTYPE), scale)
+    per_first = _cache.get(weights[0])
+    if per_first is None:
+        per_first = _cache[weights[0]] = {}
+    per_first[tuple(id(w) for w in weights)] = (_key(weights), entry)
+    return entry
+
+
+# ---- the two passes ------------------------------------------------------------------------------
+
+
+def forward_weight(weights: Sequence[torch.Tensor], cache: bool = False) -> Fp8Weight:
+    """Row-major E4M3 codes of cat(weights, 0) and their per-tensor scale (``data_t`` is None
+    unless the cache made it too). ``cache``: ``use_cache(...)`` as the layer's caller decided."""
+    if cache:
+        return _cached(weights)
+    q, _, scale = qops.quantize_stacked_amax(list(weights), _E4M3, True, False)
+    _count("forward")
+    return Fp8Weight(q.view(ACT_DTYPE), None, scale)
+
+
+def backward_weight(weights: Sequence[torch.Tensor], scale: torch.Tensor, cache: bool = False) -> torch.Tensor:
+    """Transposed E4M3 codes [K, N] of cat(weights, 0) with the forward's ``scale``: the cached
+    copy when the forward used the cache and the weights have not changed since, else one pass."""
+    if cache:
+        entry = _lookup(weights)
+        if entry is not None and entry.scale is scale:
+            _count("hits")
+            return entry.data_t
+    _, q_t = qops.quantize_stacked(list(weights), scale, _E4M3, False, True)
+    _count("backward")
+    return q_t.view(ACT_DTYPE)
