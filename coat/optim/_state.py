@@ -41,8 +41,10 @@ def shard_index(p: torch.Tensor) -> int:
 
 
 def param_seed(seed: int, index: int, shard: int = 0) -> int:
-    """Stochastic-rounding seed of the index-th parameter (shard 0), or of its `shard`
-    (shard_index): a splitmix64 step of the three. The state keeps the parameter's seed (the same
+    """Stochastic-rounding seed of the parameter at position `index` of the optimizer's parameter
+    groups (the numbering of its state dict: the same in a resumed run and on every rank, whatever
+    order parameters first get gradients in), or of its `shard` (shard_index): a splitmix64 step of
+    the three. The state keeps the parameter's seed (the same
     on every rank, so a checkpoint holds one seed whatever the world size); the step rounds each
     shard with shard_seed of it. Shards get their own rounding noise; replicas of the same data
     (DDP, the replicate dimension of HSDP) the same noise, so that they stay identical."""
@@ -57,26 +59,81 @@ def shard_seed(seed: int, shard: int) -> int:
     return seed if shard == 0 else param_seed(seed, 0, shard)
 
 
+# ---- memory layout ----------------------------------------------------------------------------
+# The kernel sees a tensor as numel elements in memory order, and its 128-element groups are runs
+# of that order. Any dense, non-overlapping parameter (contiguous, channels_last, a permuted or
+# transposed one) is therefore updated in place, provided its gradient, codes and master are laid
+# out like it: codes and master are created with the parameter's strides, and a gradient laid out
+# otherwise is copied into the parameter's layout first.
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill exactly numel consecutive memory slots (any dimension order)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether element i of a and of b sit at the same memory offset (strides of size-1 dims aside)."""
+    return a.shape == b.shape and all(x == y for n, x, y in zip(a.shape, a.stride(), b.stride()) if n != 1)
+
+
+def memory_view(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as a 1-D view in memory order (t dense): the order the kernel's groups follow."""
+    return t.reshape(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+
+
+def check_dense(local: torch.Tensor, what: str = "parameter") -> None:
+    if not is_dense(local):
+        raise ValueError(f"coat.optim.AdamW updates a {what} in memory order, so it must be dense and non-overlapping "
+                         f"(contiguous, channels_last or another permutation); got shape {tuple(local.shape)} with "
+                         f"strides {local.stride()}: make it dense first (p.data = p.data.contiguous())")
+
+
+def grad_like(local: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient laid out like the (dense) parameter: itself when it is, else a copy in that layout
+    (autograd already produces gradients laid out like their parameters; a gradient set by hand may
+    not be)."""
+    check_dense(local)
+    if same_layout(local, grad):
+        return grad
+    return torch.empty_like(local, dtype=grad.dtype).copy_(grad)
+
+
 def new_state(local: torch.Tensor, m_fmt: str, v_fmt: str, master: str, seed: int) -> dict[str, Any]:
-    """Zero moments (codes 0, gmax 0, k16 16 decode to 0), step 0, master = the parameter."""
+    """Zero moments (codes 0, gmax 0, k16 16 decode to 0), step 0, master = the parameter; codes and
+    master laid out like the parameter."""
     dev, n = local.device, local.numel()
     st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device=dev)}
     for name, fmt in zip(_MOMENTS, (m_fmt, v_fmt)):
-        st[name + "_q"] = torch.zeros(local.shape, dtype=torch.uint8, device=dev).view(DTYPES[fmt])
+        st[name + "_q"] = torch.zeros_like(local, dtype=torch.uint8).view(DTYPES[fmt])
         st[name + "_gmax"] = torch.zeros(groups(n), dtype=torch.float32, device=dev)
         st[name + "_k16"] = torch.full((groups(n),), 16, dtype=torch.uint8, device=dev)
     if master == "fp32":
-        st["master"] = local.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
+        st["master"] = torch.empty_like(local, dtype=torch.float32).copy_(local.detach())
     if master == "bf16_sr":
         st["sr_seed"] = torch.tensor(seed, dtype=torch.int64)
     return st
 
 
-def check_state_device(state: dict[str, Any], local: torch.Tensor) -> None:
+def check_state(state: dict[str, Any], local: torch.Tensor) -> None:
+    """A state the kernel can use with this parameter: same device, codes and master in its layout."""
     for k, t in state.items():
         if isinstance(t, torch.Tensor) and k != "sr_seed" and t.device != local.device:
             raise ValueError(f"optimizer state '{k}' is on {t.device} but its parameter is on {local.device}; "
                              "move the model before creating the optimizer or loading its state dict")
+    for k in ("exp_avg_q", "exp_avg_sq_q", "master"):
+        t = state.get(k)
+        if t is not None and not same_layout(t, local):
+            raise ValueError(f"optimizer state '{k}' (shape {tuple(t.shape)}, strides {t.stride()}) is not laid out "
+                             f"in memory like its parameter (shape {tuple(local.shape)}, strides {local.stride()}): "
+                             "the FP8 groups follow the memory order the state was created in. Change a "
+                             "parameter's memory format before its optimizer state exists, or convert the state "
+                             "through coat.optim.to_torch_adamw_state / from_torch_adamw_state")
 
 
 def tensor_ptrs(state: dict[str, Any]) -> list[int]:
@@ -214,7 +271,15 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, m_fmt: str, v_f
                              f"(codes {q.numel()}, groups {gmax.numel()} / {k16.numel()}, expected {groups(n)})")
         if gmax.dtype != torch.float32 or k16.dtype != torch.uint8:
             raise ValueError(f"{where}: {name}_gmax must be float32 and {name}_k16 uint8")
-        st[name + "_q"] = q.to(dev).reshape(local.shape).clone()
+        if q.shape != local.shape and q.is_contiguous() and local.is_contiguous():
+            q = q.reshape(local.shape)
+        if not same_layout(q, local):  # the groups follow the memory order of the saved codes
+            raise ValueError(f"{where}: {name}_q (shape {tuple(q.shape)}, strides {q.stride()}) was saved for a "
+                             f"parameter laid out otherwise in memory than this one (shape {tuple(local.shape)}, "
+                             f"strides {local.stride()}); its FP8 groups follow the saved memory order. Load it "
+                             "into a parameter of the same memory format, or convert it through "
+                             "coat.optim.to_torch_adamw_state / from_torch_adamw_state")
+        st[name + "_q"] = torch.empty_like(local, dtype=torch.uint8).copy_(q.view(torch.uint8)).view(q.dtype)
         st[name + "_gmax"] = gmax.to(dev).reshape(-1).clone()
         st[name + "_k16"] = k16.to(dev).reshape(-1).clone()
     if master == "fp32":
@@ -222,7 +287,7 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, m_fmt: str, v_f
         if m is not None and m.numel() != n:
             raise ValueError(f"{where}: master has {m.numel()} elements, the parameter {n}")
         src = m if m is not None else local.detach()
-        st["master"] = src.to(dev, torch.float32).reshape(local.shape).contiguous().clone()
+        st["master"] = torch.empty_like(local, dtype=torch.float32).copy_(src.to(dev).reshape(local.shape))
     if master == "bf16_sr":
         if "sr_seed" not in saved:
             raise ValueError(f"{where}: missing sr_seed (state saved without master_weights='bf16_sr')")
@@ -251,8 +316,12 @@ def to_torch_adamw_state(src: Any) -> dict[str, Any]:
         out = {"step": torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().reshape(()).clone()}
         for name in _MOMENTS:
             q = st[name + "_q"]
-            codes = q.reshape(-1).view(torch.uint8)
-            x = _qops.dre_dequantize(codes, st[name + "_gmax"], st[name + "_k16"], fmt_id(q.dtype)).reshape(q.shape)
+            check_dense(q, f"state[{pid}]['{name}_q']")
+            # Decoded in memory order (the groups'), returned laid out like the codes, hence like the
+            # parameter, as torch's own exp_avg is: element i of the result is element i's moment.
+            codes = memory_view(q).view(torch.uint8)
+            x = torch.empty_like(q, dtype=torch.float32)
+            memory_view(x).copy_(_qops.dre_dequantize(codes, st[name + "_gmax"], st[name + "_k16"], fmt_id(q.dtype)))
             if sharded is not None:
                 from torch.distributed.tensor import DTensor
 
@@ -264,19 +333,25 @@ def to_torch_adamw_state(src: Any) -> dict[str, Any]:
     groups_out = []
     for g in sd["param_groups"]:
         tg = dict(defaults)
-        for k in ("lr", "betas", "eps", "weight_decay", "params"):
-            tg[k] = g[k]
+        for k in ("lr", "betas", "eps", "weight_decay", "maximize", "params", "param_names"):
+            if k in g:
+                tg[k] = g[k]
         groups_out.append(tg)
     return {"state": state, "param_groups": groups_out}
 
 
-def quantize_moment(x: torch.Tensor, fmt: str, expansion: bool):
-    """(codes, gmax, k16) of an fp32 moment, as the fused step would store it."""
-    x = x.detach().to(torch.float32).contiguous()
+def quantize_moment(x: torch.Tensor, fmt: str, expansion: bool, like: torch.Tensor | None = None):
+    """(codes, gmax, k16) of an fp32 moment, as the fused step would store it for a parameter laid
+    out like `like` (groups in its memory order; contiguous when None)."""
+    x = x.detach().to(torch.float32)
+    lay = torch.empty_like(like, dtype=torch.float32) if like is not None else torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    lay.copy_(x.reshape(lay.shape))  # logical values into the parameter's layout
     # Without expansion k16 is 16 for every group; a vanishing log2_range gives exactly that
     # (k = log2_range / span is clamped up to 1) through the same quantizer.
-    q, gmax, k16 = _qops.dre_quantize(x.reshape(-1), fmt_id(DTYPES[fmt]), log2_range(fmt) if expansion else 1e-30)
-    return q.view(DTYPES[fmt]).reshape(x.shape), gmax, k16
+    q, gmax, k16 = _qops.dre_quantize(memory_view(lay), fmt_id(DTYPES[fmt]), log2_range(fmt) if expansion else 1e-30)
+    codes = torch.empty_like(lay, dtype=torch.uint8)
+    memory_view(codes).copy_(q.view(torch.uint8))
+    return codes.view(DTYPES[fmt]), gmax, k16
 
 
 def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
@@ -289,9 +364,11 @@ def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[
     ids = [i for g in torch_state["param_groups"] for i in g["params"]]
     if len(ids) != len(params) or len(torch_state["param_groups"]) != len(optimizer.param_groups):
         raise ValueError("torch_state does not match the optimizer's parameter groups")
+    if any(tg.get("amsgrad") for tg in torch_state["param_groups"]):
+        raise ValueError("amsgrad groups cannot be converted (coat.optim.AdamW has no amsgrad)")
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     state = {}
-    for pid, p in zip(ids, params):
+    for pos, (pid, p) in enumerate(zip(ids, params)):
         st = torch_state["state"].get(pid)
         if not st:
             continue
@@ -303,20 +380,18 @@ def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[
             x = _local(st[name]).to(local.device)
             if x.numel() != local.numel():
                 raise ValueError(f"state[{pid}]['{name}'] has {x.numel()} elements, the parameter {local.numel()}")
-            out[name + "_q"], out[name + "_gmax"], out[name + "_k16"] = quantize_moment(x.reshape(local.shape), fmt,
-                                                                                         g["expansion"])
+            out[name + "_q"], out[name + "_gmax"], out[name + "_k16"] = quantize_moment(x, fmt, g["expansion"], local)
         kind = optimizer._master_kind(local.dtype)
         if kind == "fp32":
-            out["master"] = local.detach().float().clone()
-        if kind == "bf16_sr":
-            out["sr_seed"] = torch.tensor(param_seed(optimizer.seed, len(state)), dtype=torch.int64)
+            out["master"] = torch.empty_like(local, dtype=torch.float32).copy_(local.detach())
+        if kind == "bf16_sr":  # the seed the optimizer gives the parameter at this position
+            out["sr_seed"] = torch.tensor(param_seed(optimizer.seed, pos), dtype=torch.int64)
         state[pid] = out
     pgroups = []
     for tg, g in zip(torch_state["param_groups"], optimizer.param_groups):
-        if tg.get("amsgrad") or tg.get("maximize"):
-            raise ValueError("amsgrad / maximize groups cannot be converted")
         ng = {k: v for k, v in g.items() if k != "params"}
         ng.update({k: tg[k] for k in ("lr", "betas", "eps", "weight_decay")})
+        ng["maximize"] = bool(tg.get("maximize", False))
         ng["params"] = list(tg["params"])
         pgroups.append(ng)
     return {"state": state, "param_groups": pgroups}

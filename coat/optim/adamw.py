@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
@@ -11,7 +12,7 @@ import torch
 from .. import _C
 from .._ops import adamw as _ops
 from ..fp8.formats import CORE_ID, format_name
-from . import _state
+from . import _compat, _state
 
 __all__ = ["AdamW", "CoatAdamW"]
 
@@ -41,10 +42,18 @@ class AdamW(torch.optim.Optimizer):
     CUDA graph. Without CUDA the same semantics run on the CPU (C++).
 
     Args:
-        params: parameters or parameter groups (groups may override lr, betas, eps,
-            weight_decay, m_format, v_format and expansion).
+        params: parameters (dense: contiguous, channels_last or any other dimension order; the
+            step works in memory order) or parameter groups (groups may override lr, betas, eps,
+            weight_decay, maximize, m_format, v_format and expansion).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; ``lr`` may be a tensor (read on
-            the device at each step: change it in place to keep a captured graph valid).
+            the device at each step: change it in place to keep a captured graph valid); betas are
+            floats.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s
+            keywords. ``maximize=True`` ascends (the gradients are negated inside the one pass the
+            kernel makes); ``foreach``, ``fused`` and ``capturable`` take any value and change
+            nothing (the step is always one fused multi-tensor launch without host
+            synchronisation); ``amsgrad`` and ``differentiable`` must be False. Combinations torch
+            refuses are refused with torch's exception.
         m_format, v_format: FP8 format of m and v: "e4m3" or "e5m2". v defaults to E5M2: on
             moments of a real run, E4M3 lets a few v values underflow to 0 in groups spanning more
             than its range, and m / (0 + eps) then dominates the error
@@ -58,8 +67,12 @@ class AdamW(torch.optim.Optimizer):
             that element's moments NaN (stored as the NaN code) and its parameter non-finite.
             "raise" checks the gradients first and raises ``FloatingPointError`` before anything
             is written; that check synchronises with the host once per step.
-        seed: seed of the stochastic rounding (per-parameter seeds derive from it; stored in
-            the state dict, so a resumed run rounds exactly as the uninterrupted one).
+        seed: seed of the stochastic rounding (each parameter's seed derives from it and the
+            parameter's position in the groups; stored in the state dict, so a resumed run rounds
+            exactly as the uninterrupted one).
+
+    ``copy.deepcopy(opt)`` and ``torch.save(opt)`` keep these settings (the copy steps as the
+    original would). Load-state-dict post-hooks run after the states are loaded.
 
     ``torch.amp.GradScaler`` is supported the way torch's fused optimizers do it: the scaler hands
     ``grad_scale`` and ``found_inf`` to the step, the kernel unscales the gradients (times 1/scale)
@@ -82,7 +95,13 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         m_format: str = "e4m3",
         v_format: str = "e5m2",
         group_size: int = 128,
@@ -99,31 +118,64 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
         if not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_format=m_format,
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                     differentiable=differentiable, fused=fused)
+        _compat.check_constructor(lr, betas, flags)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags, m_format=m_format,
                         v_format=v_format, expansion=expansion)
-        self._check_hyper(defaults)
         self.master_weights = master_weights
         self.nonfinite = nonfinite
         self.seed = seed
-        self._desc_cache: dict[tuple, tuple] = {}
-        self._seeded = 0  # parameters whose state was created so far (their seeds' index)
+        self._check_hyper(defaults)
+        self._reset_caches()
         super().__init__(params, defaults)
+
+    def _reset_caches(self) -> None:
+        """Host-side caches: rebuilt on demand, never saved (they hold raw pointers)."""
+        self._desc_cache: dict[tuple, tuple] = {}
+        self._minus_one: dict[torch.device, torch.Tensor] = {}  # maximize's grad_scale without a scaler
+
+    # ---- pickling (copy.deepcopy, torch.save of the whole optimizer) --------------------------
+    # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups; coat's own settings
+    # must travel too, and its caches must not (their pointers belong to the original's tensors).
+
+    def __getstate__(self) -> dict[str, Any]:
+        st = super().__getstate__()
+        st.update(master_weights=self.master_weights, nonfinite=self.nonfinite, seed=self.seed)
+        return st
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "master_weights" not in self.__dict__:  # pickled before coat kept its settings
+            has_seed = any("sr_seed" in s for s in self.state.values() if isinstance(s, dict))
+            self.master_weights = "bf16_sr" if has_seed else "fp32"
+        self.__dict__.setdefault("nonfinite", "propagate")
+        self.__dict__.setdefault("seed", 0)
+        for k, v in _compat.TORCH_FLAGS.items():
+            self.defaults.setdefault(k, v)
+        for group in self.param_groups:
+            _compat.fill_group_defaults(group)
+        self._reset_caches()
 
     # ---- validation ------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_hyper(group: dict[str, Any]) -> None:
+    def _check_hyper(self, group: dict[str, Any]) -> None:
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1 or not lr.is_floating_point():
-                raise ValueError(f"lr must be a float or a one-element floating-point tensor, got shape {tuple(lr.shape)}")
+                raise ValueError(f"Tensor lr must be 1-element and floating-point, got shape {tuple(lr.shape)} "
+                                 f"and dtype {lr.dtype}")
         elif not _finite(lr) or lr < 0:
             raise ValueError(f"Invalid learning rate: {lr} (must be finite and >= 0)")
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+        if any(isinstance(b, torch.Tensor) for b in betas):
+            raise ValueError("betas as Tensors are not supported by coat.optim.AdamW: its kernel takes the betas "
+                             "as floats at each launch (only lr can be a tensor read on the device); pass "
+                             f"floats, e.g. betas=({float(betas[0])}, {float(betas[1])})")
         for i, b in enumerate(betas):
-            if isinstance(b, torch.Tensor) or not _finite(b) or not 0.0 <= b < 1.0:
+            if not _finite(b) or not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be a float in [0, 1))")
         if not _finite(group["eps"]) or group["eps"] < 0:
             raise ValueError(f"Invalid epsilon value: {group['eps']} (must be finite and >= 0)")
@@ -133,6 +185,7 @@ class AdamW(torch.optim.Optimizer):
         group["v_format"] = format_name(group["v_format"], "v_format")
         if not isinstance(group["expansion"], bool):
             raise ValueError(f"expansion must be a bool, got {group['expansion']!r}")
+        _compat.check_group_flags(group, self.nonfinite)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -148,7 +201,8 @@ class AdamW(torch.optim.Optimizer):
         return self.master_weights
 
     def _check_param(self, p: torch.Tensor) -> None:
-        dt = _local(p).dtype
+        local = _local(p)
+        dt = local.dtype
         if dt not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"coat.optim.AdamW supports float32, bfloat16 and float16 parameters, got {dt}")
         if self.master_weights == "bf16_sr" and dt != torch.bfloat16 and dt != torch.float32:
@@ -156,57 +210,102 @@ class AdamW(torch.optim.Optimizer):
         if self.master_weights == "bf16_sr" and dt == torch.float32:
             raise ValueError("master_weights='bf16_sr' needs bfloat16 parameters, got float32 "
                              "(cast the model with .bfloat16(), or use master_weights='fp32')")
+        _state.check_dense(local)
 
     # ---- state -----------------------------------------------------------------------------
 
-    def _init_state(self, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def _init_state(self, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any], index: int) -> dict[str, Any]:
+        # The rounding seed comes from the parameter's position in the groups, not from the order
+        # states are created in: a resumed run seeds a parameter that first gets a gradient after
+        # the checkpoint exactly as the uninterrupted run did.
         state = _state.new_state(local, group["m_format"], group["v_format"], self._master_kind(local.dtype),
-                                 _state.param_seed(self.seed, self._seeded))
-        self._seeded += 1
+                                 _state.param_seed(self.seed, index))
         self.state[p] = state
         return state
 
+    @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
+        # torch's packing, with sharded (DTensor) states wrapped before the post-hooks run, so that
+        # the hooks see what is returned.
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        mapping: dict[int, int] = {}
+        start, packed_groups = 0, []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            mapping.update({id(p): i for i, p in enumerate(g["params"], start) if id(p) not in mapping})
+            packed["params"] = [mapping[id(p)] for p in g["params"]]
+            start += len(packed["params"])
+            packed_groups.append(packed)
+        sd = {"state": {(mapping[id(k)] if isinstance(k, torch.Tensor) else k): v for k, v in self.state.items()},
+              "param_groups": packed_groups}
         # Sharded (DTensor) parameters: every rank's state must reach a distributed checkpoint.
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in enumerate(params):
-            if pid in sd["state"] and _state._is_dtensor(p):
-                sd["state"][pid] = _state.to_dtensor_state(sd["state"][pid], p)
+        for g in self.param_groups:
+            for p in g["params"]:
+                pid = mapping[id(p)]
+                if pid in sd["state"] and _state._is_dtensor(p):
+                    sd["state"][pid] = _state.to_dtensor_state(sd["state"][pid], p)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch's loader casts every floating-point state tensor to the parameter's dtype, which
-        # would destroy FP8 codes and group maxima: load the groups through it, the states here.
+        # torch's loader casts every floating-point state tensor to the parameter's dtype, which would
+        # destroy FP8 codes and group maxima: coat loads its states itself, between torch's pre- and
+        # post-hooks (so the post-hooks see them), and builds everything before replacing anything.
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
         raw = state_dict["state"]
+        id_map = dict(zip((i for s in saved_groups for i in s["params"]),
+                          (p for g in self.param_groups for p in g["params"])))
         for pid, st in raw.items():
-            if "exp_avg_q" not in st:
+            if pid in id_map and "exp_avg_q" not in st:
                 raise ValueError(f"state[{pid}] is not a coat.optim.AdamW state (keys {sorted(st)}); convert a "
                                  "torch.optim.AdamW state dict with coat.optim.from_torch_adamw_state")
-        groups = []
-        for saved, cur in zip(state_dict["param_groups"], self.param_groups):
-            groups.append({**{k: v for k, v in cur.items() if k != "params"}, **saved})
-        super().load_state_dict({"state": {}, "param_groups": groups or state_dict["param_groups"]})
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        for pid, p in zip(saved_ids, params):
-            if pid in raw:
-                g = group_of[id(p)]
-                self.state[p] = _state.load_param_state(raw[pid], _local(p), g["m_format"], g["v_format"],
-                                                        self._master_kind(_local(p).dtype), f"state[{pid}]")
-        for g in self.param_groups:
+        groups, group_of = [], {}
+        for saved, cur in zip(saved_groups, self.param_groups):
+            # Keys an older state dict lacks keep their current values (torch's setdefault on load).
+            g = {**{k: v for k, v in cur.items() if k != "params"}, **saved, "params": cur["params"]}
             self._check_hyper(g)
+            groups.append(g)
+            group_of.update({id(p): g for p in g["params"]})
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for pid, st in raw.items():
+            p = id_map.get(pid)
+            if p is None:  # not a parameter's state: kept as is, as torch does
+                state[pid] = st
+                continue
+            g, local = group_of[id(p)], _local(p)
+            state[p] = _state.load_param_state(st, local, g["m_format"], g["v_format"],
+                                               self._master_kind(local.dtype), f"state[{pid}]")
+        self.param_groups = groups
+        self.state = state
         self._desc_cache.clear()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # ---- step ------------------------------------------------------------------------------
 
     def _gather(self) -> dict[tuple, list]:
         """Parameters with gradients, bucketed by what one launch can share."""
         buckets: dict[tuple, list] = defaultdict(list)
+        first = 0  # position of the group's first parameter in the whole list (the state dict's id)
         for gi, group in enumerate(self.param_groups):
             self._check_hyper(group)
-            for p in group["params"]:
+            params = group["params"]
+            for j, p in enumerate(params):
                 if p.grad is None:
                     continue
                 local, grad = _local(p), _local(p.grad)
@@ -221,15 +320,16 @@ class AdamW(torch.optim.Optimizer):
                 if grad.device != local.device:
                     raise ValueError(f"gradient on {grad.device} but parameter on {local.device}")
                 if not (local.is_contiguous() and grad.is_contiguous()):
-                    raise ValueError("parameters and gradients must be contiguous")
+                    grad = _state.grad_like(local, grad)  # channels_last and other dense layouts
                 if local.device.type not in ("cpu", "cuda"):
                     raise ValueError(f"coat.optim.AdamW runs on CPU or CUDA tensors, got {local.device}")
                 # An empty shard (an FSDP2 rank past a short dim 0) still gets its (empty) state and
                 # its step count, so that every rank holds the same states with the same steps, as
                 # distributed state dicts expect; it has no row in the kernel's descriptor table.
-                state = self.state[p] or self._init_state(p, local, group)
+                state = self.state[p] or self._init_state(p, local, group, first + j)
                 master = self._master_kind(local.dtype)
                 buckets[(local.device, local.dtype, grad.dtype, master, gi)].append((p, local, grad, state))
+            first += len(params)
         return buckets
 
     def _descriptors(self, key: tuple, items: list) -> tuple[torch.Tensor, int]:
@@ -242,11 +342,15 @@ class AdamW(torch.optim.Optimizer):
         hit = self._desc_cache.get(key)
         if hit is not None and hit[0] == ptrs:
             return hit[1], hit[2]
-        rows, begin = [], 0
+        rows, begin, seen = [], 0, set()
         for p, local, grad, state in items:
-            _state.check_state_device(state, local)  # a moved tensor changes a pointer: checked here
+            _state.check_state(state, local)  # a moved or re-laid-out tensor changes a pointer: checked here
             if local.numel() == 0:
                 continue
+            if local.data_ptr() in seen:  # one launch would update it twice, racing with itself
+                raise ValueError(f"a parameter of shape {tuple(local.shape)} appears more than once in the "
+                                 "optimizer's parameter groups; pass each parameter once")
+            seen.add(local.data_ptr())
             rows.append(_state.descriptor_row(local, grad, state, begin, _state.shard_index(p)))
             begin += _state.groups(local.numel())
         host = torch.tensor(rows, dtype=torch.int64)
@@ -259,6 +363,17 @@ class AdamW(torch.optim.Optimizer):
         # The pinned host copy stays referenced: a CUDA graph that captured the copy replays it.
         self._desc_cache[key] = (ptrs, table, begin, host)
         return table, begin
+
+    def _negated(self, scale: torch.Tensor | None, device: torch.device, on_device: dict) -> torch.Tensor:
+        """grad_scale for a maximize group: the kernel multiplies gradients by 1 / grad_scale, so a
+        negated scale (exactly -1 without a scaler) negates them within the one pass it makes."""
+        if scale is None:
+            if device not in self._minus_one:
+                self._minus_one[device] = torch.full((1,), -1.0, dtype=torch.float32, device=device)
+            return self._minus_one[device]
+        if ("-grad_scale", device) not in on_device:
+            on_device[("-grad_scale", device)] = torch.neg(scale)
+        return on_device[("-grad_scale", device)]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -291,12 +406,15 @@ class AdamW(torch.optim.Optimizer):
             lr = group["lr"]
             lr_t = to_dev(lr, device, f"lr{gi}") if isinstance(lr, torch.Tensor) else None
             fi = to_dev(found_inf, device, "found_inf")
+            gs = to_dev(grad_scale, device, "grad_scale")
+            if group["maximize"]:
+                gs = self._negated(gs, device, on_device)
             m_fmt, v_fmt = group["m_format"], group["v_format"]
             if n_groups > 0:  # else only empty shards: their steps count, nothing to compute
                 _ops.adamw_step(
                     table, n_groups, lr=0.0 if lr_t is not None else float(lr), lr_tensor=lr_t,
                     beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                    weight_decay=group["weight_decay"], grad_scale=to_dev(grad_scale, device, "grad_scale"),
+                    weight_decay=group["weight_decay"], grad_scale=gs,
                     found_inf=fi, param_dtype=pdtype, grad_dtype=gdtype, master=master,
                     m_fmt=CORE_ID[m_fmt], v_fmt=CORE_ID[v_fmt], expansion=group["expansion"],
                     m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
