@@ -159,3 +159,67 @@ def test_state_on_another_device_is_rejected():
     fresh.load_state_dict(opt.state_dict())
     fresh.step()
     assert fresh.state[p]["exp_avg_q"].is_cuda
+
+
+def test_maximize_and_channels_last_on_cuda():
+    """maximize on CUDA is the step on negated gradients bit for bit (also captured in a graph, with no
+    host synchronisation: its -1 scale lives on the device); a channels_last weight is stepped in
+    memory order, bit for bit as the contiguous tensor holding the same memory (its NHWC
+    permutation), and the CPU path agrees to the tolerance of test_gpu_matches_cpu."""
+    g = torch.Generator().manual_seed(0)
+    w0 = (torch.randn(64, 24, 3, 3, generator=g) * 0.1).contiguous(memory_format=torch.channels_last)
+    w = torch.nn.Parameter(w0.cuda())  # .cuda() keeps the strides
+    nhwc = torch.nn.Parameter(w0.permute(0, 2, 3, 1).contiguous().cuda())
+    neg = torch.nn.Parameter(w0.cuda())
+    cpu = torch.nn.Parameter(w0.clone())
+    kw = dict(lr=3e-3, weight_decay=0.05)
+    ow, on = co.AdamW([w], maximize=True, **kw), co.AdamW([nhwc], maximize=True, **kw)
+    oneg, ocpu = co.AdamW([neg], **kw), co.AdamW([cpu], maximize=True, **kw)
+    assert w.stride() == w0.stride()
+    grads = [torch.randn(64, 24, 3, 3, generator=g).contiguous(memory_format=torch.channels_last) * 1e-2
+             for _ in range(3)]
+    # every gradient on the device before the no-synchronisation check (a pageable copy syncs)
+    dev = [(x.cuda(), x.permute(0, 2, 3, 1).contiguous().cuda(), -x.cuda()) for x in grads]
+
+    def step(i):
+        (w.grad, nhwc.grad, neg.grad), cpu.grad = dev[i], grads[i].clone()
+        for o in (ow, on, oneg, ocpu):
+            o.step()
+
+    step(0)  # warm-up: states, tables and the -1 scale created here
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    w.grad.copy_(dev[2][0])  # the same gradient tensor: the captured step reuses the cached table
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ow.step()
+    graph.replay()
+    (_, nhwc.grad, neg.grad), cpu.grad = dev[2], grads[2].clone()
+    for o in (on, oneg, ocpu):
+        o.step()
+    torch.cuda.synchronize()
+    assert torch.equal(w, neg) and torch.equal(w.permute(0, 2, 3, 1), nhwc)
+    assert ow.state[w]["exp_avg_q"].stride() == w.stride()
+    moved = (cpu.detach() - w0).norm()
+    assert (w.detach().cpu() - cpu.detach()).norm() <= 2e-2 * moved
+
+
+def test_deepcopy_on_cuda_steps_as_the_original():
+    import copy
+
+    params = _params(torch.bfloat16, "cuda")
+    opt = co.AdamW(params, lr=1e-3, master_weights="fp32")
+    for p, gr in zip(params, _grads(params, torch.bfloat16, 0)):
+        p.grad = gr.cuda()
+    opt.step()
+    twin = copy.deepcopy(opt)
+    tparams = [p for grp in twin.param_groups for p in grp["params"]]
+    for p, q, gr in zip(params, tparams, _grads(params, torch.bfloat16, 1)):
+        p.grad, q.grad = gr.cuda(), gr.cuda()
+    opt.step()
+    twin.step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, q) and p.data_ptr() != q.data_ptr() for p, q in zip(params, tparams))
