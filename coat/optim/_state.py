@@ -304,9 +304,10 @@ def _torch_group_defaults() -> dict[str, Any]:
 
 
 def to_torch_adamw_state(src: Any) -> dict[str, Any]:
-    """A ``torch.optim.AdamW`` state dict (fp32 ``exp_avg`` / ``exp_avg_sq``, CPU float step) from a
-    coat.optim.AdamW or its state dict. fp32 master weights are not part of torch's format: copy
-    them into an fp32 model first if they are needed."""
+    """A ``torch.optim.AdamW`` state dict (fp32 ``exp_avg`` / ``exp_avg_sq`` laid out like their
+    parameters, CPU float step; each group's ``maximize`` kept) from a coat.optim.AdamW or its state
+    dict. fp32 master weights are not part of torch's format: copy them into an fp32 model first if
+    they are needed."""
     sd = src.state_dict() if isinstance(src, torch.optim.Optimizer) else src
     state = {}
     for pid, st in sd["state"].items():
@@ -356,8 +357,9 @@ def quantize_moment(x: torch.Tensor, fmt: str, expansion: bool, like: torch.Tens
 
 def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
     """A state dict for ``optimizer`` (a coat.optim.AdamW over the same parameters, in the same
-    groups) from a ``torch.optim.AdamW`` state dict: moments quantized with each group's formats,
-    fp32 masters taken from the current parameters. Load it with ``optimizer.load_state_dict``."""
+    groups) from a ``torch.optim.AdamW`` state dict: moments quantized with each group's formats (in
+    each parameter's memory order), fp32 masters taken from the current parameters, ``maximize``
+    kept. Load it with ``optimizer.load_state_dict``."""
     from .adamw import _local
 
     params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -271,12 +271,12 @@ class AdamW(torch.optim.Optimizer):
         id_map = dict(zip((i for s in saved_groups for i in s["params"]),
                           (p for g in self.param_groups for p in g["params"])))
         for pid, st in raw.items():
-            if pid in id_map and "exp_avg_q" not in st:
+            if pid in id_map and st and "exp_avg_q" not in st:
                 raise ValueError(f"state[{pid}] is not a coat.optim.AdamW state (keys {sorted(st)}); convert a "
                                  "torch.optim.AdamW state dict with coat.optim.from_torch_adamw_state")
         groups, group_of = [], {}
         for saved, cur in zip(saved_groups, self.param_groups):
-            # Keys an older state dict lacks keep their current values (torch's setdefault on load).
+            # Keys an older state dict lacks (torch's newer flags, coat's formats) keep this optimizer's.
             g = {**{k: v for k, v in cur.items() if k != "params"}, **saved, "params": cur["params"]}
             self._check_hyper(g)
             groups.append(g)
@@ -286,6 +286,8 @@ class AdamW(torch.optim.Optimizer):
             p = id_map.get(pid)
             if p is None:  # not a parameter's state: kept as is, as torch does
                 state[pid] = st
+                continue
+            if not st:  # a parameter without state yet
                 continue
             g, local = group_of[id(p)], _local(p)
             state[p] = _state.load_param_state(st, local, g["m_format"], g["v_format"],

@@ -585,3 +585,19 @@ def test_duplicate_parameter_is_refused_at_step():
     with pytest.raises(ValueError, match="appears more than once"):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(300)) and opt.state[p]["step"].item() == 0
+
+
+def test_empty_parameter_state_loads_as_no_state():
+    """An empty state entry (a parameter that never got one; torch's state dicts may hold such) loads as
+    no state, and the parameter's state is created at its first gradient."""
+    m = _mlp()
+    opt = co.AdamW(m.parameters())
+    _train(m, opt, _batches(1))
+    sd = opt.state_dict()
+    sd["state"][3] = {}
+    fresh = co.AdamW(m.parameters())
+    fresh.load_state_dict(sd)
+    last = list(m.parameters())[3]
+    assert last not in fresh.state and len(fresh.state) == 3
+    _train(m, fresh, _batches(1))
+    assert fresh.state[last]["step"].item() == 1
