@@ -1,18 +1,21 @@
 """Training corpus for ``coat train``: loading, tokenization, train/val split, batching.
 
-The default corpus is the Python standard library of the running interpreter: real,
-reasonably large text that is present on every machine without a download.
+The built-in corpus is Python source that every machine running coat has without a download:
+the interpreter's standard library plus the installed source of torch, transformers and numpy
+(coat's own dependencies), ~100M bytes. It is large enough that a GPU run of a few minutes sees
+each token less than once, so its validation loss measures generalization, not memorization.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -21,10 +24,17 @@ BYTE_VOCAB_SIZE = 257  # 256 byte values + one end-of-document token
 BYTE_EOS_ID = 256
 BPE_EOS_TOKEN = "<|endoftext|>"
 TEXT_SUFFIXES = frozenset({".txt", ".py", ".md", ".rst"})
+JSONL_SUFFIXES = frozenset({".jsonl"})
 TOKEN_ARRAY_SUFFIXES = frozenset({".npy", ".bin"})
 TOKENIZERS = ("byte", "bpe")
+#: Packages whose source joins the standard library in the built-in corpus: coat depends on them,
+#: so they are installed wherever coat is.
+BUILTIN_PACKAGES = ("torch", "transformers", "numpy")
+#: Largest token id a pre-tokenized array may hold without --init (the largest published
+#: vocabularies are ~262k); a larger id would only build an absurd embedding table.
+MAX_TOKEN_ID = (1 << 20) - 1
 # Bump when the tokenized layout changes so stale cache entries are never reused.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 @dataclass
@@ -36,63 +46,146 @@ class Corpus:
     info: dict = field(default_factory=dict)  # provenance, recorded in config.json
 
 
+@dataclass(frozen=True)
+class HFTokenizer:
+    """A Hugging Face tokenizer (from an --init folder) and a fingerprint of its files."""
+
+    tokenizer: Any
+    fingerprint: str
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "coat" / "corpus"
+
+
+_SKIP_PARTS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def _py_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if p.is_file() and not _SKIP_PARTS & set(p.relative_to(root).parts))
 
 
 def stdlib_files() -> list[Path]:
     """The interpreter's standard library *.py files, sorted for determinism.
 
     Some installs (pyenv, venv-less system Pythons) keep site-packages inside the stdlib
-    folder; those are excluded so the corpus does not depend on what else is installed.
+    folder; those are excluded so this part does not depend on what else is installed.
     """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if p.is_file() and not skip & set(p.relative_to(root).parts))
+    return _py_files(Path(sysconfig.get_paths()["stdlib"]))
 
 
-def _looks_like_text(path: Path) -> bool:
+def builtin_sources() -> dict[str, list[Path]]:
+    """The built-in corpus by source: "stdlib" and each of ``BUILTIN_PACKAGES`` found installed."""
+    sources = {"stdlib": stdlib_files()}
+    for name in BUILTIN_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            sources[name] = _py_files(Path(list(spec.submodule_search_locations)[0]))
+    return sources
+
+
+def looks_like_text(path: Path) -> bool:
     with open(path, "rb") as f:
         return b"\0" not in f.read(8192)
 
 
 def text_files(path: Path) -> list[Path]:
-    """A text file, or the text files under a folder (recursive, sorted, hidden paths skipped).
+    """A text or JSONL file, or those under a folder (recursive, sorted, hidden paths skipped).
 
-    Files with a known text suffix are preferred; a folder without any falls back to every
-    file that does not look binary, so e.g. a folder of extension-less documents still works.
+    Files with a known suffix are preferred; a folder without any falls back to every file
+    that does not look binary, so e.g. a folder of extension-less documents still works.
+    A single file that looks binary (NUL bytes) is an error, not text.
     """
     if path.is_file():
+        if path.suffix.lower() not in JSONL_SUFFIXES and not looks_like_text(path):
+            raise ValueError(f"{path} looks like a binary file (it holds NUL bytes); give a text file, a folder "
+                             "of text files, a JSONL file with a \"text\" field, or a token array (.npy/.bin)")
         return [path]
     files = sorted(
         p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
     )
-    preferred = [p for p in files if p.suffix.lower() in TEXT_SUFFIXES]
-    return preferred or [p for p in files if _looks_like_text(p)]
+    known = TEXT_SUFFIXES | JSONL_SUFFIXES
+    preferred = [p for p in files if p.suffix.lower() in known]
+    return [p for p in (preferred or files) if p.suffix.lower() in JSONL_SUFFIXES or looks_like_text(p)]
 
 
-def _split_files(files: list[Path], val_fraction: float) -> tuple[list[Path], list[Path]]:
-    """Hold out the last files; an empty list for val means "split by tokens instead"."""
-    n_val = round(len(files) * val_fraction)
-    if n_val < 1 or n_val >= len(files):
-        return files, []
-    return files[:-n_val], files[-n_val:]
+# ---- documents: a whole text file, or one record of a JSONL file ------------------------------
+
+
+def _jsonl_texts(path: Path) -> list[str]:
+    texts = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise ValueError(f"{path}:{lineno}: each JSONL record needs a string \"text\" field")
+            if rec["text"]:
+                texts.append(rec["text"])
+    return texts
+
+
+class _Documents:
+    """The corpus as an ordered list of documents, read lazily (JSONL files parsed once)."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self.files = list(files)
+        self._jsonl = {f: _jsonl_texts(f) for f in self.files if f.suffix.lower() in JSONL_SUFFIXES}
+        self.units: list[tuple[Path, int | None]] = []
+        for f in self.files:
+            n = len(self._jsonl[f]) if f in self._jsonl else None
+            self.units += [(f, i) for i in range(n)] if n is not None else [(f, None)]
+
+    def text(self, unit: tuple[Path, int | None]) -> str:
+        path, i = unit
+        return self._jsonl[path][i] if i is not None else path.read_bytes().decode("utf-8", errors="replace")
+
+    def size(self, unit: tuple[Path, int | None]) -> int:
+        path, i = unit
+        return len(self._jsonl[path][i].encode("utf-8")) if i is not None else path.stat().st_size
+
+    def raw(self, unit: tuple[Path, int | None]) -> bytes:
+        path, i = unit
+        return self._jsonl[path][i].encode("utf-8") if i is not None else path.read_bytes()
+
+
+def _split_units(units: list, val_fraction: float) -> tuple[list, list]:
+    """Hold out the last documents; an empty val list means "split by tokens instead"."""
+    n_val = round(len(units) * val_fraction)
+    if n_val < 1 or n_val >= len(units):
+        return units, []
+    return units[:-n_val], units[-n_val:]
+
+
+# ---- tokenizers -------------------------------------------------------------------------------
 
 
 def _token_dtype(vocab_size: int) -> type:
-    return np.uint8 if vocab_size <= 256 else np.uint16
+    return np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32
 
 
-def _encode_bytes(files: Iterable[Path]) -> np.ndarray:
-    parts: list[np.ndarray] = []
-    eos = np.array([BYTE_EOS_ID], dtype=np.uint16)
-    for f in files:
-        parts += [np.frombuffer(f.read_bytes(), dtype=np.uint8).astype(np.uint16), eos]
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+def _encode_bytes(docs: _Documents, units: list) -> np.ndarray:
+    # One preallocated array instead of a list of parts: tokenizing the ~100 MB built-in corpus
+    # must not double the process's peak memory (a CPU run reports peak RSS).
+    out = np.empty(sum(docs.size(u) for u in units) + len(units), dtype=np.uint16)
+    pos = 0
+    for u in units:
+        raw = docs.raw(u)
+        if pos + len(raw) + 1 > len(out):  # the file grew since it was measured
+            out = np.resize(out, pos + len(raw) + 1)
+        out[pos : pos + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        pos += len(raw)
+        out[pos] = BYTE_EOS_ID
+        pos += 1
+    return out[:pos]  # a file may have shrunk between stat() and read()
 
 
-def _train_bpe(files: list[Path], vocab_size: int):
+def _train_bpe(docs: _Documents, units: list, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -104,27 +197,41 @@ def _train_bpe(files: list[Path], vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator((_read_text(f) for f in files), trainer=trainer)
+    tok.train_from_iterator((docs.text(u) for u in units), trainer=trainer)
     return tok
 
 
-def _read_text(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")
+def _encode_batched(encode: Callable[[list[str]], list[list[int]]], docs: _Documents, units: list,
+                    bos: int | None, eos: int | None, dtype: type) -> np.ndarray:
+    parts: list[np.ndarray] = []
+    batch = 256  # bounded memory, while batch encoding still parallelizes across documents
+    for i in range(0, len(units), batch):
+        for ids in encode([docs.text(u) for u in units[i : i + batch]]):
+            parts.append(np.asarray(([bos] if bos is not None else []) + list(ids) + ([eos] if eos is not None else []),
+                                    dtype=dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def _encode_bpe(tok, files: list[Path]) -> np.ndarray:
-    eos = tok.token_to_id(BPE_EOS_TOKEN)
-    ids: list[int] = []
-    batch = 256  # bounded memory, while encode_batch still parallelizes across files
-    for i in range(0, len(files), batch):
-        for enc in tok.encode_batch([_read_text(f) for f in files[i : i + batch]]):
-            ids += enc.ids
-            ids.append(eos)
-    return np.asarray(ids, dtype=np.uint16)
+def _encode_bpe(tok, docs: _Documents, units: list, dtype: type) -> np.ndarray:
+    return _encode_batched(lambda texts: [e.ids for e in tok.encode_batch(texts)], docs, units, None,
+                           tok.token_to_id(BPE_EOS_TOKEN), dtype)
 
 
-def _cache_key(files: list[Path], tokenizer: str, vocab_size: int, val_fraction: float) -> str:
-    h = hashlib.sha256(json.dumps([_CACHE_VERSION, tokenizer, vocab_size, val_fraction]).encode())
+def _encode_hf(hf: HFTokenizer, docs: _Documents, units: list, dtype: type) -> np.ndarray:
+    tok = hf.tokenizer
+    return _encode_batched(lambda texts: tok(texts, add_special_tokens=False)["input_ids"], docs, units,
+                           tok.bos_token_id, tok.eos_token_id, dtype)
+
+
+def hf_vocab_size(hf: HFTokenizer) -> int:
+    return len(hf.tokenizer)
+
+
+# ---- caching ----------------------------------------------------------------------------------
+
+
+def _cache_key(files: list[Path], parts: list) -> str:
+    h = hashlib.sha256(json.dumps([_CACHE_VERSION, *parts]).encode())
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -140,52 +247,70 @@ def _save_atomic(path: Path, arr: np.ndarray) -> None:
 
 
 def _load_text_corpus(
-    files: list[Path], source: str, tokenizer: str, vocab_size: int, val_fraction: float, cache_dir: Path,
-    log: Callable[[str], None],
+    groups: dict[str, list[Path]], source: str, tokenizer: str, vocab_size: int, val_fraction: float,
+    cache_dir: Path, log: Callable[[str], None], hf: HFTokenizer | None = None,
 ) -> Corpus:
+    """Tokenize (or load from the cache) text split per group: the last documents of each group
+    are held out, so every source is represented in the validation split."""
+    files = [f for fs in groups.values() for f in fs]
     if not files:
         raise ValueError(f"no text files found in {source}")
-    key = _cache_key(files, tokenizer, vocab_size, val_fraction)
+    vocab = {"byte": BYTE_VOCAB_SIZE, "bpe": vocab_size}.get(tokenizer) or (hf_vocab_size(hf) if hf else 0)
+    key = _cache_key(files, [tokenizer, vocab, val_fraction, hf.fingerprint if hf else None, list(groups)])
     cache_dir.mkdir(parents=True, exist_ok=True)
     train_path, val_path = cache_dir / f"{key}.train.npy", cache_dir / f"{key}.val.npy"
     tok_path = cache_dir / f"{key}.tokenizer.json"
-    train_files, val_files = _split_files(files, val_fraction)
-    info = {
-        "source": source,
-        "tokenizer": tokenizer,
-        "files": len(files),
-        "val_files": len(val_files),
-        "split": "files" if val_files else "tokens",
-        "cache": [str(train_path), str(val_path)],
-    }
+    info: dict[str, Any] = {"source": source, "tokenizer": tokenizer, "files": len(files),
+                            "cache": [str(train_path), str(val_path)]}
+    if len(groups) > 1:
+        info["sources"] = {name: len(fs) for name, fs in groups.items()}
     if tokenizer == "bpe":
         info["tokenizer_json"] = str(tok_path)
-    if train_path.exists() and val_path.exists():
+    meta_path = cache_dir / f"{key}.json"
+    if train_path.exists() and val_path.exists() and meta_path.exists() and (tokenizer != "bpe" or tok_path.exists()):
         log(f"Using cached tokenized corpus {train_path}")
         train, val = np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r")
+        info |= json.loads(meta_path.read_text())
     else:
         log(f"Tokenizing {len(files)} files from {source} ({tokenizer}) ...")
+        docs = _Documents(files)
+        if not docs.units:
+            raise ValueError(f"no documents found in {source}")
+        by_file: dict[Path, list] = {}
+        for u in docs.units:
+            by_file.setdefault(u[0], []).append(u)
+        train_units, val_units = [], []
+        for fs in groups.values():
+            tr, va = _split_units([u for f in fs for u in by_file.get(f, [])], val_fraction)
+            train_units += tr
+            val_units += va
+        dtype = _token_dtype(vocab)
         if tokenizer == "byte":
-            encode: Callable[[list[Path]], np.ndarray] = _encode_bytes
-        else:
-            # With a file-level split the tokenizer never sees validation text.
-            tok = _train_bpe(train_files, vocab_size)
+            encode: Callable[[list], np.ndarray] = lambda us: _encode_bytes(docs, us)  # noqa: E731
+        elif tokenizer == "bpe":
+            # With a document-level split the tokenizer never sees validation text.
+            tok = _train_bpe(docs, train_units, vocab_size)
             tok.save(str(tok_path))
-            encode = lambda fs: _encode_bpe(tok, fs)  # noqa: E731
-        if val_files:
-            train, val = encode(train_files), encode(val_files)
+            encode = lambda us: _encode_bpe(tok, docs, us, dtype)  # noqa: E731
         else:
-            train, val = split_tokens(encode(files), val_fraction)
-        dtype = _token_dtype(_vocab_size(tokenizer, vocab_size))
-        train, val = train.astype(dtype), val.astype(dtype)
+            encode = lambda us: _encode_hf(hf, docs, us, dtype)  # noqa: E731
+        if val_units:
+            train, val = encode(train_units), encode(val_units)
+            meta = {"split": "documents", "val_documents": len(val_units)}
+        else:
+            train, val = split_tokens(encode(docs.units), val_fraction)
+            meta = {"split": "tokens", "val_documents": 0}
+        train, val = train.astype(dtype, copy=False), val.astype(dtype, copy=False)
         _save_atomic(train_path, train)
         _save_atomic(val_path, val)
-    eos = BYTE_EOS_ID if tokenizer == "byte" else 0  # BPE: the only special token gets id 0
-    return Corpus(train, val, _vocab_size(tokenizer, vocab_size), eos, info)
-
-
-def _vocab_size(tokenizer: str, bpe_vocab_size: int) -> int:
-    return BYTE_VOCAB_SIZE if tokenizer == "byte" else bpe_vocab_size
+        tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, meta_path)  # written last: its presence marks a whole cache entry
+        info |= meta
+    eos = {"byte": BYTE_EOS_ID, "bpe": 0}.get(tokenizer)  # BPE: the only special token gets id 0
+    if hf is not None:
+        eos = hf.tokenizer.eos_token_id
+    return Corpus(train, val, vocab, eos, info)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -194,16 +319,29 @@ def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
     return tokens[:-n_val], tokens[-n_val:]
 
 
-def load_token_array(path: Path) -> np.ndarray:
-    """A pre-tokenized corpus: a .npy of integer ids, or a raw .bin of uint16 (nanoGPT style)."""
+def load_token_array(path: Path, max_id: int = MAX_TOKEN_ID) -> np.ndarray:
+    """A pre-tokenized corpus: a .npy of integer ids, or a raw .bin of uint16 (nanoGPT style).
+    Every id must lie in [0, max_id]."""
     if path.suffix == ".npy":
-        arr = np.load(path, mmap_mode="r")
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{path}: not a readable .npy array ({e})") from None
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"{path}: expected a 1-D integer token array, got {arr.dtype} of shape {arr.shape}")
-        return arr
-    if path.stat().st_size % 2:
-        raise ValueError(f"{path}: a .bin token file must hold uint16 values (even byte count)")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    else:
+        if path.stat().st_size % 2:
+            raise ValueError(f"{path}: a .bin token file must hold uint16 values (even byte count)")
+        arr = np.memmap(path, dtype=np.uint16, mode="r")
+    if len(arr) == 0:
+        raise ValueError(f"{path}: the token array is empty")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0:
+        raise ValueError(f"{path}: holds a negative token id ({lo})")
+    if hi > max_id:
+        raise ValueError(f"{path}: holds token id {hi}, above the largest allowed id {max_id}"
+                         + (" (the --init model's vocab_size - 1)" if max_id != MAX_TOKEN_ID else ""))
+    return arr
 
 
 def load_corpus(
@@ -213,27 +351,39 @@ def load_corpus(
     val_fraction: float = 0.05,
     cache_dir: str | os.PathLike | None = None,
     log: Callable[[str], None] = print,
+    hf_tokenizer: HFTokenizer | None = None,
+    max_token_id: int = MAX_TOKEN_ID,
 ) -> Corpus:
-    """Load ``data`` (None = the stdlib corpus) as train/val token arrays.
+    """Load ``data`` (None = the built-in Python-source corpus) as train/val token arrays.
 
-    Text is tokenized (and cached); token-array files are used as they are. The split is
-    deterministic: the last ``val_fraction`` of the (sorted) files, or of the tokens when
-    there are too few files for a file-level split.
+    Text (files, folders, JSONL records with a "text" field) is tokenized (and cached) with
+    ``tokenizer`` ("byte", "bpe"), or with ``hf_tokenizer`` when one is given; token-array files
+    are used as they are. The split is deterministic: the last ``val_fraction`` of the (sorted)
+    documents, or of the tokens when there are too few documents for a document-level split.
+    Raises ``ValueError`` / ``FileNotFoundError`` for unusable data.
     """
-    if tokenizer not in TOKENIZERS:
+    if tokenizer not in TOKENIZERS and not (tokenizer == "hf" and hf_tokenizer is not None):
         raise ValueError(f"unknown tokenizer {tokenizer!r}; choose from {TOKENIZERS}")
+    if hf_tokenizer is not None:
+        tokenizer = "hf"
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if data is None:
-        return _load_text_corpus(stdlib_files(), "python-stdlib", tokenizer, vocab_size, val_fraction, cache, log)
+        sources = builtin_sources()
+        name = "python-source (" + ", ".join(sources) + ")"
+        return _load_text_corpus(sources, name, tokenizer, vocab_size, val_fraction, cache, log, hf_tokenizer)
     path = Path(data)
     if not path.exists():
         raise FileNotFoundError(f"data path does not exist: {path}")
     if path.is_file() and path.suffix in TOKEN_ARRAY_SUFFIXES:
-        tokens = load_token_array(path)
+        tokens = load_token_array(path, max_token_id)
         train, val = split_tokens(tokens, val_fraction)
         info = {"source": str(path), "tokenizer": "pretokenized", "split": "tokens"}
         return Corpus(train, val, int(tokens.max()) + 1, None, info)
-    return _load_text_corpus(text_files(path), str(path), tokenizer, vocab_size, val_fraction, cache, log)
+    return _load_text_corpus({"data": text_files(path)}, str(path), tokenizer, vocab_size, val_fraction, cache, log,
+                             hf_tokenizer)
+
+
+# ---- batches ----------------------------------------------------------------------------------
 
 
 def _windows(tokens: np.ndarray, starts: Iterable[int], seq_len: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ PathLike = str | os.PathLike
 
 
 def read_metrics(path: PathLike) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file, in order (blank lines skipped)."""
+    """The records of a metrics.jsonl file, in order (blank lines skipped). Non-finite values
+    are written as null, so every line is strict JSON."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -54,6 +55,46 @@ def plot_runs(runs: Mapping[str, PathLike], out_png: PathLike, title: str | None
         ax.legend()
     if title:
         ax.set_title(title)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out
+
+
+def plot_comparison(runs: Mapping[str, PathLike], out_png: PathLike, title: str | None = None) -> Path:
+    """Two panels: train (solid) and validation (dashed) loss of every run over the whole run, and
+    the validation loss alone over the second half, where recipes that train alike differ."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 5), dpi=120)
+    FigureCanvasAgg(fig)
+    full, zoom = fig.subplots(1, 2)
+    for i, (label, path) in enumerate(runs.items()):
+        records = read_metrics(path)
+        color = f"C{i}"
+        steps, loss = _series(records, "loss")
+        if steps:
+            full.plot(steps, loss, color=color, alpha=0.6, linewidth=1.2, label=f"{label} train")
+        steps, val = _series(records, "val_loss")
+        if steps:
+            full.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3,
+                      label=f"{label} val ({val[-1]:.4f})")
+            half = steps[-1] / 2
+            tail = [(s, v) for s, v in zip(steps, val) if s >= half]
+            zoom.plot([s for s, _ in tail], [v for _, v in tail], color=color, linestyle="--", marker="o",
+                      markersize=4, label=f"{label} val")
+    full.set_title("loss")
+    zoom.set_title("validation loss, second half")
+    for ax in (full, zoom):
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)

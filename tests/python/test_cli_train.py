@@ -1,4 +1,6 @@
-"""Tests of `coat train` (coat.cli): corpus, batching, a tiny CPU run, CLI errors, plotting.
+"""Tests of `coat train` (coat.cli): corpus, batching, a tiny CPU run, flags and bad input, output
+folders, plotting. Checkpoints, --init, --compare and torchrun have files of their own
+(test_cli_train_*.py).
 
 Everything runs on CPU with a ~0.1M-parameter model, so the file takes well under a minute.
 """
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -17,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from coat.cli import checkpoint as ckpt
 from coat.cli import data
+from coat.cli.config import DEVICE_DEFAULTS
 from coat.cli.main import main
 from coat.cli.plot import plot_runs, read_metrics
 from coat.cli.train import TrainConfig, build_model, build_optimizer, lr_lambda, resolve_config, train
@@ -31,7 +36,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def tiny_config(tmp: Path, **overrides) -> TrainConfig:
     base = dict(model="tiny", steps=20, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=4, eval_every=5,
                 eval_batches=4, log_every=1, data=str(STDLIB_JSON), out=str(tmp / "run"),
-                cache_dir=str(tmp / "cache"), device="cpu", quiet=True)
+                cache_dir=str(tmp / "cache"), device="cpu", quiet=True, recipe="bf16")
     return TrainConfig(**(base | overrides))
 
 
@@ -63,7 +68,7 @@ def test_byte_corpus_holds_out_last_files(text_folder: Path, tmp_path: Path) -> 
     corpus = data.load_corpus(text_folder, cache_dir=tmp_path / "cache", log=lambda _: None)
     files = data.text_files(text_folder)
     assert len(files) == 40 and files == sorted(files)
-    assert corpus.info["split"] == "files" and corpus.info["val_files"] == 2  # 5% of 40
+    assert corpus.info["split"] == "documents" and corpus.info["val_documents"] == 2  # 5% of 40
     expected_val = b"".join(f.read_bytes() + b"\0" for f in files[-2:])
     val = corpus.val.astype(np.int64)
     assert val[val == data.BYTE_EOS_ID].size == 2
@@ -72,6 +77,37 @@ def test_byte_corpus_holds_out_last_files(text_folder: Path, tmp_path: Path) -> 
     assert b"document 38" not in train_text and b"document 39" not in train_text
     assert b"document 0\n" in train_text and b"never read" not in train_text
     assert corpus.vocab_size == data.BYTE_VOCAB_SIZE == 257
+
+
+def test_jsonl_records_are_documents(tmp_path: Path) -> None:
+    path = tmp_path / "ft.jsonl"
+    records = [{"text": f"record {i} " + "abc" * i, "meta": i} for i in range(40)] + [{"text": ""}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    corpus = data.load_corpus(path, cache_dir=tmp_path / "cache", log=lambda _: None)
+    assert corpus.info["split"] == "documents" and corpus.info["val_documents"] == 2
+    val = bytes(corpus.val.astype(np.int64).clip(max=0xFF).astype(np.uint8))
+    assert val == b"".join(r["text"].encode() + b"\xff" for r in records[38:40])  # EOS clipped to 0xff
+    assert corpus.train[corpus.train == data.BYTE_EOS_ID].size == 38  # the empty record is skipped
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "ok"}\n{"txt": "no text field"}\n', ':2: each JSONL record needs a string "text" field'),
+    ('{"text": "ok"}\nnot json\n', ":2: not valid JSON"),
+    ('["text"]\n', ':1: each JSONL record needs a string "text" field'),
+])
+def test_bad_jsonl_names_the_line(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        data.load_corpus(path, cache_dir=tmp_path / "cache", log=lambda _: None)
+
+
+def test_builtin_corpus_is_python_source() -> None:
+    sources = data.builtin_sources()
+    assert list(sources)[:2] == ["stdlib", "torch"] and "transformers" in sources
+    for files in sources.values():
+        assert files == sorted(files) and all(f.suffix == ".py" for f in files)
+        assert not any("site-packages" in f.parts for f in sources["stdlib"])
 
 
 def test_corpus_is_deterministic_and_cached(text_folder: Path, tmp_path: Path) -> None:
@@ -96,12 +132,6 @@ def test_single_file_splits_by_tokens(tmp_path: Path) -> None:
     np.testing.assert_array_equal(whole[:-1], np.frombuffer(path.read_bytes(), np.uint8))
 
 
-def test_stdlib_corpus_files() -> None:
-    files = data.stdlib_files()
-    assert len(files) > 100 and files == sorted(files)
-    assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
-
-
 def test_bpe_tokenizer(text_folder: Path, tmp_path: Path) -> None:
     corpus = data.load_corpus(text_folder, tokenizer="bpe", vocab_size=512, cache_dir=tmp_path, log=lambda _: None)
     assert corpus.vocab_size == 512 and corpus.train.dtype == np.uint16
@@ -123,6 +153,31 @@ def test_token_array_files(tmp_path: Path, suffix: str) -> None:
     assert corpus.vocab_size == 300 and corpus.info["tokenizer"] == "pretokenized"
     np.testing.assert_array_equal(np.concatenate([corpus.train, corpus.val]), tokens)
     assert len(corpus.val) == 250
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (np.array([1, 2, -3, 4], np.int32), "holds a negative token id"),
+    (np.array([1, 2, 1 << 20, 4], np.int64), "holds token id 1048576, above the largest allowed id"),
+    (np.array([[1, 2]], np.int64), "expected a 1-D integer token array"),
+    (np.array([], np.int64), "the token array is empty"),
+])
+def test_bad_token_arrays_are_rejected(tmp_path: Path, tokens: np.ndarray, message: str) -> None:
+    path = tmp_path / "t.npy"
+    np.save(path, tokens)
+    with pytest.raises(ValueError, match=message):
+        data.load_corpus(path)
+
+
+def test_binary_file_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "prog"
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="looks like a binary file"):
+        data.load_corpus(path, cache_dir=tmp_path / "cache")
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text("text")
+    (folder / "b.txt").write_bytes(b"bin\0ary")
+    assert data.text_files(folder) == [folder / "a.txt"]  # a binary file in a folder is skipped
 
 
 def test_training_on_npy_tokens(tmp_path: Path) -> None:
@@ -224,14 +279,19 @@ def test_coat_optimizer_gets_master_weights(monkeypatch: pytest.MonkeyPatch) -> 
 # --- command line -------------------------------------------------------------------------
 
 
-def test_help_runs_as_module() -> None:
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "coat.cli.main", "train", "--help"], capture_output=True,
-                          text=True, env=env, timeout=60)
+def _env() -> dict:
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.mark.parametrize("module", ["coat.cli.main", "coat"])
+def test_help_runs_as_module(module: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", module, "train", "--help"], capture_output=True,
+                          text=True, env=_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "usage: coat train" in proc.stdout
+    assert "usage: coat train" in proc.stdout or "usage: __main__.py train" in proc.stdout
     for text in ("--optim {torch,coat}", "--recipe {bf16,fp8,coat}", "--activations {bf16,fp8}", "(default: cosine)",
-                 "on CPU", "--eval-every"):
+                 "on CPU", "--eval-every", "--compare, --no-compare", "--init PATH", "--resume DIR",
+                 "--save-every N", "--keep-last N"):
         assert text in proc.stdout
 
 
@@ -239,6 +299,36 @@ def test_top_level_help_lists_train(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0 and "train" in capsys.readouterr().out
+
+
+def test_default_recipe_is_coat_compared_with_bf16() -> None:
+    cfg = resolve_config(TrainConfig(device="cpu"))
+    assert (cfg.recipe, cfg.activations, cfg.optim, cfg.compare) == ("coat", "fp8", "coat", True)
+    assert resolve_config(TrainConfig(device="cpu", recipe="coat")).compare is False  # a named recipe runs alone
+    assert resolve_config(TrainConfig(device="cpu", recipe="fp8", compare=True)).compare is True
+    assert resolve_config(TrainConfig(device="cpu", compare=False)).compare is False
+    # Parts given without a recipe: the rest from the default recipe; compared unless it is bf16 itself.
+    assert resolve_config(TrainConfig(device="cpu", optim="torch")).recipe == "fp8"
+    cfg = resolve_config(TrainConfig(device="cpu", activations="bf16", optim="torch"))
+    assert (cfg.recipe, cfg.compare) == ("bf16", False)
+
+
+def test_cpu_defaults_stay_below_one_pass() -> None:
+    for device in ("cpu", "cuda"):
+        d = DEVICE_DEFAULTS[device]
+        tokens = d["steps"] * d["batch_size"] * d["seq_len"]
+        # Fewer tokens than a tenth of the stdlib alone (the smallest part of the built-in corpus).
+        assert tokens < 0.1 * sum(f.stat().st_size for f in data.stdlib_files()) or device == "cuda"
+        assert tokens < 0.2 * sum(f.stat().st_size for fs in data.builtin_sources().values() for f in fs)
+
+
+@pytest.fixture
+def bad_data(tmp_path: Path) -> dict[str, str]:
+    np.save(tmp_path / "neg.npy", np.array([3, -1] * 500, np.int32))
+    np.save(tmp_path / "big.npy", np.array([3, 2**40] * 500, np.int64))
+    (tmp_path / "binary").write_bytes(b"\x7fELF" + bytes(range(256)) * 8)
+    (tmp_path / "afile").write_text("x")
+    return {k.split(".")[0]: str(tmp_path / k) for k in ("neg.npy", "big.npy", "binary", "afile")}
 
 
 @pytest.mark.parametrize(
@@ -249,18 +339,49 @@ def test_top_level_help_lists_train(capsys: pytest.CaptureFixture) -> None:
         (["--model", "tiny", "--seq-len", "4096"], "argument --seq-len: 4096 exceeds the model's max positions"),
         (["--hidden-size", "100", "--heads", "3"], "argument --heads:"),
         (["--lr", "1e-3", "--min-lr", "1e-2"], "argument --min-lr:"),
-        (["--master-weights", "bf16_sr"], "argument --master-weights: only applies to --optim coat"),
+        (["--recipe", "bf16", "--master-weights", "bf16_sr"], "argument --master-weights: only applies to --optim coat"),
         (["--recipe", "fp16"], "argument --recipe: invalid choice"),
         (["--steps", "ten"], "argument --steps: invalid int value"),
+        (["--lr", "inf"], "argument --lr: must be a finite number, got inf"),
+        (["--lr", "nan"], "argument --lr: must be a finite number, got nan"),
+        (["--min-lr", "nan"], "argument --min-lr: must be a finite number, got nan"),
+        (["--weight-decay", "nan"], "argument --weight-decay: must be a finite number"),
+        (["--beta1", "2"], "argument --beta1: must be < 1, got 2.0"),
+        (["--beta2", "-0.5"], "argument --beta2: must be >= 0"),
+        (["--grad-clip", "inf"], "argument --grad-clip: must be a finite number"),
+        (["--lr", "0"], "argument --lr: must be > 0"),
+        (["--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295], got -1"),
+        (["--warmup-steps", "50", "--steps", "10"], "argument --warmup-steps: 50 is more than --steps 10"),
+        (["--recipe", "coat", "--optim", "torch"], "argument --optim: 'torch' contradicts --recipe coat"),
+        (["--recipe", "bf16", "--activations", "fp8"], "argument --activations: 'fp8' contradicts --recipe bf16"),
+        (["--recipe", "bf16", "--compare"], "argument --compare: trains the bf16 baseline beside the recipe"),
+        (["--vocab-size", "1000"], "argument --vocab-size: only applies to --tokenizer bpe"),
+        (["--keep-last", "0"], "argument --keep-last: must be a positive integer"),
+        (["--save-every", "0"], "argument --save-every: must be a positive integer"),
+        (["--model", "tiny", "--init", "/x"], "argument --model: cannot be combined with --init"),
+        (["--init", "/no/such/ckpt"], "argument --init: /no/such/ckpt is not a folder"),
+        (["--resume", "/no/such/run"], "argument --resume: /no/such/run is not a folder"),
+        (["--data", "{neg}"], "argument --data: .*neg.npy: holds a negative token id"),
+        (["--data", "{big}"], "argument --data: .*big.npy: holds token id 1099511627776"),
+        (["--data", "{binary}"], "argument --data: .*binary looks like a binary file"),
+        (["--out", "{afile}"], "argument --out: .*afile exists and is not a folder"),
+        (["--out", "{afile}/run"], "argument --out: cannot create .*afile is a file, not a folder"),
+        (["--out", "/proc/coat-run"], "argument --out: cannot create /proc/coat-run: /proc is not writable"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture,
-                                    tmp_path: Path) -> None:
+                                    tmp_path: Path, bad_data: dict[str, str]) -> None:
+    out = tmp_path / "out"
+    argv = [a.format(**bad_data) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(out)]
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--device", "cpu", "--out", str(tmp_path), *argv])
+        main(["train", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), *argv])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "usage: coat train" in err and message in err
-    assert not any(tmp_path.iterdir())  # rejected before anything was written
+    assert exc.value.code == 2 and "usage: coat train" in err
+    assert (re.search(message, err) if ".*" in message else message in err), err
+    assert not out.exists()  # rejected before anything was written
+    assert {p.name for p in tmp_path.iterdir()} <= {"cache", *(Path(p).name for p in bad_data.values())}
 
 
 def test_missing_coat_optimizer_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
@@ -269,3 +390,60 @@ def test_missing_coat_optimizer_is_a_usage_error(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(SystemExit) as exc:
         main(["train", "--device", "cpu", "--optim", "coat"])
     assert exc.value.code == 2 and "argument --optim: 'coat' needs coat.optim.AdamW" in capsys.readouterr().err
+
+
+# --- output folders ---------------------------------------------------------------------------
+
+
+def test_rerun_into_a_used_folder_keeps_its_files(tiny_run: dict, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    out = Path(tiny_run["out_dir"])
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--device", "cpu", "--recipe", "bf16", "--out", str(out)])
+    assert exc.value.code == 2 and "already holds files" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_default_folders_are_unique_within_a_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ckpt.time, "strftime", lambda fmt, *a: "20250101-000000")
+    first = ckpt.reserve_out(None, tmp_path / "runs")
+    second = ckpt.reserve_out(None, tmp_path / "runs")
+    assert first.name == "20250101-000000" and second.name == "20250101-000000-2"
+    with pytest.raises(ckpt.OutputError, match="in use by another coat train"):
+        _lock_from_another_process(first)
+    ckpt.unlock(first)
+    ckpt.unlock(second)
+
+
+def _lock_from_another_process(folder: Path) -> None:
+    code = ("import sys; from pathlib import Path; from coat.cli import checkpoint as c\n"
+            "try:\n c.lock(Path(sys.argv[1]))\nexcept c.OutputError as e:\n print(e); sys.exit(3)")
+    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, env=_env(),
+                          timeout=60)
+    if proc.returncode == 3:
+        raise ckpt.OutputError(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_non_finite_metrics_are_written_as_null(tmp_path: Path) -> None:
+    log = ckpt.MetricsLog(tmp_path / "m.jsonl")
+    log.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    log.close()
+    line = (tmp_path / "m.jsonl").read_text()
+    assert json.loads(line) == {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3}
+    with pytest.raises(FileExistsError):  # a new log never truncates an existing file
+        ckpt.MetricsLog(tmp_path / "m.jsonl")
+
+
+def test_divergence_stops_with_an_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # A finite but absurd learning rate diverges within a few steps: exit status 1, strict JSON.
+    code = main(["train", "--device", "cpu", "--recipe", "bf16", "--model", "tiny", "--steps", "30",
+                 "--lr", "1e6", "--grad-clip", "0", "--warmup-steps", "0", "--log-every", "1", "--seq-len", "32",
+                 "--batch-size", "4", "--eval-batches", "1", "--data", str(STDLIB_JSON),
+                 "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), "--quiet"])
+    assert code == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["diverged_at"] is not None and summary["finished"] is False
+    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # strict JSON: would fail on NaN / Infinity

@@ -1,0 +1,186 @@
+"""``coat train --compare``: the recipe and the BF16 baseline, same seed and data order, one table
+and one plot.
+
+Single process: each recipe trains in a fresh child process, one after the other, so each
+one's peak memory (peak RSS on a CPU, CUDA peak allocated on a GPU) is its own and not the
+high-water mark of the run before it. Under torchrun the two runs share the ranks' processes;
+the CUDA peak and the kernel's peak-RSS mark are reset when each run starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from coat.cli import checkpoint as ckpt
+from coat.cli import distributed_train as dt
+from coat.cli.config import BASELINE_RECIPE, RECIPE_PARTS, TrainConfig
+from coat.cli.plot import plot_comparison
+from coat.cli.runner import RunPlan
+
+_MiB = 2**20
+
+
+def _sub_config(cfg: TrainConfig, recipe: str, out: Path) -> TrainConfig:
+    act, opt = RECIPE_PARTS.get(recipe, (cfg.activations, cfg.optim))
+    return replace(cfg, recipe=recipe, activations=act, optim=opt, compare=False, out=str(out), resume=None,
+                   master_weights=cfg.master_weights if opt == "coat" else "fp32")
+
+
+def _set_death_signal() -> None:
+    # The child trains in its own process group, so a terminal's Ctrl-C reaches only the parent,
+    # which forwards it once; and it gets SIGTERM if the parent dies (Linux), never orphaned.
+    os.setpgid(0, 0)
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_child(cfg: TrainConfig) -> int:
+    code = "import sys; from coat.cli.compare import child_main; sys.exit(child_main(sys.argv[1]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(asdict(cfg))], preexec_fn=_set_death_signal)
+    forwarded: dict[int, Any] = {}
+
+    def forward(signum: int, frame: Any) -> None:
+        proc.send_signal(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        forwarded[s] = signal.signal(s, forward)
+    try:
+        return proc.wait()
+    finally:
+        for s, h in forwarded.items():
+            signal.signal(s, h)
+
+
+def child_main(cfg_json: str) -> int:
+    """One recipe of a comparison, in its own process."""
+    from coat.cli.train import exit_code, train
+
+    cfg = TrainConfig(**json.loads(cfg_json))
+    try:
+        return exit_code(train(cfg))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _sub_runs(plan: RunPlan) -> dict[str, Path]:
+    return {r: plan.out / r for r in (BASELINE_RECIPE, plan.cfg.recipe)}
+
+
+def _finished(folder: Path) -> dict[str, Any] | None:
+    summary = folder / "summary.json"
+    if summary.is_file():
+        result = json.loads(summary.read_text())
+        if result.get("finished"):
+            return result
+    return None
+
+
+def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str, Any]:
+    from coat.cli import runner
+
+    cfg = plan.cfg
+    runs = _sub_runs(plan)
+    if d.is_main and not (plan.out / "compare.json").exists():
+        ckpt.write_json_atomic(plan.out / "compare.json", {"train": asdict(cfg), "runs": {r: r for r in runs},
+                                                           "world_size": d.world})
+    d.barrier()
+    results: dict[str, dict[str, Any]] = {}
+    for recipe, folder in runs.items():
+        done = _finished(folder)
+        if done is not None:
+            log(f"[{recipe}] already finished in {folder}")
+            results[recipe] = done
+            continue
+        sub = _sub_config(cfg, recipe, folder)
+        resume = ckpt.latest(folder) if folder.exists() else None
+        if folder.exists() and resume is None and d.is_main:
+            # Stopped before its first checkpoint: set aside (never deleted), and started again.
+            aside = next(folder.with_name(f"{folder.name}.incomplete-{i}") for i in range(1, 10**6)
+                         if not folder.with_name(f"{folder.name}.incomplete-{i}").exists())
+            os.replace(folder, aside)
+            log(f"[{recipe}] {folder} had no checkpoint; moved to {aside}, starting again")
+        d.barrier()
+        if not d.enabled:
+            child = TrainConfig(resume=str(folder), steps=cfg.steps, save_every=cfg.save_every, keep_last=cfg.keep_last,
+                                quiet=cfg.quiet, threads=cfg.threads, cache_dir=cfg.cache_dir) if resume else sub
+            rc = _run_child(child)
+            summary = folder / "summary.json"
+            if not summary.is_file():
+                raise RuntimeError(f"the {recipe} run failed (exit status {rc}) before writing {summary}")
+            results[recipe] = json.loads(summary.read_text())
+        else:
+            if d.is_main and resume is None:
+                folder.mkdir()
+            sub_plan = RunPlan(sub, plan.corpus, folder, plan.init, plan.tokenizer, resume)
+            results[recipe] = runner.run(sub_plan, d, log)
+        if not results[recipe].get("finished"):
+            return {"runs": results, "out_dir": str(plan.out)}
+    table = comparison_table(results, BASELINE_RECIPE, cfg.recipe)
+    out: dict[str, Any] = {"runs": results, "table": table["markdown"], "out_dir": str(plan.out)}
+    if d.is_main:
+        (plan.out / "comparison.md").write_text(table["markdown"] + "\n")
+        ckpt.write_json_atomic(plan.out / "comparison.json", table["rows"])
+        out["plot"] = str(plot_comparison({r: runs[r] / "metrics.jsonl" for r in runs}, plan.out / "comparison.png",
+                                          title=table["title"]))
+        log("\n" + table["markdown"])
+        log(f"\nplot: {out['plot']}\ntable: {plan.out / 'comparison.md'}")
+    return out
+
+
+def _fmt_bytes(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / _MiB:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if not a or not b else f"{b / a:.2f}x"
+
+
+def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str) -> dict[str, Any]:
+    """Markdown and JSON rows: losses, memory, optimizer state, throughput of two finished runs."""
+    a, b = results[base], results[other]
+    mem_kind = {"cuda_max_allocated": "peak memory (CUDA max allocated)", "peak_rss": "peak memory (process RSS)",
+                "peak_rss_process_lifetime": "peak memory (process RSS, whole process lifetime)"}
+    dv = b["final_val_loss"] - a["final_val_loss"]
+    rows = [
+        ("final validation loss", f"{a['final_val_loss']:.4f}", f"{b['final_val_loss']:.4f}",
+         f"{dv:+.4f} ({dv / a['final_val_loss']:+.2%})"),
+        ("final train loss", f"{a['final_train_loss']:.4f}", f"{b['final_train_loss']:.4f}",
+         f"{b['final_train_loss'] - a['final_train_loss']:+.4f}"),
+        (mem_kind.get(b["peak_memory_kind"], "peak memory"), _fmt_bytes(a["peak_memory_bytes"]),
+         _fmt_bytes(b["peak_memory_bytes"]), _ratio(a["peak_memory_bytes"], b["peak_memory_bytes"])),
+        *([("  added by training (peak RSS - RSS at start)", _fmt_bytes(a["peak_memory_above_start_bytes"]),
+             _fmt_bytes(b["peak_memory_above_start_bytes"]),
+             _ratio(a["peak_memory_above_start_bytes"], b["peak_memory_above_start_bytes"]))]
+          if b.get("peak_memory_above_start_bytes") is not None else []),
+        ("optimizer states", _fmt_bytes(a["optimizer_state_bytes"]), _fmt_bytes(b["optimizer_state_bytes"]),
+         _ratio(a["optimizer_state_bytes"], b["optimizer_state_bytes"])),
+        ("tokens/s", f"{a['tokens_per_s']:,.0f}", f"{b['tokens_per_s']:,.0f}", _ratio(a["tokens_per_s"], b["tokens_per_s"])),
+        ("training time", f"{a['train_time_s']:.0f} s", f"{b['train_time_s']:.0f} s",
+         _ratio(a["train_time_s"], b["train_time_s"])),
+    ]
+    device = b["device"]
+    title = (f"{b['n_params'] / 1e6:.1f}M params, {b['steps']} steps, {b['tokens']:,} tokens, "
+             f"{b['world_size']} x {device}")
+    lines = [f"{title}", "", f"| | {base} | {other} | {other} vs {base} |", "|---|---:|---:|---:|"]
+    lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows]
+    lines += ["", f"{other}, in FP8: " + "; ".join(b["precision"]["fp8"]) + ".",
+              f"{other}, not in FP8: " + "; ".join(b["precision"]["not_fp8"]) + "."]
+    if device == "cpu":
+        lines.append("On a CPU the FP8 path runs coat's C++ reference kernels (FP8 emulated in software): its "
+                     "tokens/s says nothing about GPU speed; losses, memory and optimizer-state bytes do carry over.")
+    keys = ("final_val_loss", "final_train_loss", "peak_memory_bytes", "peak_memory_kind",
+            "peak_memory_above_start_bytes", "optimizer_state_bytes",
+            "tokens_per_s", "train_time_s", "steps", "tokens", "n_params", "world_size", "device")
+    return {"markdown": "\n".join(lines), "title": title,
+            "rows": {"title": title, **{r: {k: results[r].get(k) for k in keys} for r in (base, other)}}}
+

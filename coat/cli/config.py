@@ -1,0 +1,279 @@
+"""The settings of a ``coat train`` run: defaults, resolution and validation (no side effects)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable
+
+import torch
+
+from coat.cli.data import TOKENIZERS
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16")
+# Precision recipes, as (activations, optimizer): bf16 is plain PyTorch; fp8 converts the decoder
+# layers to the FP8 precision flow (FP8 GEMMs, FP8 saved activations); coat is fp8 plus FP8
+# optimizer states.
+RECIPE_PARTS = {"bf16": ("bf16", "torch"), "fp8": ("fp8", "torch"), "coat": ("fp8", "coat")}
+RECIPES = tuple(RECIPE_PARTS)
+DEFAULT_RECIPE = "coat"
+BASELINE_RECIPE = "bf16"
+ACTIVATIONS = ("bf16", "fp8")
+OPTIMIZERS = ("torch", "coat")
+MASTER_WEIGHTS = ("fp32", "bf16_sr")
+SCHEDULES = ("cosine", "linear", "constant")
+MAX_SEED = 2**32 - 1
+MODEL_FLAGS = ("model", "hidden_size", "layers", "heads", "intermediate_size", "max_positions")
+
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, layers=2, heads=2, intermediate_size=176, max_positions=512),
+    "mini": dict(hidden_size=256, layers=4, heads=4, intermediate_size=688, max_positions=1024),
+    "small": dict(hidden_size=384, layers=6, heads=6, intermediate_size=1024, max_positions=1024),
+    "base": dict(hidden_size=768, layers=12, heads=12, intermediate_size=3072, max_positions=2048),
+    "large": dict(hidden_size=2048, layers=12, heads=16, intermediate_size=5632, max_positions=2048),
+}
+
+# CPU: both recipes of the default --compare run finish in a few minutes on 2 cores (the FP8
+# path runs the C++ reference kernels there). GPU: a 0.6B model with 16k-token steps, where FP8
+# GEMMs pay off; 600 steps are 9.8M tokens, under a tenth of one pass over the built-in corpus,
+# so validation loss measures generalization.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": dict(model="mini", steps=300, batch_size=8, seq_len=128, lr=2e-3, warmup_steps=30, eval_batches=8),
+    "cuda": dict(model="large", steps=600, batch_size=8, seq_len=2048, lr=4e-4, warmup_steps=60, eval_batches=8),
+}
+# Fine-tuning a pretrained model (--init) wants a far smaller step size than training from scratch.
+INIT_LR = 3e-5
+
+
+class ConfigError(ValueError):
+    """An invalid setting, reported against the command-line flag that sets it."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"argument {flag}: {message}")
+        self.flag = flag
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on. ``None`` means "default" (see ``resolve_config``)."""
+
+    model: str | None = None
+    hidden_size: int | None = None
+    layers: int | None = None
+    heads: int | None = None
+    intermediate_size: int | None = None
+    max_positions: int | None = None
+    init: str | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    min_lr: float | None = None
+    warmup_steps: int | None = None
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    data: str | None = None
+    tokenizer: str | None = None
+    vocab_size: int | None = None
+    val_fraction: float = 0.05
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    log_every: int = 10
+    out: str | None = None
+    save: bool | None = None
+    save_every: int | None = None
+    keep_last: int = 2
+    resume: str | None = None
+    cache_dir: str | None = None
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    recipe: str | None = None
+    compare: bool | None = None
+    activations: str | None = None
+    optim: str | None = None
+    master_weights: str = "fp32"
+    compile: bool = False
+    threads: int | None = None
+    quiet: bool = False
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def explicit_fields(cfg: TrainConfig) -> set[str]:
+    """Fields set away from their defaults (what a user asked for)."""
+    default = TrainConfig()
+    return {f.name for f in fields(TrainConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
+
+
+def _default_threads() -> int:
+    # torch's default ignores the affinity mask (taskset, cpusets): running more threads
+    # than usable CPUs makes every step wait on descheduled threads.
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(torch.get_num_threads(), allowed)
+
+
+def recipe_name(activations: str, optim: str) -> str:
+    for name, parts in RECIPE_PARTS.items():
+        if parts == (activations, optim):
+            return name
+    return f"{activations}-activations+{optim}-adamw"
+
+
+def _resolve_recipe(cfg: TrainConfig) -> TrainConfig:
+    if cfg.recipe is not None:
+        if cfg.recipe not in RECIPE_PARTS:
+            raise ConfigError("--recipe", f"invalid choice {cfg.recipe!r} (choose from {', '.join(RECIPES)})")
+        act, opt = RECIPE_PARTS[cfg.recipe]
+        for name, want in (("activations", act), ("optim", opt)):
+            given = getattr(cfg, name)
+            if given is not None and given != want:
+                raise ConfigError(flag(name), f"{given!r} contradicts --recipe {cfg.recipe} (which uses "
+                                  f"{flag(name)} {want}); drop one of the two flags")
+        compare = bool(cfg.compare)
+        name = cfg.recipe
+    else:
+        # Parts not given come from the default recipe; with no recipe named, the run is
+        # compared with the BF16 baseline unless it is the baseline itself.
+        act = cfg.activations or RECIPE_PARTS[DEFAULT_RECIPE][0]
+        opt = cfg.optim or RECIPE_PARTS[DEFAULT_RECIPE][1]
+        name = recipe_name(act, opt)
+        compare = (name != BASELINE_RECIPE) if cfg.compare is None else cfg.compare
+    if compare and name == BASELINE_RECIPE:
+        raise ConfigError("--compare", f"trains the {BASELINE_RECIPE} baseline beside the recipe; the recipe "
+                          f"here is {BASELINE_RECIPE} itself (use --recipe coat or fp8, or --no-compare)")
+    return replace(cfg, recipe=name, activations=act, optim=opt, compare=compare)
+
+
+def check_init_flags(cfg: TrainConfig) -> None:
+    if cfg.init is not None:
+        for name in MODEL_FLAGS:
+            if getattr(cfg, name) is not None:
+                raise ConfigError(flag(name), "cannot be combined with --init: the model's shape comes from "
+                                  "the checkpoint's config.json")
+
+
+def resolve_config(cfg: TrainConfig, init_max_positions: int | None = None) -> TrainConfig:
+    """Fill every ``None`` from the defaults (idempotent). ``init_max_positions``: the --init
+    model's context length (its shape comes from its config, not from the presets).
+
+    Raises ``ConfigError`` for flags that contradict each other."""
+    check_init_flags(cfg)
+    cfg = _resolve_recipe(cfg)
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    defaults = dict(DEVICE_DEFAULTS.get(device, DEVICE_DEFAULTS["cpu"]))
+    if cfg.init is not None:
+        defaults.pop("model")
+        defaults["lr"] = INIT_LR
+        if init_max_positions is not None:
+            defaults["seq_len"] = min(defaults["seq_len"], init_max_positions)
+    default_warmup = defaults.pop("warmup_steps")
+    cfg = replace(cfg, device=device, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
+    if cfg.init is None:
+        preset = MODEL_PRESETS.get(cfg.model, {})
+        cfg = replace(cfg, **{k: v for k, v in preset.items() if getattr(cfg, k) is None})
+    elif init_max_positions is not None:
+        cfg = replace(cfg, max_positions=init_max_positions)
+    steps = cfg.steps if isinstance(cfg.steps, int) and cfg.steps > 0 else 1
+    return replace(
+        cfg,
+        warmup_steps=min(default_warmup, steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps,
+        min_lr=cfg.lr * 0.1 if cfg.min_lr is None else cfg.min_lr,
+        eval_every=max(1, steps // 10) if cfg.eval_every is None else cfg.eval_every,
+        dtype=("bf16" if device == "cuda" else "fp32") if cfg.dtype == "auto" else cfg.dtype,
+        threads=_default_threads() if cfg.threads is None else cfg.threads,
+        tokenizer=cfg.tokenizer or "byte",
+        vocab_size=4096 if cfg.vocab_size is None else cfg.vocab_size,
+        save=(cfg.init is not None) if cfg.save is None else cfg.save,
+    )
+
+
+def _finite(name: str, value: float, lo: float | None = None, hi: float | None = None,
+            hi_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(flag(name), f"must be a finite number, got {value}")
+    if lo is not None and value < lo:
+        raise ConfigError(flag(name), f"must be >= {lo}, got {value}")
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        raise ConfigError(flag(name), f"must be {'<' if hi_open else '<='} {hi}, got {value}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Reject settings that cannot work, naming the flag; ``cfg`` must be resolved. Pure:
+    reads no data and writes nothing (the checks that need the data or the file system are in
+    ``coat.cli.train``)."""
+    choices = {"device": DEVICES[1:], "dtype": DTYPES[1:], "activations": ACTIVATIONS, "optim": OPTIMIZERS,
+               "master_weights": MASTER_WEIGHTS, "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
+    if cfg.init is None:
+        choices["model"] = tuple(MODEL_PRESETS)
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(flag(name), f"invalid choice {getattr(cfg, name)!r} (choose from {', '.join(allowed)})")
+    ints = ["steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "threads", "keep_last"]
+    if cfg.init is None:
+        ints += ["hidden_size", "layers", "heads", "intermediate_size", "max_positions"]
+    if cfg.save_every is not None:
+        ints.append("save_every")
+    for name in ints:
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) <= 0:
+            raise ConfigError(flag(name), f"must be a positive integer, got {getattr(cfg, name)}")
+    if not isinstance(cfg.warmup_steps, int) or cfg.warmup_steps < 0:
+        raise ConfigError("--warmup-steps", f"must be an integer >= 0, got {cfg.warmup_steps}")
+    if cfg.warmup_steps > cfg.steps:
+        raise ConfigError("--warmup-steps", f"{cfg.warmup_steps} is more than --steps {cfg.steps}")
+    if not isinstance(cfg.seed, int) or not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError("--seed", f"must be an integer in [0, {MAX_SEED}], got {cfg.seed}")
+    _finite("lr", cfg.lr, lo=0)
+    _finite("min_lr", cfg.min_lr, lo=0)
+    _finite("weight_decay", cfg.weight_decay, lo=0)
+    _finite("grad_clip", cfg.grad_clip, lo=0)
+    _finite("beta1", cfg.beta1, lo=0, hi=1, hi_open=True)
+    _finite("beta2", cfg.beta2, lo=0, hi=1, hi_open=True)
+    _finite("val_fraction", cfg.val_fraction)
+    if cfg.lr == 0:
+        raise ConfigError("--lr", "must be > 0 (a zero learning rate trains nothing)")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError("--min-lr", f"{cfg.min_lr} is larger than --lr {cfg.lr}")
+    if not 0 < cfg.val_fraction < 1:
+        raise ConfigError("--val-fraction", f"must be between 0 and 1, got {cfg.val_fraction}")
+    if cfg.init is None and (cfg.hidden_size % cfg.heads or (cfg.hidden_size // cfg.heads) % 2):
+        raise ConfigError("--heads", f"--hidden-size {cfg.hidden_size} must split into {cfg.heads} heads "
+                          "of even size (needed by rotary embeddings)")
+    if cfg.max_positions is not None and cfg.seq_len > cfg.max_positions:
+        raise ConfigError("--seq-len", f"{cfg.seq_len} exceeds the model's max positions ({cfg.max_positions}); "
+                          "lower --seq-len" + ("" if cfg.init else " or raise --max-positions"))
+    if cfg.tokenizer == "bpe" and not 512 <= cfg.vocab_size <= 65536:
+        raise ConfigError("--vocab-size", f"must be in [512, 65536] for the bpe tokenizer, got {cfg.vocab_size}")
+    if cfg.tokenizer != "bpe" and cfg.vocab_size != 4096:
+        raise ConfigError("--vocab-size", f"only applies to --tokenizer bpe (the tokenizer is {cfg.tokenizer})")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", "cuda requested but torch sees no CUDA device")
+    if cfg.optim == "torch" and cfg.master_weights != "fp32":
+        raise ConfigError("--master-weights", "only applies to --optim coat (torch.optim.AdamW keeps fp32 weights)")
+    if cfg.keep_last < 1:
+        raise ConfigError("--keep-last", f"must be >= 1, got {cfg.keep_last}")
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of ``cfg.lr`` after ``step`` optimizer steps: linear warmup, then decay to min_lr."""
+    floor = cfg.min_lr / cfg.lr if cfg.lr else 1.0
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+        return floor + (1 - floor) * decay
+
+    return factor

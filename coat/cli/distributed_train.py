@@ -1,0 +1,155 @@
+"""``coat train`` on several processes (``torchrun --nproc_per_node N -m coat train``): FSDP2.
+
+Every rank builds the same model from the same seed, then ``fully_shard`` wraps each decoder
+layer and the root, so each rank keeps 1/N of every parameter and of its optimizer state. Each
+rank samples its own contiguous shard of the training tokens; losses are averaged across ranks;
+rank 0 alone writes metrics, plots and summaries. Checkpoints go through
+``torch.distributed.checkpoint`` (every rank writes its shards), see ``checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    """This process's place in the job; ``world == 1`` is a plain single-process run."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    initialized: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def device(self, device_type: str) -> torch.device:
+        return torch.device("cuda", self.local_rank) if device_type == "cuda" else torch.device("cpu")
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        return t
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank when ``flag`` is true on any rank (ranks must stop at the same step)."""
+        if not self.enabled:
+            return flag
+        return bool(self.all_reduce(torch.tensor([int(flag)], device=device), "max").item())
+
+
+def from_env() -> Dist:
+    """The torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK), or a single process."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError as e:
+        raise RuntimeError(f"malformed torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {e}") from None
+    return Dist(rank, world, local)
+
+
+def init(d: Dist, device_type: str) -> Dist:
+    """Joins the process group (gloo for CPU ranks, NCCL for GPU ranks); no-op for one process."""
+    if not d.enabled or dist.is_initialized():
+        d.initialized = d.enabled
+        return d
+    if device_type == "cuda":
+        torch.cuda.set_device(d.local_rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=d.rank, world_size=d.world)
+    d.initialized = True
+    return d
+
+
+def shutdown(d: Dist) -> None:
+    if d.initialized and dist.is_initialized():
+        dist.destroy_process_group()
+        d.initialized = False
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a Hugging Face Llama-family causal LM (``model.model.layers``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers: not a Llama-family causal LM")
+    return list(layers)
+
+
+def shard(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` per decoder layer, then the root (embeddings, final norm, LM head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (d.world,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor] | None:
+    """The unsharded model state dict on rank 0 (CPU tensors), ``None`` elsewhere; collective."""
+    if not d.enabled:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if d.is_main else None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def reset_rss_peak() -> bool:
+    """Resets the kernel's peak-RSS mark to the current RSS (Linux >= 4.0), so the peak read later
+    belongs to what ran since, not to an earlier phase of the process (imports, tokenizing, an
+    earlier recipe). False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_peak_bytes() -> int:
+    """Peak resident set size of this process (since the last ``reset_rss_peak``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -1,0 +1,440 @@
+"""One training run of one recipe: model, optimizer, the step loop, evaluation, metrics,
+checkpoints and clean stops on SIGINT/SIGTERM. Single process or one rank under torchrun."""
+
+from __future__ import annotations
+
+import math
+import platform
+import random
+import signal
+import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from coat.cli import checkpoint as ckpt
+from coat.cli import distributed_train as dt
+from coat.cli.config import TrainConfig, lr_lambda
+from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, HFTokenizer, eval_batches, sample_batch
+from coat.cli.plot import plot_loss
+from coat.cli.pretrained import InitCheckpoint
+
+
+@dataclass
+class RunPlan:
+    """A validated run: settings, data and where it writes."""
+
+    cfg: TrainConfig
+    corpus: Corpus
+    out: Path
+    init: InitCheckpoint | None = None
+    tokenizer: HFTokenizer | None = None
+    resume: Path | None = None  # the checkpoint folder to continue from
+
+
+# ---- model and optimizer ------------------------------------------------------------------------
+
+
+def build_model(cfg: TrainConfig, vocab_size: int = BYTE_VOCAB_SIZE, eos_id: int | None = None) -> torch.nn.Module:
+    """A randomly initialized ``LlamaForCausalLM`` with the configured shape (no download)."""
+    # Imported here because transformers takes seconds to import; `coat --help` stays fast.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coat.cli.config import resolve_config
+
+    cfg = resolve_config(cfg)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _coat_adamw() -> type:
+    from coat.optim import AdamW
+
+    return AdamW
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the model; norms and biases are exempt from weight decay, as usual for LMs."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    if cfg.optim == "coat":
+        return _coat_adamw()(groups, master_weights=cfg.master_weights, **kwargs)
+    return torch.optim.AdamW(groups, fused=params[0].is_cuda, **kwargs)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this process's optimizer state holds (local shards under FSDP2)."""
+    total = 0
+    for st in optimizer.state.values():
+        for t in st.values():
+            if isinstance(t, torch.Tensor):
+                t = dt_local(t)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def dt_local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor, autocast: AbstractContextManager) -> torch.Tensor:
+    """Mean next-token cross-entropy of a (B, T+1) batch, computed in fp32."""
+    with autocast:
+        logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device,
+             autocast: AbstractContextManager, d: dt.Dist = dt.Dist()) -> float:
+    """Mean loss over ``batches`` (this rank's share); averaged over ranks under torchrun."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for b in batches:
+        total[0] += lm_loss(model, b.to(device), autocast).double()
+        total[1] += 1
+    model.train()
+    d.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> dict[str, Any]:
+    """Which parts of the step ran in FP8 and which did not, read from the model and optimizer."""
+    layers = dt.decoder_layers(model)
+    fp8_layers = sum(type(m).__name__.startswith("Fp8") for m in layers)
+    high = "bf16 (autocast)" if cfg.dtype == "bf16" else "fp32"
+    fp8, other = [], []
+    if fp8_layers:
+        fp8.append(f"GEMMs of {fp8_layers}/{len(layers)} decoder layers (q/k/v, o, gate/up, down projections: "
+                   "E4M3 activations and weights, E5M2 gradients, fp32 accumulation)")
+        fp8.append("activations the decoder layers save for backward (E4M3, one scale per 1x16 group)")
+    else:
+        other.append(f"decoder-layer GEMMs and saved activations ({high})")
+    if cfg.optim == "coat":
+        g = optimizer.param_groups[0]
+        fp8.append(f"AdamW states: m {g['m_format'].upper()}, v {g['v_format'].upper()}, per 128-element group "
+                   "with Dynamic Range Expansion")
+    else:
+        other.append("AdamW states (fp32 m and v)")
+    other.append(f"embeddings, final norm, LM head, attention math (softmax(QK^T)V), residual stream ({high})")
+    wdt = next(model.parameters()).dtype
+    if wdt == torch.float32:
+        weights = "weights and gradients (fp32; the weights are their own master copy)"
+    elif cfg.master_weights == "bf16_sr":
+        weights = "weights and gradients (bf16, no master copy: updates rounded stochastically)"
+    else:
+        weights = f"weights and gradients ({str(wdt).removeprefix('torch.')}, fp32 master copy)"
+    other.append(weights)
+    return {"fp8": fp8, "not_fp8": other}
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    env = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "numpy": np.__version__,
+           "coat": getattr(sys.modules.get("coat"), "__version__", None)}
+    try:
+        import os
+
+        env["cpus"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    if device.type == "cuda":
+        env |= {"cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(device)}
+    return env
+
+
+# ---- clean stops --------------------------------------------------------------------------------
+
+
+class StopSignals:
+    """SIGINT/SIGTERM ask the loop to stop after the current step (and write a checkpoint); a
+    second signal while it stops gets the default behaviour (Ctrl-C twice aborts at once)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+              "(send it again to abort at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "StopSignals":
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def _rng_state(rng: np.random.Generator, device: torch.device) -> dict[str, Any]:
+    state = {"numpy": rng.bit_generator.state, "torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(rng: np.random.Generator, state: dict[str, Any], device: torch.device) -> None:
+    rng.bit_generator.state = state["numpy"]
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def peak_memory(device: torch.device, d: dt.Dist, rss_start: int, rss_reset: bool) -> dict[str, Any]:
+    """The run's peak (max over ranks): CUDA peak allocated on a GPU; on a CPU, the process's peak
+    RSS since the run started (the interpreter and libraries included) and the part of it above
+    the RSS at the start (what the model, optimizer and activations added)."""
+    if device.type == "cuda":
+        value, kind, above = torch.cuda.max_memory_allocated(device), "cuda_max_allocated", None
+    else:
+        value = dt.rss_peak_bytes()
+        kind = "peak_rss" if rss_reset else "peak_rss_process_lifetime"
+        above = max(0, value - rss_start)
+    t = d.all_reduce(torch.tensor([value, above or 0], dtype=torch.float64, device=device), "max")
+    return {"bytes": int(t[0].item()), "kind": kind, "above_start_bytes": None if above is None else int(t[1].item())}
+
+
+def run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str, Any]:
+    """Trains ``plan``; returns the summary (also written to summary.json by rank 0).
+
+    ``result["stopped_by"]`` names the signal that stopped the run early (a checkpoint was
+    written); ``result["diverged_at"]`` the step where the loss became non-finite."""
+    cfg = plan.cfg
+    t0 = time.perf_counter()
+    device = d.device(cfg.device)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
+    else:
+        torch.set_float32_matmul_precision("high")  # TF32 for whatever autocast leaves in fp32
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_start, rss_reset = dt.rss_bytes(), dt.reset_rss_peak()
+    stop = StopSignals().__enter__()
+    try:
+        return _run(plan, d, log, stop, t0, device, rss_start, rss_reset)
+    finally:
+        stop.__exit__(None, None, None)
+
+
+def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignals, t0: float,
+         device: torch.device, rss_start: int, rss_reset: bool) -> dict[str, Any]:
+    cfg, corpus, out = plan.cfg, plan.corpus, plan.out
+    main = d.is_main
+    torch.manual_seed(cfg.seed)
+    param_dtype = torch.bfloat16 if cfg.optim == "coat" and cfg.master_weights == "bf16_sr" else torch.float32
+    if plan.init is not None:
+        from coat.cli.pretrained import load_model
+
+        model = load_model(plan.init, param_dtype).to(device)
+    else:
+        model = build_model(cfg, corpus.vocab_size, corpus.eos_id).to(device, param_dtype)
+    if cfg.activations == "fp8":
+        import coat
+
+        coat.convert(model, recipe="fp8")
+    n_params = sum(p.numel() for p in model.parameters())
+    if d.enabled:
+        dt.shard(model, d, device)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    step_model = torch.compile(model) if cfg.compile else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
+    precision = describe_precision(model, optimizer, cfg)
+
+    # Each rank samples windows from its own contiguous shard of the training tokens.
+    lo, hi = len(corpus.train) * d.rank // d.world, len(corpus.train) * (d.rank + 1) // d.world
+    train_tokens = corpus.train[lo:hi]
+    rng = np.random.default_rng(cfg.seed if not d.enabled else [cfg.seed, d.rank])
+    per_rank = -(-cfg.eval_batches // d.world)
+    val_set = eval_batches(corpus.val, per_rank * d.world, cfg.batch_size, cfg.seq_len)[d.rank :: d.world]
+    tokens_per_step = cfg.batch_size * cfg.seq_len * d.world
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: measure the norm, never clip
+    paths = {"metrics": out / "metrics.jsonl", "config": out / "config.json", "plot": out / "loss.png",
+             "summary": out / "summary.json"}
+
+    state: dict[str, Any] = {"step": 0, "pending": [], "train_time": 0.0, "initial_val": None,
+                             "last_val": None, "measured_tokens": 0, "measured_time": 0.0}
+    if plan.resume is not None:
+        train_state, rank_state = ckpt.load(plan.resume, model, optimizer, d)
+        scheduler.load_state_dict(train_state.pop("scheduler"))
+        state |= train_state
+        _set_rng_state(rng, rank_state, device)
+    resumed = plan.resume is not None
+    if main:
+        run_info = {"train": asdict(cfg), "model": model.config.to_dict(), "n_params": n_params,
+                    "world_size": d.world, "precision": precision,
+                    "init": plan.init.summary() if plan.init else None,
+                    "corpus": corpus.info | {"train_tokens": len(corpus.train), "val_tokens": len(corpus.val),
+                                             "vocab_size": corpus.vocab_size},
+                    "environment": _environment(device)}
+        if not resumed:
+            ckpt.write_json_atomic(paths["config"], run_info)
+        metrics = ckpt.MetricsLog(paths["metrics"], upto=state["step"] if resumed else None)
+    name = "{:.1f}M".format(n_params / 1e6)
+    log(f"[{cfg.recipe}] {name} parameters on {d.world} x {device.type} ({cfg.dtype}); corpus: "
+        f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens; {cfg.steps} steps of "
+        f"{tokens_per_step:,} tokens" + (f"; resuming at step {state['step']}" if resumed else ""))
+    log(f"[{cfg.recipe}] FP8: " + ("; ".join(precision["fp8"]) or "nothing"))
+    log(f"[{cfg.recipe}] not FP8: " + "; ".join(precision["not_fp8"]))
+
+    def record(rec: dict[str, Any]) -> None:
+        if main:
+            metrics.write(rec)
+
+    def save_checkpoint(step: int) -> None:
+        pending = torch.stack(state["pending"]).tolist() if state["pending"] else []
+        train_state = {k: v for k, v in state.items() if k != "pending"} | {
+            "step": step, "pending": pending, "scheduler": scheduler.state_dict()}
+        path = ckpt.save(out, step, model, optimizer, train_state, _rng_state(rng, device), d, cfg.keep_last)
+        state["pending"] = [torch.tensor(p, device=device) for p in pending]
+        state["saved_step"] = step
+        log(f"[{cfg.recipe}] checkpoint {path}")
+
+    state["pending"] = [torch.tensor(p, device=device) for p in state["pending"]]
+    if state["initial_val"] is None:
+        state["initial_val"] = state["last_val"] = evaluate(step_model, val_set, device, autocast, d)
+        record({"step": 0, "tokens": 0, "lr": scheduler.get_last_lr()[0], "val_loss": state["initial_val"]})
+    stopped_by = diverged_at = None
+    rec: dict[str, Any] = {}
+    first_step = state["step"] + 1
+    first_window: tuple[int, float] | None = None  # this process's first log window: warm-up, not timed
+    bar = tqdm(total=cfg.steps, initial=state["step"], disable=cfg.quiet or not main, unit="step",
+               dynamic_ncols=True, desc=f"train {cfg.recipe}")
+    # Training time runs between marks; evaluation and checkpoints happen outside it.
+    seg_time, t_mark = 0.0, time.perf_counter()
+    for step in range(first_step, cfg.steps + 1):
+        batch = sample_batch(train_tokens, cfg.batch_size, cfg.seq_len, rng).to(device)
+        loss = lm_loss(step_model, batch, autocast)
+        loss.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        state["pending"].append(torch.stack([loss.detach().float(), grad_norm.detach().float()]))
+        state["step"] = step
+        bar.update()
+        is_eval = step % cfg.eval_every == 0 or step == cfg.steps
+        if step % cfg.log_every == 0 or is_eval:
+            vals = d.all_reduce(torch.stack(state["pending"]).mean(0).double())  # syncs with the device
+            train_loss, norm = (vals / d.world).tolist()
+            seg_time += time.perf_counter() - t_mark
+            window = (len(state["pending"]) * tokens_per_step, seg_time)
+            state["train_time"] += seg_time
+            if first_window is None:
+                first_window = window
+            else:
+                state["measured_tokens"] += window[0]
+                state["measured_time"] += window[1]
+            rec = {"step": step, "tokens": step * tokens_per_step, "loss": train_loss, "lr": lr,
+                   "grad_norm": norm, "tokens_per_s": window[0] / window[1], "elapsed_s": state["train_time"]}
+            if not math.isfinite(train_loss):
+                diverged_at = step
+                record(rec)
+                break
+            if is_eval:
+                rec["val_loss"] = state["last_val"] = evaluate(step_model, val_set, device, autocast, d)
+            record(rec)
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
+                            val=f"{state['last_val']:.3f}", refresh=False)
+            state["pending"] = []
+            seg_time, t_mark = 0.0, time.perf_counter()
+        periodic = cfg.save_every is not None and (step % cfg.save_every == 0 or step == cfg.steps)
+        # A stop during the last step changes nothing: the run is complete.
+        stopping = d.any(stop.signum is not None, device) and step < cfg.steps
+        if periodic or stopping:
+            if state["pending"]:
+                torch.stack(state["pending"]).tolist()  # waits for the device: steps end here
+            seg_time += time.perf_counter() - t_mark
+            save_checkpoint(step)
+            t_mark = time.perf_counter()
+        if stopping:
+            stopped_by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
+            break
+    if state["measured_time"] == 0 and first_window is not None:  # a single window: it is all there is
+        state["measured_tokens"], state["measured_time"] = first_window
+    bar.close()
+
+    finished = stopped_by is None and diverged_at is None
+    saved_model = None
+    if finished and cfg.save:
+        from coat.cli.pretrained import save_model
+
+        full = dt.full_state_dict(model, d)
+        if main:
+            tok = plan.tokenizer.tokenizer if plan.tokenizer else None
+            dtype = plan.init.dtype if plan.init else "float32"
+            arch = plan.init.architecture if plan.init else "LlamaForCausalLM"
+            saved_model = str(save_model(full, model.config, out / "model", dtype, tok, arch))
+            log(f"[{cfg.recipe}] model saved to {saved_model} ({dtype})")
+        d.barrier()
+    memory = peak_memory(device, d, rss_start, rss_reset)
+    opt_bytes = d.all_reduce(torch.tensor([optimizer_state_bytes(optimizer)], dtype=torch.float64,
+                                          device=device)).item()
+    results = {
+        "recipe": cfg.recipe, "initial_val_loss": state["initial_val"], "final_val_loss": state["last_val"],
+        "final_train_loss": rec.get("loss"), "steps": state["step"], "planned_steps": cfg.steps,
+        "tokens": state["step"] * tokens_per_step, "n_params": n_params, "world_size": d.world,
+        "tokens_per_s": state["measured_tokens"] / state["measured_time"] if state["measured_time"] else None,
+        "peak_memory_bytes": memory["bytes"], "peak_memory_kind": memory["kind"],
+        "peak_memory_above_start_bytes": memory["above_start_bytes"],
+        "optimizer_state_bytes": int(opt_bytes), "precision": precision, "device": device.type,
+        "train_time_s": state["train_time"], "wall_time_s": time.perf_counter() - t0, "finished": finished,
+        "stopped_by": stopped_by, "diverged_at": diverged_at, "model_dir": saved_model, "out_dir": str(out),
+    } | {k: str(p) for k, p in paths.items()}
+    if main:
+        metrics.close()
+        plot_loss(paths["metrics"], paths["plot"],
+                  title=f"{name} Llama, {cfg.recipe}, {device.type} {cfg.dtype}")
+        ckpt.write_json_atomic(paths["summary"], results)
+    if diverged_at is not None:
+        log(f"[{cfg.recipe}] the loss became non-finite at step {diverged_at} (training diverged); "
+            "lower --lr or raise --warmup-steps")
+    elif stopped_by is not None:
+        log(f"[{cfg.recipe}] stopped by {stopped_by} at step {state['step']}; continue with: "
+            f"coat train --resume {out}")
+    else:
+        log(f"[{cfg.recipe}] done in {results['wall_time_s']:.0f}s ({results['train_time_s']:.0f}s training): "
+            f"val loss {state['initial_val']:.3f} -> {state['last_val']:.3f}, {results['tokens']:,} tokens")
+    return results
