@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 # Add a module here to add a subcommand (e.g. "coat.cli.bench", "coat.cli.estimate").
-SUBCOMMAND_MODULES = ("coat.cli.train",)
+SUBCOMMAND_MODULES = ("coat.cli.train", "coat.cli.estimate", "coat.cli.bench")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -1,0 +1,389 @@
+"""One configuration (setup, model, batch) of the whole-model benchmark, in a process of its own.
+
+``coat bench`` and ``benchmarks/bench_e2e.py`` start this module once per configuration
+(``python -m coat.cli.bench_worker CONFIG_JSON``, or under torchrun for ``--fsdp``), so every
+measurement starts from an empty allocator and an out-of-memory ends only its own configuration.
+It writes its result as JSON to ``CONFIG["result"]`` (``.rank<r>`` appended under torchrun).
+
+What one configuration measures (a step = forward with labels -> loss, backward, optimizer step,
+``zero_grad(set_to_none=True)``, on random token ids):
+- ``warmup`` steps (they create the optimizer states; torchao compiles here), then ``steps`` timed
+  steps, each started on an idle GPU (synchronized before it);
+- ``step_ms``: CUDA-event time from the start of the step call to the end of its last kernel
+  (wall time on a CPU); tokens/s = tokens per step / median step_ms; ``spread`` = (max-min)/median;
+- ``host_ms``: wall time of the Python step call itself. The built-in steps never synchronize, so
+  the call returns once every kernel is queued: this is the host's cost of issuing the step. (If
+  it comes close to step_ms the step is host-bound, or the launch queue filled up.) ``cpu_ms``: CPU
+  time of the process over the same call (all threads, the autograd engine's included);
+- ``peak_gib``: ``torch.cuda.max_memory_allocated`` over the timed steps (reset after warm-up);
+  ``resident_gib``: ``memory_allocated`` after the last ``zero_grad``. On a CPU both come from a
+  tracker of live tensor storages (same meaning: bytes of tensors alive), over one step after warm-up.
+
+A setup is one entry of ``SETUPS``: a function that takes the freshly built model and returns the
+step function. New modes (gradient release, fused loss, LoRA) add an entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import weakref
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from coat import memory
+
+GiB = memory.GiB
+StepFn = Callable[[torch.Tensor], None]
+
+
+@dataclass
+class Context:
+    device: torch.device
+    mesh: Any  # a DeviceMesh under --fsdp, else None
+    lr: float = 1e-5
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    summary: str
+    recipe: str | None  # memory.RECIPES entry whose plan is printed beside the measurement
+    param_dtype: torch.dtype  # the dtype the model is built in
+    prepare: Callable[[torch.nn.Module, Context], StepFn]
+    needs: tuple[str, ...] = ()  # modules that must import; else the setup is skipped
+    cuda_only: bool = False
+    fsdp: bool = True  # runs under --fsdp
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast) -> StepFn:
+    def step(ids: torch.Tensor) -> None:
+        with autocast:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _shard(model: torch.nn.Module, ctx: Context, mp_policy=None) -> None:
+    """FSDP2: one ``fully_shard`` per decoder layer, then the root (embedding, final norm, LM head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {"mesh": ctx.mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+
+
+def _torch_adamw(model: torch.nn.Module, ctx: Context) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=ctx.lr, fused=True)
+
+
+def _prep_amp(model, ctx):
+    if ctx.mesh is not None:  # fp32 sharded weights, bf16 compute, fp32 gradient reduction
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        _shard(model, ctx, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        return _train_step(model, _torch_adamw(model, ctx), nullcontext())
+    return _train_step(model, _torch_adamw(model, ctx), torch.autocast(ctx.device.type, dtype=torch.bfloat16))
+
+
+def _prep_bf16(model, ctx):
+    if ctx.mesh is not None:
+        _shard(model, ctx)
+    return _train_step(model, _torch_adamw(model, ctx), nullcontext())
+
+
+def _prep_coat(master: str):
+    def prepare(model, ctx):
+        import coat
+        import coat.optim
+
+        coat.convert(model, recipe="coat")
+        if ctx.mesh is not None:
+            _shard(model, ctx)
+        opt = coat.optim.AdamW(model.parameters(), lr=ctx.lr, master_weights=master)
+        return _train_step(model, opt, nullcontext())
+
+    return prepare
+
+
+def _prep_torchao(model, ctx):
+    # The peer recipe of issue 11: torchao float8 training (tensorwise scaling) on every linear whose
+    # dims suit FP8 GEMMs (the LM head stays bf16), each decoder layer compiled (torchtitan's
+    # practice; one compiled graph serves every layer), and torchao's 8-bit AdamW with bf16
+    # stochastic rounding (no master weights).
+    from torchao.float8 import convert_to_float8_training
+    from torchao.optim import AdamW8bit
+
+    def keep(mod: torch.nn.Module, fqn: str) -> bool:
+        return isinstance(mod, torch.nn.Linear) and fqn != "lm_head" and mod.in_features % 16 == 0 \
+            and mod.out_features % 16 == 0
+
+    convert_to_float8_training(model, module_filter_fn=keep)
+    for layer in model.model.layers:
+        layer.compile()
+    opt = AdamW8bit(model.parameters(), lr=ctx.lr, bf16_stochastic_round=True)
+    return _train_step(model, opt, nullcontext())
+
+
+SETUPS: dict[str, Setup] = {s.name: s for s in (
+    Setup("amp", "fp32 weights, bf16 autocast, torch fused AdamW (FSDP2: MixedPrecisionPolicy bf16/fp32)", "amp",
+          torch.float32, _prep_amp),
+    Setup("bf16", "bf16 weights, torch fused AdamW", "bf16", torch.bfloat16, _prep_bf16),
+    Setup("coat", "bf16 weights, coat.convert, coat.optim.AdamW (fp32 master)", "coat", torch.bfloat16,
+          _prep_coat("fp32")),
+    Setup("coat-lean", "bf16 weights, coat.convert, coat.optim.AdamW(master_weights='bf16_sr')", "coat-lean",
+          torch.bfloat16, _prep_coat("bf16_sr")),
+    Setup("torchao", "peer: torchao float8 training + per-layer torch.compile + AdamW8bit(bf16_stochastic_round)",
+          None, torch.bfloat16, _prep_torchao, needs=("torchao",), cuda_only=True, fsdp=False),
+)}
+
+
+def unavailable(setup: Setup, device: str, fsdp: bool) -> str | None:
+    """Why ``setup`` cannot run here (None: it can)."""
+    if setup.cuda_only and device != "cuda":
+        return f"{setup.name} needs a CUDA GPU"
+    if fsdp and not setup.fsdp:
+        return f"{setup.name} has no --fsdp variant"
+    import importlib.util
+
+    for mod in setup.needs:
+        if importlib.util.find_spec(mod) is None:
+            return f"{setup.name} needs {mod}, which is not installed (pip install {mod})"
+    return None
+
+
+# ---- model -------------------------------------------------------------------------------------------
+
+
+def build_model(shape: memory.ModelShape, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A randomly initialized Hugging Face causal LM of ``shape``, built directly on ``device`` in ``dtype``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**shape.hf_config())
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in dtype: no fp32 copy of a bf16 model
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(prev)
+    return model.train()
+
+
+# ---- host memory tracker (CPU runs) ------------------------------------------------------------------
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages alive: the storages of ``tensors`` (the model's, alive throughout)
+    plus every storage an op creates while the mode is on, until it is freed. The CPU's
+    ``max_memory_allocated``."""
+
+    def __init__(self, tensors=()) -> None:
+        super().__init__()
+        # Keyed by the storage's address, not its Python object: an in-place op on a parameter
+        # returns a tensor whose storage object may be a new wrapper of the same memory.
+        self._live: dict[int, Any] = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            self._live[st.data_ptr()] = st.nbytes()  # never freed while the model lives
+        self.current = self.peak = sum(self._live.values())
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _free(self, key: int, ref: Any, nbytes: int) -> None:
+        if self._live.get(key) is ref:
+            del self._live[key]
+            self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                n, key = st.nbytes(), st.data_ptr()
+                if n and key not in self._live:
+                    self._live[key] = weakref.ref(st, lambda r, k=key, n=n: self._free(k, r, n))
+                    self.current += n
+                    self.peak = max(self.peak, self.current)
+        return out
+
+
+# ---- measurement -------------------------------------------------------------------------------------
+
+
+def is_oom(e: BaseException) -> bool:
+    msg = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in msg.lower() or "ALLOC_FAILED" in msg
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure(step: StepFn, ids: torch.Tensor, warmup: int, steps: int, dev: torch.device,
+            model: torch.nn.Module, deadline: float | None = None, track_cpu: bool = True) -> dict[str, Any]:
+    """Warm-up, then timed steps; memory as described in the module docstring. ``track_cpu=False``
+    (FSDP2 on CPU ranks: it frees gathered weights by resizing storages, which no op reports) leaves
+    the CPU memory figures out."""
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    if dev.type == "cpu" and not track_cpu:
+        for _ in range(warmup):
+            step(ids)
+    elif dev.type == "cpu":
+        tracker = LiveBytes(list(model.parameters()) + list(model.buffers()))
+        with tracker:
+            for _ in range(warmup):
+                step(ids)
+            tracker.reset_peak()
+            step(ids)  # the step whose peak is reported
+        out["peak_gib"] = tracker.peak / GiB
+        out["resident_gib"] = tracker.current / GiB
+    else:
+        for _ in range(warmup):
+            step(ids)
+        _sync(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    out["warmup_s"] = time.perf_counter() - t0
+    gpu, host, cpu = [], [], []
+    for i in range(steps):
+        if deadline is not None and i >= 2 and time.time() > deadline:
+            out["steps_cut"] = f"{i} of {steps} timed steps (time budget)"
+            break
+        _sync(dev)
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        c0, w0 = time.process_time(), time.perf_counter()
+        step(ids)
+        w1, c1 = time.perf_counter(), time.process_time()
+        host.append((w1 - w0) * 1e3)
+        cpu.append((c1 - c0) * 1e3)
+        if dev.type == "cuda":
+            end.record()
+            end.synchronize()
+            gpu.append(start.elapsed_time(end))
+        else:
+            gpu.append((w1 - w0) * 1e3)
+    if dev.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
+        out["resident_gib"] = torch.cuda.memory_allocated(dev) / GiB
+    med = statistics.median(gpu)
+    tokens = ids.numel()
+    out.update(step_ms=med, step_ms_all=[round(x, 3) for x in gpu], spread=(max(gpu) - min(gpu)) / med,
+               host_ms=statistics.median(host), cpu_ms=statistics.median(cpu), tokens_per_s=tokens / med * 1e3,
+               timed_steps=len(gpu))
+    return out
+
+
+def _versions() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    v: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for pkg in ("transformers", "torchao", "coat"):
+        try:
+            v[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return v
+
+
+def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one configuration; returns its result (never raises for out-of-memory)."""
+    setup = SETUPS[cfg["setup"]]
+    shape = memory.ModelShape(**cfg["shape"])
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    fsdp = bool(cfg.get("fsdp"))
+    want = cfg.get("device", "auto")
+    dev_type = ("cuda" if torch.cuda.is_available() else "cpu") if want == "auto" else want
+    res: dict[str, Any] = {"setup": setup.name, "model": shape.name, "shape": asdict(shape), "batch": cfg["batch"],
+                           "seq": cfg["seq"], "world": world if fsdp else 1, "rank": rank, "run_id": cfg.get("run_id"),
+                           "commit": cfg.get("commit"), "warmup": cfg["warmup"], "steps": cfg["steps"],
+                           "recipe": setup.recipe, **_versions()}
+    mesh = None
+    if fsdp:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if dev_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if dev_type == "cuda" else "gloo")
+        mesh = init_device_mesh(dev_type, (world,))
+    dev = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
+    res["device"] = torch.cuda.get_device_name(dev) if dev_type == "cuda" else "cpu"
+    if dev_type == "cuda":
+        res["gpu_memory_gib"] = torch.cuda.get_device_properties(dev).total_memory / GiB
+    why = unavailable(setup, dev_type, fsdp)
+    if why:
+        return res | {"status": "skipped", "reason": why}
+    phase = "build"
+    try:
+        torch.manual_seed(cfg.get("seed", 0))
+        t0 = time.perf_counter()
+        model = build_model(shape, setup.param_dtype, dev)
+        step = setup.prepare(model, Context(dev, mesh))
+        res["init_s"] = time.perf_counter() - t0
+        g = torch.Generator(device=dev).manual_seed(1234 + rank)
+        ids = torch.randint(0, shape.vocab, (cfg["batch"], cfg["seq"]), device=dev, generator=g)
+        phase = "steps"
+        res.update(measure(step, ids, cfg["warmup"], cfg["steps"], dev, model, cfg.get("deadline"), track_cpu=not fsdp))
+        res["status"] = "ok"
+        if fsdp:  # every rank's peak, so rank 0 alone can report the group
+            import torch.distributed as dist
+
+            peaks: list[Any] = [None] * world
+            dist.all_gather_object(peaks, res.get("peak_gib"))
+            res["rank_peak_gib"] = peaks
+    except Exception as e:  # noqa: BLE001 - every failure becomes this configuration's result
+        if not is_oom(e):
+            raise
+        res.update(status="oom", phase=phase, error=str(e).splitlines()[0][:300])
+        if dev_type == "cuda":
+            res["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m coat.cli.bench_worker CONFIG_JSON (started by coat bench)", file=sys.stderr)
+        return 2
+    cfg = json.loads(argv[0])
+    path = cfg["result"]
+    if "RANK" in os.environ and cfg.get("fsdp"):
+        path += f".rank{os.environ['RANK']}"
+    try:
+        res = run_config(cfg)
+    except Exception as e:  # noqa: BLE001
+        res = {"setup": cfg.get("setup"), "batch": cfg.get("batch"), "status": "error",
+               "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.replace(path + ".tmp", path)  # the orchestrator never reads half a file
+    # Under torchrun a rank that ran out of memory must not leave its peers waiting in a collective:
+    # a non-zero exit makes torchrun stop the group.
+    return 0 if res.get("status") in ("ok", "skipped") else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""coat estimate: will it fit? The peak memory of one training step per GPU, part by part, the
+largest batch that fits, and a roofline floor of the step time, from the model's configuration
+and the recipe's memory plan (``coat/memory.py``). Analytic: no GPU needed, microseconds.
+
+The peak is what ``torch.cuda.max_memory_allocated`` reports over a full step (forward with
+labels, backward, optimizer step, zero_grad); ``coat bench`` prints it beside every measured peak
+and a test holds it within 10% of every peak in ``benchmarks/results/bench_e2e*.json``. A GPU
+needs a little more than the peak (the CUDA context and the allocator's fragmentation): the
+"needs" line, which decides the largest batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from coat import memory
+from coat.memory import GiB, MiB
+
+#: Memory torch reports for common GPUs (GiB), for --gpu / --gpu-memory without the GPU at hand.
+GPU_MEMORY_GIB = {"h100": 79.2, "h200": 139.8, "a100-80gb": 79.1, "a100-40gb": 39.4, "l40s": 44.4, "rtx4090": 23.6}
+DEFAULT_MEMORY_GIB = 80.0
+
+
+def _gpu_here() -> tuple[str, float] | None:
+    """Name and memory (GiB) of the current GPU, if torch sees one (torch is imported by coat anyway)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return p.name, p.total_memory / GiB
+
+
+def measure_rates() -> dict[str, Any]:
+    """This GPU's dense bf16 and FP8 GEMM rates and copy bandwidth (about a second)."""
+    import torch
+
+    def best_ms(fn, reps: int = 10) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return min(times)
+
+    n = 8192
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    rates: dict[str, Any] = {"bf16": 2 * n**3 / best_ms(lambda: x @ x) * 1e3}
+    if torch.cuda.get_device_capability() >= (8, 9) and hasattr(torch, "_scaled_mm"):
+        x8 = x.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        rates["fp8"] = 2 * n**3 / best_ms(lambda: torch._scaled_mm(x8, x8.t(), scale_a=one, scale_b=one,
+                                                                    out_dtype=torch.bfloat16)) * 1e3
+    else:
+        rates["fp8"] = rates["bf16"]
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    rates["bw"] = 2 * src.numel() / best_ms(lambda: dst.copy_(src)) * 1e3
+    rates["source"] = f"measured now on {torch.cuda.get_device_name()}"
+    return rates
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:8.2f} GiB"
+
+
+def report(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``coat estimate`` prints, as one JSON-able dictionary."""
+    shape = memory.load_shape(args.model)
+    rec = memory.recipe(args.recipe)
+    here = _gpu_here()
+    if args.gpu_memory is not None:
+        mem, mem_src = args.gpu_memory, "--gpu-memory"
+    elif args.gpu:
+        mem, mem_src = GPU_MEMORY_GIB[args.gpu], f"--gpu {args.gpu}"
+    elif here:
+        mem, mem_src = here[1], here[0]
+    else:
+        mem, mem_src = DEFAULT_MEMORY_GIB, "default (no GPU here)"
+    p = memory.plan(shape, rec, args.batch, args.seq, args.gpus)
+    out = p.to_json()
+    out.update(recipe_summary=rec.summary, gpu_memory_gib=mem, gpu_memory_source=mem_src,
+               max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus),
+               modeled_only=rec.grad_release or rec.fused_loss)
+    rates = None
+    if args.measure_rates:
+        if not here:
+            raise ValueError("--measure-rates needs a CUDA GPU")
+        rates = measure_rates()
+    elif args.gpu:
+        rates = memory.GPU_RATES.get(args.gpu)
+    elif here:
+        rates = memory.rates_for(here[0])
+    if rates:
+        out["time"] = memory.step_time_floor(shape, rec, args.batch, args.seq, rates, args.gpus) | {
+            "rates_source": rates["source"]}
+    return out
+
+
+def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
+    per = f" per GPU (FSDP2 over {r['gpus']} GPUs)" if r["gpus"] > 1 else ""
+    lines = [f"{r['model']}: {r['n_params'] / 1e9:.2f} B parameters, {shape.layers} layers, hidden {shape.hidden}, "
+             f"vocabulary {shape.vocab}",
+             f"recipe {r['recipe']}: {r['recipe_summary']}",
+             f"batch {r['batch']} x {r['seq']} tokens{per}", ""]
+    if r["modeled_only"]:
+        lines.append("note: gradient release / fused loss are modeled from their design, not yet measured")
+    other = "start" if r["phase"] == "backward end" else "end"
+    lines.append(f"peak memory{per}: {r['peak_gib']:.2f} GiB, at the {r['phase']} "
+                 f"(the backward {other} needs {r['other_phase'] / GiB:.2f} GiB)")
+    n = r["n_params"] / r["gpus"]
+    for name, b in r["parts"].items():
+        if b == 0:
+            continue
+        note = f"   {b / n:.2f} B/param" if name in ("weights", "master weights", "optimizer states", "gradients") else ""
+        lines.append(f"  {name:52s}{_gib(b)}{note}")
+        if name.startswith("saved activations"):
+            for op, ob in r["saved_per_layer_gib"].items():
+                lines.append(f"      per layer: {op:52s}{ob * GiB / MiB:8.1f} MiB")
+    if r["phase"] == "backward end":
+        lines.append(f"  (saved activations at the backward start: {r['extra']['saved_per_token_layer'] * shape.layers * r['batch'] * r['seq'] / GiB:.2f} GiB"
+                     f" over {shape.layers} layers)")
+    lines.append(f"needs {r['required_gib']:.2f} GiB with the CUDA context and allocator fragmentation "
+                 f"({memory.CUDA_CONTEXT / GiB:.1f} GiB + {memory.FRAGMENTATION:.0%})")
+    mb = r["max_batch"]
+    lines.append(f"largest batch that fits in {r['gpu_memory_gib']:.1f} GiB ({r['gpu_memory_source']}): "
+                 + (f"{mb} x {r['seq']} tokens" if mb else "none: not even batch 1"))
+    t = r.get("time")
+    if t:
+        lines.append(f"time per step >= {t['step_ms']:.0f} ms (GEMMs {t['gemm_ms']:.0f} ms + optimizer "
+                     f"{t['optimizer_ms']:.0f} ms; {t['rates_source']}), so <= {t['tokens_per_s']:,.0f} tokens/s"
+                     + (" per GPU" if r["gpus"] > 1 else ""))
+    return "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``estimate`` subcommand to the ``coat`` parser."""
+    p = subparsers.add_parser("estimate", help="peak memory of a training step, largest batch that fits",
+                              description=__doc__)
+    p.add_argument("--model", required=True, metavar="M",
+                   help="a preset (" + ", ".join(memory.PRESETS) + "), a Hugging Face config.json, or a checkpoint "
+                   "folder")
+    p.add_argument("--recipe", default="coat", metavar="R",
+                   help="amp, bf16, coat, coat-lean; '+release' / '+fused-loss' add those modes (modeled)")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per GPU")
+    p.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="FSDP2 over N GPUs (figures per GPU)")
+    p.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help="size the fit (and, for h100/h200, the roofline) for "
+                   "this GPU")
+    p.add_argument("--gpu-memory", type=float, metavar="GiB",
+                   help=f"memory per GPU (default: the current GPU's, else {DEFAULT_MEMORY_GIB:g})")
+    p.add_argument("--measure-rates", action="store_true", help="measure this GPU's GEMM and copy rates for the "
+                   "roofline (default: rates measured before on an H100/H200)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys include peak_gib, max_batch)")
+    p.set_defaults(handler=lambda args: _run(args, p))
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--gpus", args.gpus)):
+        if v <= 0:
+            parser.error(f"argument {flag}: must be a positive integer, got {v}")
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        parser.error(f"argument --gpu-memory: must be positive, got {args.gpu_memory:g}")
+    try:
+        r = report(args)
+    except ValueError as e:  # coat.memory names the flag: "--model ...", "--recipe ..."
+        msg = str(e)
+        parser.error(f"argument {msg}" if msg.startswith("--") else msg)
+    if args.json:
+        json.dump(r, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(text(r, memory.load_shape(args.model)))
+    return 0

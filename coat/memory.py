@@ -1,0 +1,519 @@
+"""The memory plan of one training step: what is alive at its peak, part by part, for each recipe.
+
+One place for these numbers: ``coat estimate`` prints them, ``coat bench`` prints them beside every
+measured peak, and ``tests/python/test_memory.py`` holds them to the code (the saved-activation
+tables are counted with saved-tensor hooks on a small model) and to every peak recorded in
+``benchmarks/results/bench_e2e*.json``. Pure arithmetic: no torch import, microseconds per plan.
+
+What a full step (forward with labels -> loss, backward, optimizer step, ``zero_grad(set_to_none=True)``)
+holds, and when (``peak`` = what ``torch.cuda.max_memory_allocated`` reports):
+
+- between steps (*resident*): weights, master copy, optimizer states;
+- at the start of backward: resident + every saved activation of every layer + what the loss keeps
+  (HF's cross-entropy keeps fp32 log-probabilities) + autocast's bf16 weight copies (AMP) + the
+  largest transient of that moment (the loss backward, or the last layer's backward with the LM
+  head's gradient already written);
+- at the end of backward / in the optimizer step: resident + every gradient.
+Backward trades saved activations for gradients layer by layer, so memory moves linearly between
+those two ends and the peak is the larger of them (plus the transients above).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+#: Model types whose decoder layers the tables below describe (the ones ``coat.convert`` takes).
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+# ---- model shapes -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-family causal LM, as far as memory is concerned."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int = 0  # 0: hidden // heads
+    tied: bool = False  # LM head shares the embedding matrix
+    qkv_bias: bool = False  # Qwen2
+    o_bias: bool = False  # Llama attention_bias=True
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"model shape {self.name!r}: {f} must be a positive integer, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model shape {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads "
+                             f"({self.kv_heads})")
+        if not self.head_dim:
+            if self.hidden % self.heads:
+                raise ValueError(f"model shape {self.name!r}: hidden ({self.hidden}) is not a multiple of heads "
+                                 f"({self.heads}); give head_dim")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_linear_params(self) -> int:
+        h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return h * (q + 2 * kv) + q * h + 3 * h * i
+
+    @property
+    def layer_params(self) -> int:
+        extra = 2 * self.hidden  # the two RMSNorm weights
+        if self.qk_norm:
+            extra += 2 * self.head_dim
+        if self.qkv_bias:
+            extra += self.q_width + 2 * self.kv_width
+        if self.o_bias:
+            extra += self.hidden
+        if self.mlp_bias:
+            extra += 2 * self.intermediate + self.hidden
+        return self.layer_linear_params + extra
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    @property
+    def n_params(self) -> int:
+        return self.layers * self.layer_params + self.embed_params + self.head_params + self.hidden
+
+    @property
+    def largest_fused_weight(self) -> int:
+        """Parameters of the largest weight one FP8 GEMM consumes (gate/up, or q/k/v, fused)."""
+        h = self.hidden
+        return max(2 * self.intermediate * h, (self.q_width + 2 * self.kv_width) * h, self.intermediate * h)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "config") -> "ModelShape":
+        """From a Hugging Face ``config.json`` dictionary (Llama, Mistral, Qwen2, Qwen3)."""
+        mt = cfg.get("model_type")
+        if mt not in MODEL_TYPES:
+            raise ValueError(f"{name}: model_type {mt!r} is not one of {', '.join(MODEL_TYPES)}")
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if k not in cfg]
+        if missing:
+            raise ValueError(f"{name}: config has no {', '.join(missing)}")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            name=cfg.get("_name_or_path") or name, hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
+            heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads, intermediate=cfg["intermediate_size"],
+            vocab=cfg["vocab_size"], head_dim=cfg.get("head_dim") or 0,
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", False)) or mt == "qwen2",
+            o_bias=bool(cfg.get("attention_bias", False)) and mt in ("llama", "qwen3"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=mt == "qwen3", model_type=mt)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` fields that rebuild this shape with transformers (random init)."""
+        cfg = dict(model_type=self.model_type, hidden_size=self.hidden, num_hidden_layers=self.layers,
+                   num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                   intermediate_size=self.intermediate, vocab_size=self.vocab, head_dim=self.head_dim,
+                   tie_word_embeddings=self.tied, mlp_bias=self.mlp_bias)
+        if self.model_type in ("llama", "qwen3"):
+            cfg["attention_bias"] = self.o_bias
+        return cfg
+
+
+def _shape(name, h, layers, heads, kv, inter, vocab, **kw) -> ModelShape:
+    return ModelShape(name=name, hidden=h, layers=layers, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab,
+                      **kw)
+
+
+#: Shapes of published models (their config.json), and two small ones for CPU runs.
+PRESETS: dict[str, ModelShape] = {s.name: s for s in (
+    _shape("llama2-7b", 4096, 32, 32, 32, 11008, 32000),
+    _shape("llama2-13b", 5120, 40, 40, 40, 13824, 32000),
+    _shape("llama2-70b", 8192, 80, 64, 8, 28672, 32000),
+    _shape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
+    _shape("llama3-70b", 8192, 80, 64, 8, 28672, 128256),
+    _shape("mistral-7b", 4096, 32, 32, 8, 14336, 32000, model_type="mistral"),
+    _shape("qwen2-7b", 3584, 28, 28, 4, 18944, 152064, qkv_bias=True, model_type="qwen2"),
+    _shape("qwen3-8b", 4096, 36, 32, 8, 12288, 151936, head_dim=128, qk_norm=True, model_type="qwen3"),
+    # CPU-sized: widths multiples of 16 (FP8 groups), GQA, so every code path of the big ones runs.
+    _shape("tiny", 256, 2, 4, 2, 688, 1024),
+    _shape("small", 512, 4, 8, 4, 1376, 4096),
+)}
+
+
+def load_shape(model: str) -> ModelShape:
+    """A preset name, a ``config.json`` path, or a checkpoint folder holding one."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = model
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--model {model!r}: the folder has no config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json / "
+                         "checkpoint folder")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {model!r}: cannot read {path}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--model {model!r}: {path} does not hold a JSON object")
+    if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers keep the LM here
+        cfg = cfg["text_config"]
+    try:
+        return ModelShape.from_hf_config(cfg, name=os.path.basename(os.path.dirname(os.path.abspath(path))) or model)
+    except ValueError as e:
+        raise ValueError(f"--model {model!r}: {e}") from None
+
+
+# ---- recipes ----------------------------------------------------------------------------------------
+
+#: coat.optim.AdamW: per moment 1 byte of FP8 code + per 128-element group a fp32 max and a 1-byte exponent.
+COAT_STATE_BYTES = 2 * (1 + 5 / 128)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a recipe stores a step: bytes per parameter of each persistent part, which saved-activation
+    table its layers follow, and which transients it adds. A new training mode is one entry of
+    ``RECIPES`` (or a ``with_modes`` variant)."""
+
+    name: str
+    summary: str
+    param_bytes: int  # the model's weights
+    master_bytes: int  # a separate master copy held by the optimizer (fp32 master of bf16 weights)
+    state_bytes: float  # optimizer states
+    grad_bytes: int
+    activations: str  # key of ``ACTIVATION_TABLES``
+    fsdp_activations: str  # the table under FSDP2 (AMP computes with bf16 weights gathered in bf16)
+    weight_copies: bool = False  # autocast's bf16 copy of each linear weight, saved for backward
+    fp8_weights: bool = False  # FP8 GEMMs: the largest fused weight exists in FP8 while its op runs
+    fsdp_reduce_bytes: int = 2  # FSDP2 reduce-scatter dtype
+    grad_release: bool = False  # optimizer step inside backward: one layer's gradients at a time
+    fused_loss: bool = False  # LM head + cross-entropy chunked over tokens: no full logits
+    loss_chunk_tokens: int = 1024
+
+    def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None) -> "Recipe":
+        """This recipe with gradient release and/or a fused loss (named ``<name>+release+fused-loss``)."""
+        r = replace(self, grad_release=self.grad_release if grad_release is None else grad_release,
+                    fused_loss=self.fused_loss if fused_loss is None else fused_loss)
+        base = self.name.split("+")[0]
+        return replace(r, name=base + ("+release" if r.grad_release else "") + ("+fused-loss" if r.fused_loss else ""))
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("amp", "fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True)", 4, 0, 8, 4, "hf-amp", "hf-bf16",
+           weight_copies=True, fsdp_reduce_bytes=4),
+    Recipe("bf16", "bf16 weights, torch.optim.AdamW(fused=True) (bf16 states)", 2, 0, 4, 2, "hf-bf16", "hf-bf16"),
+    Recipe("coat", "bf16 weights, coat.convert, coat.optim.AdamW (FP8 states, fp32 master)", 2, 4, COAT_STATE_BYTES,
+           2, "coat", "coat", fp8_weights=True),
+    Recipe("coat-lean", "bf16 weights, coat.convert, coat.optim.AdamW(master_weights='bf16_sr')", 2, 0,
+           COAT_STATE_BYTES, 2, "coat", "coat", fp8_weights=True),
+)}
+
+#: Modes that ``recipe()`` accepts after a '+': they are modeled, not yet measured.
+MODES = ("release", "fused-loss")
+
+
+def recipe(name: str) -> Recipe:
+    """``RECIPES[name]``, or ``<recipe>+release`` / ``+fused-loss`` variants."""
+    base, *mods = name.split("+")
+    if base not in RECIPES:
+        raise ValueError(f"--recipe {name!r}: unknown recipe {base!r} (choose from {', '.join(RECIPES)})")
+    bad = [m for m in mods if m not in MODES]
+    if bad:
+        raise ValueError(f"--recipe {name!r}: unknown mode {bad[0]!r} (modes: {', '.join(MODES)})")
+    r = RECIPES[base]
+    return r.with_modes(grad_release=True if "release" in mods else None,
+                        fused_loss=True if "fused-loss" in mods else None) if mods else r
+
+
+# ---- saved activations -------------------------------------------------------------------------------
+# Bytes per token saved for backward, by op, derived from the code: Hugging Face's LlamaDecoderLayer
+# (RMSNorm keeps an fp32 copy of its input, its rstd and the normalized bf16 tensor; the projections
+# keep their inputs; SDPA keeps q, k, v, out and the log-sum-exp; SiLU*up keeps gate, silu(gate), up
+# and the product) and coat/nn (fused.py, mlp.py, attention.py, norm.py: FP8 copies with 1x16 group
+# scales, recomputed norms and SwiGLU outputs). Tests count them with saved-tensor hooks.
+
+
+def _norm(width: int, rows: int, table: str) -> float:
+    """HF RMSNorm over ``width`` (``rows`` rstd values per token)."""
+    if table == "hf-amp":  # fp32 input is its own fp32 copy; the normalized tensor stays fp32
+        return 4 * width + 4 * rows + 4 * width
+    return 4 * width + 4 * rows + 2 * width
+
+
+def _fp8_norm_input(width: int, rows: int) -> float:
+    """coat's fused/FP8 RMSNorm: E4M3 input, fp32 scale per 16, fp32 rstd per row."""
+    return width + width / 16 * 4 + 4 * rows
+
+
+def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
+    """(op, bytes per token) saved by one decoder layer."""
+    h, q, kv, i, nh, hd = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate, shape.heads, shape.head_dim
+    sdpa = 2 * q + 4 * kv + 2 * q + 4 * nh  # q, k, v, out (bf16), log-sum-exp (fp32 per head)
+    if table in ("hf-bf16", "hf-amp"):
+        casts = 1 if table == "hf-bf16" else 3  # under autocast each projection casts its input anew
+        ops = [("input RMSNorm", _norm(h, 1, table)), ("q/k/v input", 2 * h * casts)]
+        if shape.qk_norm:
+            ops.append(("q/k RMSNorm", _norm(q, nh, "hf-bf16") + _norm(kv, shape.kv_heads, "hf-bf16")))
+        ops += [("attention (SDPA)", sdpa), ("post-attention RMSNorm", _norm(h, 1, table)),
+                ("gate/up input", 2 * h * (1 if table == "hf-bf16" else 2)), ("SwiGLU (gate, silu, up, product)", 8 * i)]
+        return ops
+    if table == "coat":
+        ops = [("input RMSNorm + q/k/v (FP8 norm input)", _fp8_norm_input(h, 1))]
+        if shape.qk_norm:
+            ops.append(("q/k RMSNorm (FP8 input)", _fp8_norm_input(q, nh) + _fp8_norm_input(kv, shape.kv_heads)))
+        ops += [("attention (SDPA)", sdpa), ("o_proj input (FP8, transposed)", q),
+                ("post-attention RMSNorm + gate/up (FP8 norm input)", _fp8_norm_input(h, 1)),
+                ("SwiGLU + down (FP8 gate/up, 1x16 scales)", 2 * i + 2 * i / 16 * 4)]
+        return ops
+    raise ValueError(f"unknown activation table {table!r}")
+
+
+def outside_saved(shape: ModelShape, table: str, fused_loss: bool) -> list[tuple[str, float]]:
+    """(op, bytes per token) saved outside the decoder layers: token ids, final norm, LM head, loss."""
+    h, v = shape.hidden, shape.vocab
+    resid = "hf-amp" if table == "hf-amp" else "hf-bf16"  # the final norm stays Hugging Face's
+    ops = [("token ids and labels", 16.0), ("final RMSNorm", _norm(h, 1, resid))]
+    if not fused_loss:
+        ops += [("LM head input", 2 * h), ("cross-entropy log-probabilities (fp32)", 4 * v)]
+    return ops
+
+
+ACTIVATION_TABLES = ("hf-bf16", "hf-amp", "coat")
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+
+#: cuBLAS workspaces taken from the caching allocator (one per thread: forward and autograd's).
+CUDA_WORKSPACE = 64 * MiB
+#: Memory a GPU needs beyond the allocated peak: the CUDA context and the caching allocator's
+#: fragmentation. Set from the H100 80 GB sweep of issue 11 (a 70.4 GiB peak fitted in 79.2 GiB, a
+#: 74.7 GiB one did not).
+CUDA_CONTEXT = 0.6 * GiB
+FRAGMENTATION = 0.06
+
+
+@dataclass
+class Plan:
+    """Bytes of each part at the peak of a step, per GPU."""
+
+    model: str
+    recipe: str
+    batch: int
+    seq: int
+    gpus: int
+    device: str
+    n_params: int
+    phase: str  # where the peak is: "backward start" or "backward end"
+    parts: dict[str, float]  # bytes, summing to ``peak``
+    saved_per_layer: list[tuple[str, float]]  # (op, bytes) for one layer at this batch
+    peak: float
+    other_phase: float  # the peak of the other phase (bytes)
+    reserve: float  # beyond the allocated peak: context + fragmentation (fit check only)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak / GiB
+
+    @property
+    def required_gib(self) -> float:
+        return (self.peak + self.reserve) / GiB
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["peak_gib"] = round(self.peak_gib, 3)
+        d["required_gib"] = round(self.required_gib, 3)
+        d["parts_gib"] = {k: round(v / GiB, 3) for k, v in self.parts.items()}
+        d["saved_per_layer_gib"] = {k: round(v / GiB, 4) for k, v in self.saved_per_layer}
+        del d["saved_per_layer"]
+        return d
+
+
+def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int = 1, device: str = "cuda") -> Plan:
+    """The memory plan of one full step at ``batch`` sequences of ``seq`` tokens (per GPU under FSDP2)."""
+    rec = recipe(rec) if isinstance(rec, str) else rec
+    for name, v in (("batch", batch), ("seq", seq), ("gpus", gpus)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    s, n, t = shape, shape.n_params, batch * seq
+    fsdp = gpus > 1
+    table = rec.fsdp_activations if fsdp else rec.activations
+    compute = 2  # GEMMs read bf16 weights in every recipe (FSDP2 gathers them in bf16)
+
+    weights = rec.param_bytes * n / gpus
+    master = rec.master_bytes * n / gpus
+    states = rec.state_bytes * n / gpus
+    grads = rec.grad_bytes * n / gpus
+    layer_ops = layer_saved(s, table)
+    per_layer = sum(b for _, b in layer_ops) * t
+    outside = sum(b for _, b in outside_saved(s, table, rec.fused_loss)) * t
+    saved = per_layer * s.layers + outside
+
+    # Transients at the start of backward, beyond what is saved.
+    v = s.vocab
+    if rec.fused_loss:
+        loss_tr = 12.0 * v * min(t, rec.loss_chunk_tokens)  # bf16 + fp32 logits of a chunk and their gradient
+    else:
+        loss_tr = 8.0 * v * t  # cross-entropy backward: gradient of the log-probabilities and of the logits (fp32)
+    head = s.head_params or s.embed_params
+    head_grad = (compute if fsdp else rec.grad_bytes) * head  # written before the first layer's backward
+    h, i = s.hidden, s.intermediate
+    if table == "coat":
+        # SwiGLU backward (mlp.py): dh, d(gate/up) and the recomputed h together, the E5M2 transposed
+        # gradient, and the gradient flowing in; then the gate/up block quantizes d(gate/up) (8I too).
+        layer_tr = (8 * i + 3 * h) * t
+    else:
+        layer_tr = (6 * i + (4 if table == "hf-amp" else 2) * h) * t  # d(product), d(silu), d(up), d(gate)
+    weight_tr = 0.0
+    if rec.fp8_weights:
+        # coat/nn/weights.py: the FP8 codes of a weight live only while its GEMM runs (forward codes,
+        # then transposed codes in backward), so one fused weight's worth at a time.
+        weight_tr = 1.0 * s.largest_fused_weight
+    elif table == "hf-amp":
+        weight_tr = 2.0 * s.intermediate * s.hidden  # a bf16 weight gradient before its cast to fp32
+    if table == "coat" and device == "cpu":
+        # _fp8mm's CPU path multiplies fp32 copies of its FP8 operands ((a.float() * sa) @ (b.float() * sb).T).
+        # The gate/up input-gradient GEMM holds d(gate/up), its E5M2 codes (and transpose), an fp32 copy of
+        # them and two fp32 copies of the transposed weight; its weight-gradient GEMM two fp32 copies of
+        # the transposed E5M2 codes and of the recomputed input.
+        dgrad = 16.0 * i * t + 20.0 * i * h
+        wgrad = (14.0 * i + 9 * h) * t
+        layer_tr, weight_tr = max(layer_tr + weight_tr, dgrad, wgrad), 0.0
+    copies = 2.0 * (s.layers * s.layer_linear_params + head) if rec.weight_copies and not fsdp else 0.0
+    fsdp_tr = fsdp_end = 0.0
+    if fsdp:
+        # Gathered bf16 weights: the root module's (embedding, head, final norm) for the whole step,
+        # and two layers (the running one and the prefetched one); in backward one layer's unsharded
+        # gradient, plus its copy in the reduce dtype.
+        root = s.embed_params + s.head_params + s.hidden
+        reduce_copy = rec.fsdp_reduce_bytes if rec.fsdp_reduce_bytes != compute else 0
+        fsdp_tr = compute * root + 2 * compute * s.layer_params + (compute + reduce_copy) * s.layer_params
+        fsdp_end = (compute + reduce_copy) * (s.embed_params + s.head_params)
+    work = CUDA_WORKSPACE if device == "cuda" else 0.0
+
+    resident = weights + master + states
+    # Backward begins with the loss (everything saved is alive), then the last layer runs with the
+    # LM head's gradient written and what was saved outside the layers already freed.
+    layers_saved = per_layer * s.layers
+    start_tr = max(outside + loss_tr, head_grad + layer_tr + weight_tr)
+    start = resident + copies + layers_saved + start_tr + fsdp_tr + work
+    if rec.grad_release:  # gradients of one layer (and the head's) at a time
+        live_grads = (max(s.layer_params, head) * (compute if fsdp else rec.grad_bytes))
+    else:
+        live_grads = grads
+    end = resident + live_grads + fsdp_end + work
+    common = {"weights": weights, "master weights": master, "optimizer states": states}
+    if start >= end:
+        phase = "backward start"
+        parts = {**common, "gradients": 0.0, "autocast bf16 weight copies": copies,
+                 f"saved activations ({s.layers} layers)": layers_saved,
+                 "saved outside layers + loss backward" if outside + loss_tr >= head_grad + layer_tr + weight_tr
+                 else "LM head gradient + last layer's backward": start_tr, "FSDP2 gathered weights/gradients": fsdp_tr,
+                 "cuBLAS workspaces": work}
+    else:
+        phase = "backward end"
+        parts = {**common, "gradients": live_grads, "autocast bf16 weight copies": 0.0,
+                 "FSDP2 gathered weights/gradients": fsdp_end,
+                 "cuBLAS workspaces": work}
+    peak = max(start, end)
+    reserve = (CUDA_CONTEXT + FRAGMENTATION * peak) if device == "cuda" else 0.0
+    return Plan(model=s.name, recipe=rec.name, batch=batch, seq=seq, gpus=gpus, device=device, n_params=n,
+                phase=phase, parts=parts, saved_per_layer=[(op, b * t) for op, b in layer_ops], peak=peak,
+                other_phase=min(start, end), reserve=reserve,
+                extra={"resident": resident, "saved_per_token_layer": per_layer / t,
+                       "fp8_weight_transient": weight_tr})
+
+
+def max_batch(shape: ModelShape, rec: Recipe | str, seq: int, memory_gib: float, gpus: int = 1,
+              device: str = "cuda", limit: int = 1 << 16) -> int:
+    """The largest batch (sequences per GPU) whose peak plus reserve fits in ``memory_gib``; 0 if none."""
+    cap = memory_gib * GiB
+
+    def fits(b: int) -> bool:
+        p = plan(shape, rec, b, seq, gpus, device)
+        return p.peak + p.reserve <= cap
+
+    if not fits(1):
+        return 0
+    lo = 1
+    while lo < limit and fits(min(2 * lo, limit)):
+        lo = min(2 * lo, limit)
+    hi = min(2 * lo, limit + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# ---- time per step (roofline) -----------------------------------------------------------------------
+
+#: Measured rates (benchmarks/RESULTS.md, DESIGN.md): dense bf16 and FP8 GEMM FLOP/s, device copy B/s.
+GPU_RATES: dict[str, dict[str, Any]] = {
+    "h200": {"bf16": 780e12, "fp8": 1470e12, "bw": 4.25e12, "memory_gib": 139.8,
+             "source": "measured on an H200 (benchmarks/RESULTS.md)"},
+    "h100": {"bf16": 750e12, "fp8": 1300e12, "bw": 3.0e12, "memory_gib": 79.2,
+             "source": "H100 80 GB: tensor-core rates as the H200's, copy bandwidth ~90% of its 3.35 TB/s"},
+}
+
+#: Bytes per parameter that the optimizer step reads and writes.
+OPTIMIZER_BYTES = {"amp": 28.0, "bf16": 14.0, "coat": 4 + 2 + COAT_STATE_BYTES + 4 + 2 + COAT_STATE_BYTES,
+                   "coat-lean": 2 + 2 + COAT_STATE_BYTES + 2 + COAT_STATE_BYTES}
+
+
+def step_time_floor(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, rates: dict[str, float],
+                    gpus: int = 1) -> dict[str, float]:
+    """A lower bound on the time of one step per GPU: GEMM and attention FLOPs at the measured GEMM
+    rates, plus the optimizer step at copy bandwidth (element-wise kernels and host time not counted)."""
+    rec = recipe(rec) if isinstance(rec, str) else rec
+    t = batch * seq
+    dec = 6.0 * shape.layers * shape.layer_linear_params * t
+    head = 6.0 * (shape.head_params or shape.embed_params) * t
+    # Causal attention: QK^T and PV, half the square, backward 2.5x the forward.
+    attn = 3.5 * 2.0 * batch * seq * seq * shape.q_width * shape.layers
+    dec_rate = rates["fp8"] if rec.fp8_weights else rates["bf16"]
+    gemm_s = dec / dec_rate + (head + attn) / rates["bf16"]
+    opt_s = OPTIMIZER_BYTES.get(rec.name.split("+")[0], 14.0) * shape.n_params / gpus / rates["bw"]
+    total = gemm_s + opt_s
+    return {"step_ms": total * 1e3, "gemm_ms": gemm_s * 1e3, "optimizer_ms": opt_s * 1e3,
+            "tokens_per_s": t / total, "tflops": (dec + head + attn) / 1e12}
+
+
+def rates_for(device_name: str) -> dict[str, Any] | None:
+    """The GPU_RATES entry whose key occurs in a device name (``torch.cuda.get_device_name``)."""
+    low = device_name.lower()
+    for key, r in GPU_RATES.items():
+        if key in low:
+            return r
+    return None
+
