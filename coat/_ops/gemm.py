@@ -107,7 +107,7 @@ def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.clone()
 
 
-def _run(a, b, scale_a, scale_b, bias, out_dtype, out_scale, want_amax):
+def _run(a, b, scale_a, scale_b, bias, out_dtype, out_scale, want_amax, fast_accum=False):
     m, k = a.shape
     n = b.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -128,8 +128,19 @@ def _run(a, b, scale_a, scale_b, bias, out_dtype, out_scale, want_amax):
                 scratch = torch.empty(nbytes, dtype=torch.uint8, device=a.device)
     with _dev_ctx(a):
         _C.gemm_fp8(a, _FMT[a.dtype], scale_a, b, _FMT[b.dtype], scale_b, bias, out, out_scale, amax, ws, scratch,
-                    force, st)
+                    force, fast_accum, st)
     return out, amax
+
+
+def _checked_run(check, *args):
+    """Runs the GEMM, leaving argument checks to the core; when it refuses, the Python check
+    (the one the fake implementation runs) names the problem in torch's terms. The happy path,
+    every call of a training step, pays for no second check."""
+    try:
+        return _run(*args)
+    except (ValueError, KeyError, TypeError):
+        check()
+        raise
 
 
 def _check_fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype) -> None:
@@ -147,14 +158,18 @@ def fp8_gemm(
     scale_b: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``(a * scale_a) @ (b * scale_b).T (+ bias)`` as float32 or bfloat16."""
-    _check_fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype)
-    return _run(a, b, scale_a, scale_b, bias, out_dtype, None, False)[0]
+    """``(a * scale_a) @ (b * scale_b).T (+ bias)`` as float32 or bfloat16. ``fast_accum``: Hopper's
+    fast FP8 accumulation (no periodic fp32 promotion; coat uses it for forward GEMMs only)."""
+    if out_dtype == torch.float8_e4m3fn:
+        raise ValueError("out_dtype must be float32 or bfloat16 (use fp8_gemm_amax for an FP8 output)")
+    return _checked_run(lambda: _check_fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype),
+                        a, b, scale_a, scale_b, bias, out_dtype, None, False, fast_accum)[0]
 
 
 @fp8_gemm.register_fake
-def _(a, b, scale_a, scale_b, bias, out_dtype):
+def _(a, b, scale_a, scale_b, bias, out_dtype, fast_accum=False):
     _check_fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 

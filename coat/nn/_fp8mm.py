@@ -24,9 +24,12 @@ from .recipe import ACT_DTYPE
 _BACKEND = os.environ.get("COAT_LAYER_GEMM", "coat")
 
 
+_FMT = {torch.float8_e4m3fn: fmt_id(torch.float8_e4m3fn), torch.float8_e5m2: fmt_id(torch.float8_e5m2)}
+
+
 def quantize(x2d: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool):
     """Per-tensor FP8 with an amax computed on the device: (q, q_t or None, scale)."""
-    q, q_t, scale, _ = qops.quantize_per_tensor_amax(x2d, fmt_id(fp8_dtype), transpose)
+    q, q_t, scale, _ = qops.quantize_per_tensor_amax(x2d, _FMT[fp8_dtype], transpose)
     return q.view(fp8_dtype), (q_t.view(fp8_dtype) if transpose else None), scale
 
 
@@ -65,7 +68,7 @@ def fp8_mm(a, sa, b, sb, out_dtype: torch.dtype, fast_accum: bool = False) -> to
         kp, np_ = _up16(k), _up16(n)
         ap, bp = _pad(a, m, kp), _pad(b, np_, kp)
         dt = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
-        out = gops.fp8_gemm(ap, bp, sa, sb, None, dt)
+        out = gops.fp8_gemm(ap, bp, sa, sb, None, dt, fast_accum)
         out = out if np_ == n else out[:, :n].contiguous()
         return out if dt == out_dtype else out.to(out_dtype)
     return ((a.float() * sa) @ (b.float() * sb).t()).to(out_dtype)

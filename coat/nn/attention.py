@@ -4,8 +4,10 @@
   with the input RMSNorm fused in front (``fused.norm_linear``): nothing of the norm or the QKV
   input is saved beyond the FP8 norm input.
 - Qwen3's per-head q/k norms use the FP8-saved RMSNorm.
-- RoPE saves nothing: its backward is the inverse rotation, from the shared cos/sin tensors the
-  model's rotary embedding passes in as ``position_embeddings``.
+- RoPE saves nothing: one kernel reads q and k from the fused QKV output, rotates them and writes
+  them (and v) as the contiguous tensors attention takes; its backward is the inverse rotation,
+  from the shared cos/sin tensors the model's rotary embedding passes in as
+  ``position_embeddings``, written straight into the fused QKV gradient.
 - Attention itself stays BF16 through the model's configured attention function (torch SDPA by
   default), which handles GQA, padding masks, sliding windows and KV caches as Hugging Face does.
 - o_proj is an FP8 GEMM that saves its input in FP8 (transposed).
@@ -19,45 +21,56 @@ import sys
 import torch
 from torch import nn
 
+from .._ops import rope as rops
 from .fused import norm_linear
 from .mlp import _bias_list
 from .norm import rms_norm
 from .recipe import resolve
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((-x2, x1), dim=-1)
+class _RopeQKVFn(torch.autograd.Function):
+    """The fused QKV output -> (RoPE'd q, RoPE'd k, v), contiguous [B, S, heads, D], in one kernel;
+    backward writes the fused QKV gradient in one kernel. Saves only cos and sin (shared by every
+    layer)."""
 
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, hq, hk, dim):
+        q, k, v = rops.rope_qkv(qkv, cos, sin, hq, hk, dim)
+        ctx.save_for_backward(cos, sin)
+        ctx.shapes = tuple((t.shape, t.dtype) for t in (q, k, v))
+        return q, k, v
 
-def _rotate_half_t(x: torch.Tensor) -> torch.Tensor:
-    """The transpose of rotate_half: (z1, z2) -> (z2, -z1)."""
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((x2, -x1), dim=-1)
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        grads = []
+        for g, like in zip((dq, dk, dv), ctx.shapes):
+            grads.append(torch.zeros(like[0], dtype=like[1], device=cos.device) if g is None else g.contiguous())
+        return rops.rope_qkv_bwd(*grads, cos, sin), None, None, None, None, None
 
 
 class _RopeFn(torch.autograd.Function):
-    """x * cos + rotate_half(x) * sin over [B, S, H, D] with cos/sin [B or 1, S, D]; backward is
-    the inverse rotation, so only cos and sin (shared by every layer) are kept."""
+    """RoPE on one [B, S, heads, D] tensor (Qwen3's q and k come out of their own norms first)."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        out = (x * c + _rotate_half(x) * s).to(x.dtype)
         ctx.save_for_backward(cos, sin)
-        ctx.x_dtype = x.dtype
-        return out
+        return rops.rope(x.contiguous(), cos, sin, False)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        dx = dy * c + _rotate_half_t(dy * s)
-        return dx.to(ctx.x_dtype), None, None
+        return rops.rope(dy.contiguous(), cos, sin, True), None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` over [B, S, heads, D] with cos/sin [B or 1, S, D]."""
     return _RopeFn.apply(x, cos, sin)
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int, dim: int):
+    """(q, k, v) with RoPE on q and k, from the fused QKV output [B, S, (hq + 2 hk) dim]."""
+    return _RopeQKVFn.apply(qkv, cos, sin, hq, hk, dim)
 
 
 def _attention_fn(module: nn.Module):
@@ -83,17 +96,17 @@ class Fp8AttentionMixin:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 0.0
         projs = (self.q_proj, self.k_proj, self.v_proj)
         qkv = norm_linear(hidden_states, nw, eps, [p.weight for p in projs], _bias_list(*projs), recipe)
-        q, k, v = qkv.split([p.out_features for p in projs], dim=-1)
-        q = q.view(*b_s, -1, d)
-        k = k.view(*b_s, -1, d)
-        if hasattr(self, "q_norm"):
-            q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, recipe)
-            k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, recipe)
         cos, sin = position_embeddings
-        # New tensors (not views of qkv), so attention keeps q, k, v alive but not the QKV buffer.
-        q = apply_rope(q, cos, sin).transpose(1, 2)
-        k = apply_rope(k, cos, sin).transpose(1, 2)
-        v = v.reshape(*b_s, -1, d).transpose(1, 2).contiguous()
+        hq, hk = self.q_proj.out_features // d, self.k_proj.out_features // d
+        if hasattr(self, "q_norm"):  # Qwen3: per-head norms between the projection and RoPE
+            q, k, v = qkv.split([p.out_features for p in projs], dim=-1)
+            q = rms_norm(q.view(*b_s, hq, d), self.q_norm.weight, self.q_norm.variance_epsilon, recipe)
+            k = rms_norm(k.view(*b_s, hk, d), self.k_norm.weight, self.k_norm.variance_epsilon, recipe)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            v = v.reshape(*b_s, hk, d).contiguous()
+        else:  # new tensors (not views of qkv): attention keeps q, k, v alive but not the QKV buffer
+            q, k, v = rope_qkv(qkv, cos, sin, hq, hk, d)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         kwargs.setdefault("sliding_window", getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)))

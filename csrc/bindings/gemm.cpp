@@ -29,7 +29,7 @@ void gemm_fp8_py(const Array& a_, int a_fmt, const Array& scale_a_, const Array&
                  const Array& scale_b_, std::optional<Array> bias_, MutArray out_,
                  std::optional<Array> out_scale_, std::optional<MutArray> amax_,
                  std::optional<MutArray> workspace_, std::optional<MutArray> scratch_,
-                 bool force_bf16, uintptr_t stream) {
+                 bool force_bf16, bool fast_accum, uintptr_t stream) {
   const View a = view_of(a_, "a"), b = view_of(b_, "b"), sa = view_of(scale_a_, "scale_a"),
              sb = view_of(scale_b_, "scale_b"), out = view_of(out_, "out");
   expect_kind(a, Kind::kUInt8);
@@ -90,6 +90,7 @@ void gemm_fp8_py(const Array& a_, int a_fmt, const Array& scale_a_, const Array&
   g.out = out.data;
   g.out_scale = out_scale_ ? static_cast<const float*>(out_scale.data) : nullptr;
   g.amax = amax_ ? static_cast<float*>(amax.data) : nullptr;
+  g.fast_accum = fast_accum;
   // same_device takes an initializer_list; check pairwise against a instead.
   for (const View* v : all) same_device({&a, v});
   if (!a.cuda) {
@@ -132,7 +133,8 @@ void register_gemm(nb::module_& m) {
   m.attr("GEMM_WORKSPACE_BYTES") = kGemmDefaultWorkspace;
   m.def("gemm_fp8", &gemm_fp8_py, arg("a"), arg("a_fmt"), arg("scale_a"), arg("b"), arg("b_fmt"),
         arg("scale_b"), arg("bias").none(), arg("out"), arg("out_scale").none(), arg("amax").none(),
-        arg("workspace").none(), arg("scratch").none(), arg("force_bf16"), arg("stream"));
+        arg("workspace").none(), arg("scratch").none(), arg("force_bf16"), arg("fast_accum"),
+        arg("stream"));
   m.def("gemm_fp8_scratch_bytes", &gemm_fp8_scratch_bytes_py, arg("device"), arg("m"), arg("n"),
         arg("k"), arg("out_type"), arg("force_bf16"));
   m.def("gemm_fp8_native", &gemm_fp8_native_py, arg("device"));

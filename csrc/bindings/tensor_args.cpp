@@ -99,10 +99,12 @@ View view_of(const TensorArg& a, const char* name) {
   PyObject* o = a.obj.ptr();
   View v;
   v.name = name;
-  if (!PyObject_HasAttr(o, n.data_ptr) || !PyObject_HasAttr(o, n.shape))
-    throw_invalid(std::string(name) + " must be a torch.Tensor, got " +
-                  nb::type_name(a.obj.type()).c_str());
-  v.cuda = truthy(attr(o, n.is_cuda));
+  PyObject* is_cuda = PyObject_GetAttr(o, n.is_cuda);
+  if (is_cuda == nullptr) {
+    PyErr_Clear();
+    throw_invalid(std::string(name) + " must be a torch.Tensor, got " + nb::type_name(a.obj.type()).c_str());
+  }
+  v.cuda = truthy(nb::steal(is_cuda));
   COAT_CHECK_ARG(v.cuda || truthy(attr(o, n.is_cpu)), std::string(name) + " must be a CPU or CUDA tensor");
   v.device = v.cuda ? static_cast<int>(PyLong_AsLong(call0(o, n.get_device).ptr())) : 0;
   const DtypeEntry& dt = dtype_entry(attr(o, n.dtype).ptr());

@@ -135,7 +135,7 @@ cudaDataType_t fp8_type(Fp8Format f) { return f == Fp8Format::kE4M3 ? CUDA_R_8F_
 
 // Everything the heuristic's choice depends on.
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool,
-                           uint32_t, uint32_t, uint32_t, uint32_t, size_t>;
+                           uint32_t, uint32_t, uint32_t, uint32_t, size_t, bool>;
 
 // Descriptors and the chosen algorithm of one problem. The descriptor carries per-call pointers
 // (scales, bias, amax), so a call holds `mu` from setting them until cublasLtMatmul is enqueued.
@@ -201,7 +201,8 @@ std::shared_ptr<Plan> get_plan(const PlanKey& key, const Fp8GemmArgs& g, const L
   if (c.bf16_path) {
     set_attr(p->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, CUBLASLT_POINTER_MODE_DEVICE);
   } else {
-    const int8_t fast_accum = 0;  // periodic promotion to fp32: the accuracy coat promises
+    // Without fast accumulation, partial sums are promoted to fp32 periodically (the default).
+    const int8_t fast_accum = g.fast_accum ? 1 : 0;
     set_attr(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum);
     set_attr(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(c.a_op_scale));
     set_attr(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(c.b_op_scale));
@@ -272,7 +273,8 @@ void run_lt(const Fp8GemmArgs& g, const LtCall& c, DeviceState& ds, int dev, voi
                     alignment_of(c.b_op),
                     alignment_of(c.d),
                     alignment_of(c.bias),
-                    ws_bytes};
+                    ws_bytes,
+                    !c.bf16_path && g.fast_accum};
   std::shared_ptr<Plan> p = get_plan(key, g, c, ds.handle, ws_bytes);
   std::lock_guard<std::mutex> lock(p->mu);
   if (!c.bf16_path) {

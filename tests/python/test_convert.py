@@ -140,17 +140,6 @@ def test_bad_inputs():
     assert coat.convert(m, recipe="bf16") is m and type(m.model.layers[0]).__name__ == "LlamaDecoderLayer"
 
 
-def test_cli_recipes_imply_fp8_activations():
-    from coat.cli.train import TrainConfig, resolve_config
-
-    assert resolve_config(TrainConfig(device="cpu")).activations == "bf16"
-    assert resolve_config(TrainConfig(device="cpu", activations="fp8")).activations == "fp8"
-    fp8 = resolve_config(TrainConfig(device="cpu", recipe="fp8"))
-    assert fp8.activations == "fp8" and fp8.optim == "torch"
-    full = resolve_config(TrainConfig(device="cpu", recipe="coat"))
-    assert full.activations == "fp8" and full.optim == "coat"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", MODELS + [("llama", 40, 5, 1, 72)], ids=[m[0] for m in MODELS] + ["llama-h40"])
 def test_gpu_bf16_close_to_hf(spec, gen):

@@ -21,7 +21,7 @@
 //   inputs are FP8). For bf16/fp32 output a separate pass reads the stored output, so on the GPU
 //   that amax carries the output's rounding (one bf16 ulp at most).
 // - Devices with FP8 tensor cores (compute capability >= 8.9) run cuBLASLt FP8 kernels with fp32
-//   accumulation (no "fast accumulation"). Others (sm80) keep the same API: both operands are
+//   accumulation (no "fast accumulation" unless args.fast_accum). Others (sm80) keep the same API: both operands are
 //   decoded exactly to bf16 in `scratch` (FP8 values are bf16 values) and a bf16 cuBLASLt GEMM with
 //   fp32 accumulation and alpha = a_scale * b_scale computes the same sum: results match within
 //   accumulation order. `force_bf16` takes that path on any device (tests, comparisons).
@@ -69,6 +69,10 @@ struct Fp8GemmArgs {
   GemmOut out_type = GemmOut::kBFloat16;
   const float* out_scale = nullptr;  // FP8 output only
   float* amax = nullptr;             // optional
+  // Hopper's fast FP8 accumulation (no periodic promotion of the tensor cores' partial sums to
+  // fp32): ~10-15% faster, less accurate over long K. TransformerEngine uses it for the forward
+  // GEMM only; coat's layers do the same (Fp8Recipe.fast_accum_fwd). Ignored on the bf16 path.
+  bool fast_accum = false;
 };
 
 // Whether `device` runs FP8 tensor-core kernels (compute capability >= 8.9).
