@@ -249,8 +249,10 @@ def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dic
 def progress_line(r: dict[str, Any]) -> str:
     head = f"{r['model']} {r['setup']} batch {r['batch']}" + (f" x {r['world']} ranks" if r.get("world", 1) > 1 else "")
     if r["status"] == "ok":
-        est = f", estimate {r['estimate_gib']:.2f}" if r.get("estimate_gib") is not None else ""
-        return (f"{head}: peak {r['peak_gib']:.2f} GiB{est}, {r['tokens_per_s']:,.0f} tokens/s, "
+        scale, unit = _unit([r])
+        est = f", estimate {r['estimate_gib'] * scale:.2f}" if r.get("estimate_gib") is not None else ""
+        peak = "not measured" if r.get("peak_gib") is None else f"{r['peak_gib'] * scale:.2f} {unit}"
+        return (f"{head}: peak {peak}{est}, {r['tokens_per_s']:,.0f} tokens/s, "
                 f"step {r['step_ms']:.1f} ms, host {r['host_ms']:.1f} ms ({r['wall_s']:.0f} s)")
     return f"{head}: {r['status']} {r.get('reason') or r.get('error') or ''}".rstrip()
 
@@ -274,29 +276,39 @@ def _f(v: Any, fmt: str) -> str:
     return "" if v is None else format(v, fmt)
 
 
+def _unit(records: list[dict[str, Any]]) -> tuple[float, str]:
+    """GiB, or MiB when every peak is below 1 GiB (CPU-sized models)."""
+    peaks = [r.get(k) for r in records for k in ("peak_gib", "estimate_gib") if r.get(k) is not None]
+    return (1024.0, "MiB") if peaks and max(peaks) < 1 else (1.0, "GiB")
+
+
 def markdown(records: list[dict[str, Any]]) -> str:
-    cols = ["model", "setup", "batch", "peak GiB", "estimate GiB", "resident GiB", "tokens/s", "vs amp", "vs bf16",
-            "step ms", "spread", "host ms", "host / step"]
+    k, unit = _unit(records)
+    cols = ["model", "setup", "batch", f"peak {unit}", f"estimate {unit}", f"resident {unit}", "tokens/s", "vs amp",
+            "vs bf16", "step ms", "spread", "host ms", "host / step"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" if c in ("model", "setup") else "---:" for c in cols) + "|"]
-    for r in records:
+    order = {s: i for i, s in enumerate(dict.fromkeys(r["setup"] for r in records))}
+    for r in sorted(records, key=lambda r: (r["model"], r.get("world", 1), order[r["setup"]], r["batch"])):
         model = r["model"] + (f" (FSDP2 x{r['world']}, per GPU)" if r.get("world", 1) > 1 else "")
+        est, peak, res = (r.get(x) for x in ("estimate_gib", "peak_gib", "resident_gib"))
         if r["status"] != "ok":
             what = "oom (predicted)" if r.get("predicted") else r["status"]
-            cells = [model, r["setup"], str(r["batch"]), what, _f(r.get("estimate_gib"), ".1f")] + [""] * 8
+            cells = [model, r["setup"], str(r["batch"]), what, _f(est and est * k, ".1f")] + [""] * 8
         else:
-            est = r.get("estimate_gib")
-            est_s = "" if est is None else f"{est:.1f} ({(est / r['peak_gib'] - 1) * 100:+.0f}%)"
-            cells = [model, r["setup"], str(r["batch"]), f"{r['peak_gib']:.2f}", est_s, f"{r['resident_gib']:.2f}"
-                     if r.get("resident_gib") is not None else "", f"{r['tokens_per_s']:,.0f}",
+            est_s = "" if est is None else f"{est * k:.1f}" + ("" if not peak else f" ({(est / peak - 1) * 100:+.0f}%)")
+            cells = [model, r["setup"], str(r["batch"]), "n/a" if peak is None else f"{peak * k:.2f}", est_s,
+                     _f(res and res * k, ".2f"), f"{r['tokens_per_s']:,.0f}",
                      _f(r.get("vs_amp"), ".2f"), _f(r.get("vs_bf16"), ".2f"), f"{r['step_ms']:.1f}",
                      f"{r['spread'] * 100:.1f}%", f"{r['host_ms']:.1f}", f"{r['host_ms'] / r['step_ms']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"- {r['model']} {r['setup']} batch {r['batch']}: {r['status']}: {r.get('reason') or r.get('error')}"
+             for r in records if r["status"] not in ("ok", "oom") or r.get("predicted")]
     devices = sorted({r.get("device") for r in records if r.get("device")})
     commits = sorted({r.get("commit") for r in records if r.get("commit")})
     lines.append("")
     lines.append(f"device: {', '.join(devices) or '?'}; commit {', '.join(commits) or '?'}; sequence "
                  f"{', '.join(sorted({str(r['seq']) for r in records}))}")
-    return "\n".join(lines)
+    return "\n".join(lines + notes)
 
 
 def record_key(r: dict[str, Any]) -> str:
@@ -339,29 +351,30 @@ def plot(records: list[dict[str, Any]], png: Path) -> list[Path]:
         FigureCanvasAgg(fig)
         ax_m, ax_t = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         setups = list(dict.fromkeys(r["setup"] for r in rs))
-        top = max([r.get("peak_gib") or 0 for r in rs] + [r.get("gpu_memory_gib") or 0
-                                                           for r in rs])
+        k, unit = _unit(rs)
+        top = max([(r.get("peak_gib") or 0) * k for r in rs] + [(r.get("gpu_memory_gib") or 0) * k for r in rs])
         for i, s in enumerate(setups):
             ok = sorted((r for r in rs if r["setup"] == s and r["status"] == "ok"), key=lambda r: r["batch"])
             c = f"C{i}"
             if ok:
                 b = [r["batch"] for r in ok]
-                ax_m.plot(b, [r["peak_gib"] for r in ok], "o-", color=c, label=s)
+                if ok[0].get("peak_gib") is not None:
+                    ax_m.plot(b, [r["peak_gib"] * k for r in ok], "o-", color=c, label=s)
                 if ok[0].get("estimate_gib") is not None:
-                    ax_m.plot(b, [r["estimate_gib"] for r in ok], "--", color=c, alpha=0.6)
+                    ax_m.plot(b, [r["estimate_gib"] * k for r in ok], "--", color=c, alpha=0.6)
                 ax_t.plot(b, [r["tokens_per_s"] for r in ok], "o-", color=c, label=s)
             for r in rs:
                 if r["setup"] == s and r["status"] == "oom":
                     ax_m.plot([r["batch"]], [top], "x", color=c, markersize=9)
         mem = next((r.get("gpu_memory_gib") for r in rs if r.get("gpu_memory_gib")), None)
         if mem:
-            ax_m.axhline(mem, color="grey", linewidth=0.8, linestyle=":")
-        for ax, label in ((ax_m, "peak memory (GiB)"), (ax_t, "tokens/s" + (" per GPU" if world > 1 else ""))):
+            ax_m.axhline(mem * k, color="grey", linewidth=0.8, linestyle=":")
+        for ax, label in ((ax_m, f"peak memory ({unit})"), (ax_t, "tokens/s" + (" per GPU" if world > 1 else ""))):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch (sequences" + (" per GPU)" if world > 1 else ")"))
             ax.set_ylabel(label)
             ax.grid(True, alpha=0.3)
-            if ax.lines:
+            if any(not line.get_label().startswith("_") for line in ax.lines):
                 ax.legend(fontsize=8)
         ax_m.set_title("measured (solid), estimate (dashed), out of memory (x)", fontsize=9)
         fig.suptitle(f"{model}, {dev}" + (f", FSDP2 x{world}" if world > 1 else ""))
