@@ -173,7 +173,7 @@ class AdamW(torch.optim.Optimizer):
         if any(isinstance(b, torch.Tensor) for b in betas):
             raise ValueError("betas as Tensors are not supported by coat.optim.AdamW: its kernel takes the betas "
                              "as floats at each launch (only lr can be a tensor read on the device); pass "
-                             f"floats, e.g. betas=({float(betas[0])}, {float(betas[1])})")
+                             "floats, e.g. betas=(0.9, 0.999)")
         for i, b in enumerate(betas):
             if not _finite(b) or not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be a float in [0, 1))")
@@ -351,7 +351,8 @@ class AdamW(torch.optim.Optimizer):
                 continue
             if local.data_ptr() in seen:  # one launch would update it twice, racing with itself
                 raise ValueError(f"a parameter of shape {tuple(local.shape)} appears more than once in the "
-                                 "optimizer's parameter groups; pass each parameter once")
+                                 "optimizer's parameter groups (or two parameters start at the same address); "
+                                 "pass each parameter once")
             seen.add(local.data_ptr())
             rows.append(_state.descriptor_row(local, grad, state, begin, _state.shard_index(p)))
             begin += _state.groups(local.numel())
