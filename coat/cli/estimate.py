@@ -124,12 +124,11 @@ def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
             continue
         note = f"   {b / n:.2f} B/param" if name in ("weights", "master weights", "optimizer states", "gradients") else ""
         lines.append(f"  {name:52s}{_gib(b)}{note}")
-        if name.startswith("saved activations"):
-            for op, ob in r["saved_per_layer_gib"].items():
-                lines.append(f"      per layer: {op:52s}{ob * GiB / MiB:8.1f} MiB")
-    if r["phase"] == "backward end":
-        lines.append(f"  (saved activations at the backward start: {r['extra']['saved_per_token_layer'] * shape.layers * r['batch'] * r['seq'] / GiB:.2f} GiB"
-                     f" over {shape.layers} layers)")
+    per_layer = r["extra"]["saved_per_token_layer"] * r["batch"] * r["seq"]
+    lines.append(f"saved activations per layer, by op ({per_layer / MiB:.1f} MiB per layer, "
+                 f"{per_layer * shape.layers / GiB:.2f} GiB over {shape.layers} layers, alive at the backward start):")
+    for op, ob in r["saved_per_layer_gib"].items():
+        lines.append(f"  {op:52s}{ob * GiB / MiB:8.1f} MiB")
     lines.append(f"needs {r['required_gib']:.2f} GiB with the CUDA context and allocator fragmentation "
                  f"({memory.CUDA_CONTEXT / GiB:.1f} GiB + {memory.FRAGMENTATION:.0%})")
     mb = r["max_batch"]

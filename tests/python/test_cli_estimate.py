@@ -1,0 +1,96 @@
+"""coat estimate: the plan of coat/memory.py as a command (text and --json), presets, config.json
+files and checkpoint folders, FSDP2 per-GPU figures, the fit, the roofline, bad flags, speed."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from coat import memory as M
+from coat.cli import estimate as E
+from coat.cli.main import main
+
+
+def _run(capsys, *argv: str) -> str:
+    assert main(["estimate", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_json_has_peak_max_batch_and_parts(capsys):
+    r = json.loads(_run(capsys, "--model", "llama2-7b", "--recipe", "amp", "--batch", "2", "--gpu", "h200", "--json"))
+    p = M.plan(M.PRESETS["llama2-7b"], "amp", 2, 2048)
+    assert r["peak_gib"] == round(p.peak_gib, 3)
+    assert r["max_batch"] == M.max_batch(M.PRESETS["llama2-7b"], "amp", 2048, 139.8) == 2
+    assert r["gpu_memory_gib"] == 139.8 and r["phase"] == "backward start"
+    assert sum(r["parts_gib"].values()) == pytest.approx(r["peak_gib"], abs=0.01)
+    assert r["parts_gib"]["autocast bf16 weight copies"] > 12  # 2 B per linear weight
+    assert set(r["saved_per_layer_gib"]) == {op for op, _ in M.layer_saved(M.PRESETS["llama2-7b"], "hf-amp")}
+    t = r["time"]
+    assert 0 < t["gemm_ms"] < t["step_ms"] and t["tokens_per_s"] == pytest.approx(2 * 2048 / t["step_ms"] * 1e3)
+
+
+def test_text_names_every_part_and_the_fit(capsys):
+    out = _run(capsys, "--model", "llama2-13b", "--recipe", "coat-lean", "--batch", "2", "--gpu", "h100")
+    for words in ("13.02 B parameters", "weights", "optimizer states", "saved activations per layer, by op",
+                  "attention (SDPA)", "largest batch that fits in 79.2 GiB (--gpu h100):",
+                  "time per step >="):
+        assert words in out, (words, out)
+    out = _run(capsys, "--model", "llama2-7b", "--recipe", "amp", "--gpu-memory", "80")
+    assert "largest batch that fits in 80.0 GiB (--gpu-memory): none" in out
+
+
+def test_config_file_folder_and_fsdp(tmp_path, capsys):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    by_file = json.loads(_run(capsys, "--model", str(tmp_path / "config.json"), "--recipe", "coat", "--json"))
+    by_dir = json.loads(_run(capsys, "--model", str(tmp_path), "--recipe", "coat", "--json"))
+    preset = json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--json"))
+    assert by_file["peak_gib"] == by_dir["peak_gib"] == preset["peak_gib"]
+    assert by_file["n_params"] == M.PRESETS["llama3-8b"].n_params
+    two = json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--gpus", "2", "--json"))
+    assert two["gpus"] == 2 and two["peak_gib"] < preset["peak_gib"]
+    assert two["parts_gib"]["weights"] == pytest.approx(preset["parts_gib"]["weights"] / 2, abs=0.01)
+    assert "FSDP2" in _run(capsys, "--model", "llama3-8b", "--gpus", "2")
+    # a mode that exists only as a plan says so
+    assert "modeled from their design" in _run(capsys, "--model", "llama3-8b", "--recipe", "coat-lean+fused-loss")
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--model", "gpt-5"], "--model"),
+    (["--model", "llama2-7b", "--recipe", "fp4"], "--recipe"),
+    (["--model", "llama2-7b", "--batch", "0"], "--batch"),
+    (["--model", "llama2-7b", "--gpus", "-1"], "--gpus"),
+    (["--model", "llama2-7b", "--gpu-memory", "0"], "--gpu-memory"),
+    (["--model", "llama2-7b", "--gpu", "tpu"], "--gpu"),
+])
+def test_bad_flags_are_named(capsys, argv, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", *argv])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_every_preset_and_recipe_well_under_a_second():
+    t0 = time.perf_counter()
+    for shape in M.PRESETS.values():
+        for rec in M.RECIPES:
+            M.plan(shape, rec, 4, 4096, 1)
+            M.max_batch(shape, rec, 4096, 79.2)
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default is the GPU's memory when one is present")
+def test_default_memory_without_gpu(capsys):
+    r = json.loads(_run(capsys, "--model", "mistral-7b", "--recipe", "coat-lean", "--json"))
+    assert r["gpu_memory_gib"] == E.DEFAULT_MEMORY_GIB and "time" not in r
+
+
+@pytest.mark.gpu
+def test_measured_rates_on_this_gpu(capsys):
+    r = json.loads(_run(capsys, "--model", "llama2-7b", "--measure-rates", "--json"))
+    assert r["time"]["rates_source"].startswith("measured now") and r["time"]["step_ms"] > 0
+    assert r["gpu_memory_gib"] == pytest.approx(torch.cuda.get_device_properties(0).total_memory / M.GiB)
