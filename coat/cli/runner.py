@@ -125,7 +125,8 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
 def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> dict[str, Any]:
     """Which parts of the step ran in FP8 and which did not, read from the model and optimizer."""
     layers = dt.decoder_layers(model)
-    fp8_layers = sum(type(m).__name__.startswith("Fp8") for m in layers)
+    # coat.convert gives each converted layer a class named Fp8<Original>; FSDP2 subclasses it again.
+    fp8_layers = sum(any(c.__name__.startswith("Fp8") for c in type(m).__mro__) for m in layers)
     high = "bf16 (autocast)" if cfg.dtype == "bf16" else "fp32"
     fp8, other = [], []
     if fp8_layers:

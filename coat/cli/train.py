@@ -163,7 +163,11 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist) -> Path | None:
     if last is None:
         raise ConfigError("--resume", f"{folder} holds no whole checkpoint (a run writes them with --save-every N, "
                           "and when Ctrl-C or SIGTERM stops it)")
-    step = ckpt.read_meta(last)["step"]
+    meta = ckpt.read_meta(last)
+    if meta["world_size"] != d.world:
+        raise ConfigError("--resume", f"{last} was written by {meta['world_size']} process(es); resume it with the "
+                          f"same number (this run has {d.world})")
+    step = meta["step"]
     if step >= cfg.steps:
         raise ConfigError("--resume", f"the run in {folder} already finished its {cfg.steps} steps; "
                           "pass --steps with a larger total to train further")

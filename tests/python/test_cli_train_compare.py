@@ -1,0 +1,93 @@
+"""`coat train` with no recipe: coat and the BF16 baseline, each in a fresh process, same seed and
+data order, one table and one PNG; Ctrl-C stops the comparison cleanly and --resume finishes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from coat.cli import checkpoint as ckpt
+from coat.cli.compare import comparison_table
+from coat.cli.main import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STDLIB_JSON = Path(sysconfig.get_paths()["stdlib"]) / "json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _summary(**kw) -> dict:
+    base = dict(final_val_loss=2.0, final_train_loss=1.9, peak_memory_bytes=600 * 2**20, peak_memory_kind="peak_rss",
+                peak_memory_above_start_bytes=100 * 2**20, optimizer_state_bytes=8 * 2**20, tokens_per_s=1000.0,
+                train_time_s=10.0, steps=100, tokens=102400, n_params=10**6, world_size=1, device="cpu",
+                precision={"fp8": ["GEMMs"], "not_fp8": ["LM head"]})
+    return base | kw
+
+
+def test_comparison_table() -> None:
+    table = comparison_table({"bf16": _summary(), "coat": _summary(
+        final_val_loss=2.01, optimizer_state_bytes=2 * 2**20 + 2**18, tokens_per_s=500.0, train_time_s=20.0,
+        peak_memory_above_start_bytes=80 * 2**20)}, "bf16", "coat")
+    md = table["markdown"]
+    assert "| final validation loss | 2.0000 | 2.0100 | +0.0100 (+0.50%) |" in md
+    assert "| optimizer states | 8.0 MiB | 2.2 MiB | 0.28x |" in md
+    assert "| tokens/s | 1,000 | 500 | 0.50x |" in md
+    assert "| peak memory (process RSS) | 600.0 MiB | 600.0 MiB | 1.00x |" in md
+    assert "|   added by training (peak RSS - RSS at start) | 100.0 MiB | 80.0 MiB | 0.80x |" in md
+    assert "coat, in FP8: GEMMs." in md and "coat, not in FP8: LM head." in md
+    assert "C++ reference kernels" in md  # a CPU table says its tokens/s mean nothing for GPUs
+    assert table["rows"]["coat"]["final_val_loss"] == 2.01
+
+
+def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
+                                    if line.endswith("}")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def test_compare_is_stopped_by_ctrl_c_and_resumed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    top = tmp_path / "cmp"
+    argv = ["train", "--device", "cpu", "--model", "tiny", "--steps", "100000", "--batch-size", "4", "--seq-len", "32",
+            "--eval-batches", "2", "--eval-every", "4", "--log-every", "1", "--schedule", "constant",
+            "--warmup-steps", "0", "--data", str(STDLIB_JSON), "--cache-dir", str(tmp_path / "cache"),
+            "--out", str(top), "--quiet"]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "coat", *argv], env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(top / "bf16" / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends; the parent forwards it to the training child
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err
+    assert err.count("SIGINT: stopping after this step") == 1  # delivered once, not twice (which aborts)
+    k = json.loads((top / "bf16" / "summary.json").read_text())["steps"]
+    assert [s for s, _ in ckpt.checkpoints(top / "bf16")] == [k]
+    assert not (top / "coat").exists() and not (top / "comparison.md").exists()  # the second run never started
+
+    steps = k + 4
+    assert main(["train", "--resume", str(top), "--steps", str(steps), "--quiet"]) == 0
+    runs = {r: json.loads((top / r / "summary.json").read_text()) for r in ("bf16", "coat")}
+    assert all(r["finished"] and r["steps"] == steps for r in runs.values())
+    assert runs["coat"]["optimizer_state_bytes"] < 0.3 * runs["bf16"]["optimizer_state_bytes"]
+    # Same seed, so the same initial weights; same data order, so near-identical first losses.
+    first = {r: [json.loads(line) for line in (top / r / "metrics.jsonl").read_text().splitlines()][:2]
+             for r in runs}
+    assert abs(first["bf16"][0]["val_loss"] - first["coat"][0]["val_loss"]) < 0.01
+    assert abs(first["bf16"][1]["loss"] - first["coat"][1]["loss"]) < 0.01
+    md = (top / "comparison.md").read_text()
+    for row in ("final validation loss", "peak memory (process RSS)", "optimizer states", "tokens/s"):
+        assert f"| {row} |" in md
+    assert "coat, in FP8: GEMMs of 2/2 decoder layers" in md
+    assert (top / "comparison.png").read_bytes()[:8] == PNG_MAGIC
+    table = json.loads((top / "comparison.json").read_text())
+    assert table["coat"]["final_val_loss"] == runs["coat"]["final_val_loss"]

@@ -1,0 +1,157 @@
+"""`coat train --init PATH`: fine-tuning a Hugging Face checkpoint folder (Llama, Mistral, Qwen2,
+Qwen3) with its own tokenizer on JSONL data, and `--save` through save_pretrained. The
+checkpoints are tiny ones the tests create (no download)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coat.cli.config import TrainConfig
+from coat.cli.main import main
+from coat.cli.train import train
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TEXTS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)]
+
+
+def make_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXTS, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+
+
+def make_checkpoint(folder: Path, model_type: str, tokenizer: bool = True) -> Path:
+    """A randomly initialized 2-layer model of ``model_type``, saved as a Hugging Face folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
+    if model_type == "qwen3":
+        kw["head_dim"] = 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
+    model.save_pretrained(folder)
+    if tokenizer:
+        make_tokenizer(folder)
+    return folder
+
+
+def write_jsonl(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXTS)))
+    return path
+
+
+def finetune_config(tmp: Path, ckpt: Path, name: str, **overrides) -> TrainConfig:
+    base = dict(init=str(ckpt), data=str(tmp / "ft.jsonl"), steps=8, batch_size=4, seq_len=48, lr=3e-3,
+                warmup_steps=1, eval_every=4, eval_batches=2, log_every=1, out=str(tmp / name),
+                cache_dir=str(tmp / "cache"), device="cpu", quiet=True, recipe="coat", save_every=8)
+    return TrainConfig(**(base | overrides))
+
+
+_LOGITS = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+out = {}
+for folder in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = AutoTokenizer.from_pretrained(folder)("def function_3(x):", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out[folder] = (ids, model(ids).logits)
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_finetune_each_model_type_and_reload_in_a_fresh_process(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    write_jsonl(tmp_path / "ft.jsonl")
+    saved: dict[str, tuple[Path, Path]] = {}
+    for model_type in MODEL_TYPES:
+        ckpt = make_checkpoint(tmp_path / f"ckpt-{model_type}", model_type)
+        result = train(finetune_config(tmp_path, ckpt, f"ft-{model_type}"))
+        assert result["finished"] and result["final_val_loss"] < result["initial_val_loss"] - 0.5, model_type
+        config = json.loads(Path(result["config"]).read_text())
+        assert config["init"]["model_type"] == model_type and config["corpus"]["tokenizer"] == "hf"
+        assert config["corpus"]["split"] == "documents"  # JSONL records are documents
+        saved[model_type] = (Path(result["model_dir"]), Path(result["out_dir"]) / "checkpoints" / "step_00000008")
+
+    # A fresh process with plain transformers loads every saved folder (weights, config, tokenizer).
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "logits.pt"
+    proc = subprocess.run([sys.executable, "-c", _LOGITS, str(out), *(str(m) for m, _ in saved.values())],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    fresh = torch.load(out, weights_only=True)
+    for model_type, (model_dir, last_ckpt) in saved.items():
+        cfg = json.loads((model_dir / "config.json").read_text())
+        assert cfg["model_type"] == model_type and cfg["architectures"][0].endswith("ForCausalLM")
+        # The trained weights, from the last training checkpoint, in a plain model of the init config:
+        # the saved model must give the same logits (keys unchanged, nothing lost).
+        plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / f"ckpt-{model_type}")).eval()
+        plain.load_state_dict(torch.load(last_ckpt / "model_optim.pt", weights_only=True)["model"])
+        ids, logits = fresh[str(model_dir)]
+        assert torch.equal(ids, AutoTokenizer.from_pretrained(tmp_path / f"ckpt-{model_type}")(
+            "def function_3(x):", return_tensors="pt").input_ids)
+        with torch.no_grad():
+            assert torch.equal(logits, plain(ids).logits), model_type
+        before = AutoModelForCausalLM.from_pretrained(tmp_path / f"ckpt-{model_type}")
+        assert not torch.equal(before.lm_head.weight, plain.lm_head.weight)  # it did train
+
+
+def test_init_without_tokenizer_uses_bytes_and_save_is_on(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "ft.jsonl")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False)
+    result = train(finetune_config(tmp_path, ckpt, "ft", recipe="bf16", save_every=None, steps=4))
+    assert result["model_dir"] is not None and not (Path(result["model_dir"]) / "tokenizer.json").exists()
+    config = json.loads(Path(result["config"]).read_text())
+    assert config["corpus"]["tokenizer"] == "byte" and config["train"]["save"] is True
+    assert config["train"]["lr"] == 3e-3 and config["model"]["vocab_size"] == 320
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--device", "cpu", *argv])
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_init_folders(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "argument --init: " + str(empty) + " has no config.json" in _usage_error(
+        ["--init", str(empty), "--out", str(out)], capsys)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257}))
+    assert "argument --init: model_type 'gpt2' in" in _usage_error(["--init", str(gpt2), "--out", str(out)], capsys)
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 320,
+                                                        "max_position_embeddings": 256}))
+    assert "has no weights" in _usage_error(["--init", str(no_weights), "--out", str(out)], capsys)
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2")
+    assert "argument --tokenizer: --init" in _usage_error(["--init", str(ckpt), "--tokenizer", "byte"], capsys)
+    assert "argument --seq-len: 512 exceeds the model's max positions (256)" in _usage_error(
+        ["--init", str(ckpt), "--seq-len", "512", "--out", str(out)], capsys)
+    import numpy as np
+
+    np.save(tmp_path / "ids.npy", np.arange(1000) % 400)  # ids up to 399; the model has 320
+    assert "argument --data: " in _usage_error(
+        ["--init", str(ckpt), "--data", str(tmp_path / "ids.npy"), "--out", str(out)], capsys)
+    assert not out.exists()
