@@ -21,7 +21,6 @@ those two ends and the peak is the larger of them (plus the transients above).
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -284,7 +283,8 @@ def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
         if shape.qk_norm:
             ops.append(("q/k RMSNorm", _norm(q, nh, "hf-bf16") + _norm(kv, shape.kv_heads, "hf-bf16")))
         ops += [("attention (SDPA)", sdpa), ("post-attention RMSNorm", _norm(h, 1, table)),
-                ("gate/up input", 2 * h * (1 if table == "hf-bf16" else 2)), ("SwiGLU (gate, silu, up, product)", 8 * i)]
+                ("gate/up input", 2 * h * (1 if table == "hf-bf16" else 2)),
+                ("SwiGLU (gate, silu, up, product)", 8 * i)]
         return ops
     if table == "coat":
         ops = [("input RMSNorm + q/k/v (FP8 norm input)", _fp8_norm_input(h, 1))]

@@ -130,7 +130,8 @@ def gpu_info() -> dict[str, Any]:
     """Name and memory of GPU 0, asked in a child process: this process must not hold a CUDA context
     (hundreds of MiB) while the configurations measure their peaks."""
     if not _GPU:
-        code = "import torch, json; p = torch.cuda.get_device_properties(0); print(json.dumps([p.name, p.total_memory]))"
+        code = ("import torch, json; p = torch.cuda.get_device_properties(0); "
+                "print(json.dumps([p.name, p.total_memory]))")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         name, total = json.loads(out.stdout.strip().splitlines()[-1])
         _GPU.update(name=name, memory_gib=total / memory.GiB)
@@ -286,7 +287,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
     k, unit = _unit(records)
     cols = ["model", "setup", "batch", f"peak {unit}", f"estimate {unit}", f"resident {unit}", "tokens/s", "vs amp",
             "vs bf16", "step ms", "spread", "host ms", "host / step"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" if c in ("model", "setup") else "---:" for c in cols) + "|"]
+    align = ["---" if c in ("model", "setup") else "---:" for c in cols]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(align) + "|"]
     order = {s: i for i, s in enumerate(dict.fromkeys(r["setup"] for r in records))}
     for r in sorted(records, key=lambda r: (r["model"], r.get("world", 1), order[r["setup"]], r["batch"])):
         model = r["model"] + (f" (FSDP2 x{r['world']}, per GPU)" if r.get("world", 1) > 1 else "")
@@ -369,8 +371,10 @@ def plot(records: list[dict[str, Any]], png: Path) -> list[Path]:
         mem = next((r.get("gpu_memory_gib") for r in rs if r.get("gpu_memory_gib")), None)
         if mem:
             ax_m.axhline(mem * k, color="grey", linewidth=0.8, linestyle=":")
+        ticks = sorted({r["batch"] for r in rs})
         for ax, label in ((ax_m, f"peak memory ({unit})"), (ax_t, "tokens/s" + (" per GPU" if world > 1 else ""))):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(b) for b in ticks])
             ax.set_xlabel("batch (sequences" + (" per GPU)" if world > 1 else ")"))
             ax.set_ylabel(label)
             ax.grid(True, alpha=0.3)

@@ -122,7 +122,8 @@ def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
     for name, b in r["parts"].items():
         if b == 0:
             continue
-        note = f"   {b / n:.2f} B/param" if name in ("weights", "master weights", "optimizer states", "gradients") else ""
+        per_param = name in ("weights", "master weights", "optimizer states", "gradients")
+        note = f"   {b / n:.2f} B/param" if per_param else ""
         lines.append(f"  {name:52s}{_gib(b)}{note}")
     per_layer = r["extra"]["saved_per_token_layer"] * r["batch"] * r["seq"]
     lines.append(f"saved activations per layer, by op ({per_layer / MiB:.1f} MiB per layer, "

@@ -6,7 +6,6 @@ with FSDP2 on two gloo ranks; the GPU sweep on a CUDA machine (marker gpu)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
