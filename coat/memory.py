@@ -378,7 +378,6 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     layer_ops = layer_saved(s, table)
     per_layer = sum(b for _, b in layer_ops) * t
     outside = sum(b for _, b in outside_saved(s, table, rec.fused_loss)) * t
-    saved = per_layer * s.layers + outside
 
     # Transients at the start of backward, beyond what is saved.
     v = s.vocab
@@ -482,8 +481,8 @@ def max_batch(shape: ModelShape, rec: Recipe | str, seq: int, memory_gib: float,
 GPU_RATES: dict[str, dict[str, Any]] = {
     "h200": {"bf16": 780e12, "fp8": 1470e12, "bw": 4.25e12, "memory_gib": 139.8,
              "source": "measured on an H200 (benchmarks/RESULTS.md)"},
-    "h100": {"bf16": 750e12, "fp8": 1300e12, "bw": 3.0e12, "memory_gib": 79.2,
-             "source": "H100 80 GB: tensor-core rates as the H200's, copy bandwidth ~90% of its 3.35 TB/s"},
+    "h100": {"bf16": 780e12, "fp8": 1470e12, "bw": 3.0e12, "memory_gib": 79.2,
+             "source": "H100 80 GB: the H200's tensor-core rates (DESIGN.md), copy ~90% of its 3.35 TB/s"},
 }
 
 #: Bytes per parameter that the optimizer step reads and writes.
@@ -494,7 +493,8 @@ OPTIMIZER_BYTES = {"amp": 28.0, "bf16": 14.0, "coat": 4 + 2 + COAT_STATE_BYTES +
 def step_time_floor(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, rates: dict[str, float],
                     gpus: int = 1) -> dict[str, float]:
     """A lower bound on the time of one step per GPU: GEMM and attention FLOPs at the measured GEMM
-    rates, plus the optimizer step at copy bandwidth (element-wise kernels and host time not counted)."""
+    rates, plus the optimizer step at copy bandwidth (element-wise kernels, host time and FSDP2
+    communication not counted)."""
     rec = recipe(rec) if isinstance(rec, str) else rec
     t = batch * seq
     dec = 6.0 * shape.layers * shape.layer_linear_params * t
