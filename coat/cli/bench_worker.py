@@ -132,6 +132,8 @@ def _prep_torchao(model, ctx):
             and mod.out_features % 16 == 0
 
     convert_to_float8_training(model, module_filter_fn=keep)
+    # A layer whose guards differ from the first compiled one would recompile; never fall back to eager.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in model.model.layers:
         layer.compile()
     opt = AdamW8bit(model.parameters(), lr=ctx.lr, bf16_stochastic_round=True)
@@ -372,17 +374,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         res = {"setup": cfg.get("setup"), "batch": cfg.get("batch"), "status": "error",
                "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
     with open(path + ".tmp", "w") as f:
         json.dump(res, f)
     os.replace(path + ".tmp", path)  # the orchestrator never reads half a file
-    # Under torchrun a rank that ran out of memory must not leave its peers waiting in a collective:
-    # a non-zero exit makes torchrun stop the group.
-    return 0 if res.get("status") in ("ok", "skipped") else 3
+    ok = res.get("status") in ("ok", "skipped")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if not ok:
+            # Peers may wait in a collective this rank will never join, and tearing the group down
+            # would wait with them: leave at once; the non-zero exit makes torchrun stop the group.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(3)
+        dist.destroy_process_group()
+    return 0 if ok else 3
 
 
 if __name__ == "__main__":

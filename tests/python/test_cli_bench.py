@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -115,8 +116,6 @@ def test_out_of_memory_is_this_configurations_result(monkeypatch):
 
     monkeypatch.setitem(bench_worker.SETUPS, "oomy", bench_worker.Setup("oomy", "raises", "bf16", torch.bfloat16,
                                                                         prepare))
-    from dataclasses import asdict
-
     res = bench_worker.run_config({"setup": "oomy", "shape": asdict(M.PRESETS["tiny"]), "batch": 1, "seq": 16,
                                    "warmup": 1, "steps": 1, "device": "cpu"})
     assert res["status"] == "oom" and res["phase"] == "build" and "out of memory" in res["error"]
@@ -183,6 +182,37 @@ def test_fsdp_on_two_gloo_ranks(tmp_path):
         assert r["estimate_gib"] == pytest.approx(M.plan(M.PRESETS["tiny"], r["recipe"], 1, 128, 2, "cpu").peak_gib)
     assert recs["coat"]["vs_amp"] > 0
     assert "FSDP2 x2, per GPU" in p.stdout
+
+
+_OOM_RANK = """
+import os, sys, torch
+from coat.cli import bench_worker as W
+if os.environ["RANK"] == "1":
+    def prepare(model, ctx):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated on rank 1)")
+    W.SETUPS["bf16"] = W.Setup("bf16", "", "bf16", torch.bfloat16, prepare)
+sys.exit(W.main())
+"""
+
+
+def test_a_rank_out_of_memory_ends_the_group(tmp_path, monkeypatch):
+    # Rank 0 waits for rank 1 in its first all-gather; rank 1 runs out of memory before it: torchrun must
+    # stop the group (no hang) and the configuration reads as out of memory.
+    script = tmp_path / "oom_rank.py"
+    script.write_text(_OOM_RANK)
+    real_popen = bench.subprocess.Popen
+
+    def popen(cmd, **kw):
+        i = cmd.index("-m", cmd.index("--nproc-per-node=2"))
+        return real_popen(cmd[:i] + [str(script)] + cmd[i + 2:], **kw)
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    cfg = {"setup": "bf16", "shape": asdict(M.PRESETS["tiny"]), "batch": 1, "seq": 32, "warmup": 1, "steps": 1,
+           "device": "cpu", "fsdp": True}
+    t0 = bench.time.time()
+    res = bench.launch(cfg, 2, timeout=120, fsdp=True)
+    assert res["status"] == "oom" and "rank 1" in res["error"] and res["rank"] == 1
+    assert bench.time.time() - t0 < 100
 
 
 @pytest.mark.gpu
