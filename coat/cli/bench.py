@@ -468,11 +468,21 @@ def run_here(opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     cfg = {"setup": setup, "shape": asdict(shape), "batch": batch, "seq": opts["seq"], "warmup": args.warmup,
            "steps": args.steps, "device": opts["device"], "fsdp": True, "commit": commit(),
            "run_id": time.strftime("%Y%m%dT%H%M%S")}
+    import torch.distributed as dist
+
     res = run_config(cfg)
     rec = {**res, "model": name, "world": world, "estimate_gib": estimate(shape, SETUPS[setup].recipe, batch,
                                                                             opts["seq"], world, opts["device"])}
-    if rec.get("status") == "ok":
-        rec["peak_gib"] = max(p for p in rec.get("rank_peak_gib", [rec["peak_gib"]]) if p is not None)
+    if rec.get("status") not in ("ok", "skipped"):
+        # Peers may wait in a collective this rank never joins: report, then leave at once; the non-zero
+        # exit makes torchrun stop the group.
+        print(progress_line(dict(rec, wall_s=0.0)), flush=True)
+        os._exit(3)
+    peaks = [p for p in rec.get("rank_peak_gib", []) if p is not None]
+    if peaks:
+        rec["peak_gib"] = max(peaks)
+    if dist.is_initialized():
+        dist.destroy_process_group()
     add_ratios([rec])
     return rec
 
