@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import BASELINE_RECIPE, RECIPE_PARTS, TrainConfig
+from coat.cli.config import BASELINE_RECIPE, RECIPE_PARTS, ConfigError, TrainConfig
 from coat.cli.plot import plot_comparison
 from coat.cli.runner import RunPlan
 
@@ -94,6 +94,11 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
         ckpt.write_json_atomic(plan.out / "compare.json", {"train": asdict(cfg), "runs": {r: r for r in runs},
                                                            "world_size": d.world})
     d.barrier()
+    for recipe, folder in runs.items():
+        done = _finished(folder)
+        if done is not None and done["planned_steps"] != cfg.steps:
+            raise ConfigError("--steps", f"the {recipe} run in {folder} finished {done['planned_steps']} steps; both "
+                              "recipes of a comparison train the same number (drop --steps)")
     results: dict[str, dict[str, Any]] = {}
     for recipe, folder in runs.items():
         done = _finished(folder)
@@ -115,9 +120,12 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
                                 quiet=cfg.quiet, threads=cfg.threads, cache_dir=cfg.cache_dir) if resume else sub
             rc = _run_child(child)
             summary = folder / "summary.json"
-            if not summary.is_file():
-                raise RuntimeError(f"the {recipe} run failed (exit status {rc}) before writing {summary}")
-            results[recipe] = json.loads(summary.read_text())
+            if summary.is_file():
+                results[recipe] = json.loads(summary.read_text())
+            else:  # it failed, or was aborted (a second Ctrl-C), before its summary: its output says why
+                results[recipe] = {"finished": False, "exit_status": rc,
+                                   "stopped_by": {130: "SIGINT", 143: "SIGTERM"}.get(rc)}
+                log(f"[{recipe}] ended with exit status {rc} before writing {summary}")
         else:
             if d.is_main and resume is None:
                 folder.mkdir()

@@ -219,6 +219,8 @@ def exit_code(result: dict[str, Any]) -> int:
     for r in runs:
         if r.get("diverged_at") is not None:
             return 1
+        if r.get("exit_status") and not r.get("stopped_by"):
+            return 1
         if r.get("stopped_by"):
             return 143 if r["stopped_by"] == "SIGTERM" else 130
     return 0

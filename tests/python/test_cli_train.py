@@ -313,13 +313,11 @@ def test_default_recipe_is_coat_compared_with_bf16() -> None:
     assert (cfg.recipe, cfg.compare) == ("bf16", False)
 
 
-def test_cpu_defaults_stay_below_one_pass() -> None:
-    for device in ("cpu", "cuda"):
-        d = DEVICE_DEFAULTS[device]
-        tokens = d["steps"] * d["batch_size"] * d["seq_len"]
-        # Fewer tokens than a tenth of the stdlib alone (the smallest part of the built-in corpus).
-        assert tokens < 0.1 * sum(f.stat().st_size for f in data.stdlib_files()) or device == "cuda"
-        assert tokens < 0.2 * sum(f.stat().st_size for fs in data.builtin_sources().values() for f in fs)
+def test_defaults_stay_far_below_one_pass_over_the_corpus() -> None:
+    corpus_bytes = sum(f.stat().st_size for fs in data.builtin_sources().values() for f in fs)
+    for device, d in DEVICE_DEFAULTS.items():
+        tokens = d["steps"] * d["batch_size"] * d["seq_len"]  # byte tokens: one per byte of source
+        assert tokens < 0.1 * corpus_bytes, device  # no token seen twice on average: no memorization
 
 
 @pytest.fixture

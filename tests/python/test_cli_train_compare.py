@@ -91,3 +91,21 @@ def test_compare_is_stopped_by_ctrl_c_and_resumed(tmp_path: Path, capsys: pytest
     assert (top / "comparison.png").read_bytes()[:8] == PNG_MAGIC
     table = json.loads((top / "comparison.json").read_text())
     assert table["coat"]["final_val_loss"] == runs["coat"]["final_val_loss"]
+
+
+@pytest.mark.gpu
+def test_compare_on_a_gpu(tmp_path: Path) -> None:
+    """The default comparison's GPU path at a tiny size: bf16 autocast, CUDA peaks, FP8 states."""
+    top = tmp_path / "cmp"
+    assert main(["train", "--device", "cuda", "--model", "tiny", "--steps", "40", "--batch-size", "8", "--seq-len",
+                 "128", "--eval-batches", "2", "--log-every", "5", "--data", str(STDLIB_JSON),
+                 "--cache-dir", str(tmp_path / "cache"), "--out", str(top), "--quiet"]) == 0
+    runs = {r: json.loads((top / r / "summary.json").read_text()) for r in ("bf16", "coat")}
+    for r in runs.values():
+        assert r["finished"] and r["device"] == "cuda" and r["peak_memory_kind"] == "cuda_max_allocated"
+        assert r["peak_memory_bytes"] > 0 and r["tokens_per_s"] > 0
+        assert any("bf16 (autocast)" in p for p in r["precision"]["not_fp8"])
+    assert runs["coat"]["optimizer_state_bytes"] < 0.3 * runs["bf16"]["optimizer_state_bytes"]
+    # FP8 noise on a tiny model: the final losses agree to a few percent.
+    assert abs(runs["coat"]["final_val_loss"] / runs["bf16"]["final_val_loss"] - 1) < 0.05
+    assert "peak memory (CUDA max allocated)" in (top / "comparison.md").read_text()

@@ -32,8 +32,8 @@ def torchrun(*argv: str, nproc: int = 2) -> subprocess.CompletedProcess:
                            "-m", "coat", "train", *argv], capture_output=True, text=True, env=env, timeout=600)
 
 
-def tiny_args(tmp: Path, out: str, recipe: str) -> list[str]:
-    return ["--device", "cpu", "--recipe", recipe, "--model", "tiny", "--steps", "6", "--save-every", "3",
+def tiny_args(tmp: Path, out: str, recipe: str, device: str = "cpu") -> list[str]:
+    return ["--device", device, "--recipe", recipe, "--model", "tiny", "--steps", "6", "--save-every", "3",
             "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--eval-batches", "2", "--log-every", "1",
             "--data", str(STDLIB_JSON), "--cache-dir", str(tmp / "cache"), "--out", str(tmp / out), "--quiet"]
 
@@ -107,3 +107,14 @@ def test_fsdp2_two_ranks_train_checkpoint_and_resume_exactly(tmp_path: Path, rec
                          capture_output=True, text=True, timeout=300,
                          env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
     assert one.returncode == 2 and "written by 2 process(es)" in one.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+                    reason="needs two CUDA devices and NCCL")
+def test_fsdp2_two_gpus(tmp_path: Path) -> None:
+    proc = torchrun(*tiny_args(tmp_path, "gpus", "coat", device="cuda"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpus" / "summary.json").read_text())
+    assert summary["finished"] and summary["world_size"] == 2 and summary["peak_memory_kind"] == "cuda_max_allocated"
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5
