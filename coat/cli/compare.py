@@ -28,10 +28,12 @@ from coat.cli.runner import RunPlan
 _MiB = 2**20
 
 
-def _sub_config(cfg: TrainConfig, recipe: str, out: Path) -> TrainConfig:
-    act, opt = RECIPE_PARTS.get(recipe, (cfg.activations, cfg.optim))
-    return replace(cfg, recipe=recipe, activations=act, optim=opt, compare=False, out=str(out), resume=None,
-                   master_weights=cfg.master_weights if opt == "coat" else "fp32")
+def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainConfig:
+    """One side of the comparison, as flags: its activations and optimizer named, no recipe (a
+    combination outside the named recipes has no name to give), everything else as the user gave it."""
+    act, opt = parts
+    return replace(flags, recipe=None, activations=act, optim=opt, compare=False, out=str(out), resume=None,
+                   master_weights=flags.master_weights if opt == "coat" else "fp32")
 
 
 def _set_death_signal() -> None:
@@ -88,11 +90,14 @@ def _finished(folder: Path) -> dict[str, Any] | None:
 def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str, Any]:
     from coat.cli import runner
 
+    from coat.cli.config import resolve_config
+
     cfg = plan.cfg
     runs = _sub_runs(plan)
-    if d.is_main and not (plan.out / "compare.json").exists():
-        ckpt.write_json_atomic(plan.out / "compare.json", {"train": asdict(cfg), "runs": {r: r for r in runs},
-                                                           "world_size": d.world})
+    parts = {BASELINE_RECIPE: RECIPE_PARTS[BASELINE_RECIPE], cfg.recipe: (cfg.activations, cfg.optim)}
+    if d.is_main:
+        ckpt.write_json_atomic(plan.out / "compare.json", {"train": asdict(cfg), "flags": asdict(plan.flags or cfg),
+                                                           "runs": {r: r for r in runs}, "world_size": d.world})
     d.barrier()
     for recipe, folder in runs.items():
         done = _finished(folder)
@@ -106,7 +111,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
             log(f"[{recipe}] already finished in {folder}")
             results[recipe] = done
             continue
-        sub = _sub_config(cfg, recipe, folder)
+        sub = _sub_flags(plan.flags or cfg, parts[recipe], folder)
         resume = ckpt.latest(folder) if folder.exists() else None
         if folder.exists() and resume is None and d.is_main:
             # Stopped before its first checkpoint: set aside (never deleted), and started again.
@@ -129,7 +134,8 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
         else:
             if d.is_main and resume is None:
                 folder.mkdir()
-            sub_plan = RunPlan(sub, plan.corpus, folder, plan.init, plan.tokenizer, resume)
+            resolved = resolve_config(sub, plan.init.max_positions if plan.init else None)
+            sub_plan = RunPlan(resolved, plan.corpus, folder, plan.init, plan.tokenizer, resume, sub)
             results[recipe] = runner.run(sub_plan, d, log)
         if not results[recipe].get("finished"):
             return {"runs": results, "out_dir": str(plan.out)}

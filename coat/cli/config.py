@@ -129,6 +129,9 @@ def recipe_name(activations: str, optim: str) -> str:
 
 
 def _resolve_recipe(cfg: TrainConfig) -> TrainConfig:
+    if cfg.recipe is not None and cfg.recipe not in RECIPE_PARTS and cfg.activations and cfg.optim \
+            and cfg.recipe == recipe_name(cfg.activations, cfg.optim):
+        return cfg  # already resolved: a combination of parts outside the named recipes
     if cfg.recipe is not None:
         if cfg.recipe not in RECIPE_PARTS:
             raise ConfigError("--recipe", f"invalid choice {cfg.recipe!r} (choose from {', '.join(RECIPES)})")
@@ -182,8 +185,6 @@ def resolve_config(cfg: TrainConfig, init_max_positions: int | None = None) -> T
     if cfg.init is None:
         preset = MODEL_PRESETS.get(cfg.model, {})
         cfg = replace(cfg, **{k: v for k, v in preset.items() if getattr(cfg, k) is None})
-    elif init_max_positions is not None:
-        cfg = replace(cfg, max_positions=init_max_positions)
     steps = cfg.steps if isinstance(cfg.steps, int) and cfg.steps > 0 else 1
     return replace(
         cfg,
@@ -208,8 +209,9 @@ def _finite(name: str, value: float, lo: float | None = None, hi: float | None =
         raise ConfigError(flag(name), f"must be {'<' if hi_open else '<='} {hi}, got {value}")
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Reject settings that cannot work, naming the flag; ``cfg`` must be resolved. Pure:
+def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
+    """Reject settings that cannot work, naming the flag; ``cfg`` must be resolved
+    (``init_max_positions``: the --init model's context length). Pure:
     reads no data and writes nothing (the checks that need the data or the file system are in
     ``coat.cli.train``)."""
     choices = {"device": DEVICES[1:], "dtype": DTYPES[1:], "activations": ACTIVATIONS, "optim": OPTIMIZERS,
@@ -249,8 +251,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.init is None and (cfg.hidden_size % cfg.heads or (cfg.hidden_size // cfg.heads) % 2):
         raise ConfigError("--heads", f"--hidden-size {cfg.hidden_size} must split into {cfg.heads} heads "
                           "of even size (needed by rotary embeddings)")
-    if cfg.max_positions is not None and cfg.seq_len > cfg.max_positions:
-        raise ConfigError("--seq-len", f"{cfg.seq_len} exceeds the model's max positions ({cfg.max_positions}); "
+    max_positions = init_max_positions if cfg.init is not None else cfg.max_positions
+    if max_positions is not None and cfg.seq_len > max_positions:
+        raise ConfigError("--seq-len", f"{cfg.seq_len} exceeds the model's max positions ({max_positions}); "
                           "lower --seq-len" + ("" if cfg.init else " or raise --max-positions"))
     if cfg.tokenizer == "bpe" and not 512 <= cfg.vocab_size <= 65536:
         raise ConfigError("--vocab-size", f"must be in [512, 65536] for the bpe tokenizer, got {cfg.vocab_size}")

@@ -37,6 +37,7 @@ class RunPlan:
     init: InitCheckpoint | None = None
     tokenizer: HFTokenizer | None = None
     resume: Path | None = None  # the checkpoint folder to continue from
+    flags: TrainConfig | None = None  # the settings as given, before defaults: what --resume resolves again
 
 
 # ---- model and optimizer ------------------------------------------------------------------------
@@ -247,6 +248,11 @@ def run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str, Any]
     else:
         torch.set_float32_matmul_precision("high")  # TF32 for whatever autocast leaves in fp32
         torch.cuda.reset_peak_memory_stats(device)
+    # Libraries the run loads lazily (model code, plotting) are loaded first, so that the RSS the
+    # run adds above its start counts the model, optimizer, activations and allocator, not imports.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+
     rss_start, rss_reset = dt.rss_bytes(), dt.reset_rss_peak()
     stop = StopSignals().__enter__()
     try:
@@ -302,14 +308,14 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         _set_rng_state(rng, rank_state, device)
     resumed = plan.resume is not None
     if main:
-        run_info = {"train": asdict(cfg), "model": model.config.to_dict(), "n_params": n_params,
+        run_info = {"train": asdict(cfg), "flags": asdict(plan.flags or cfg), "model": model.config.to_dict(), "n_params": n_params,
                     "world_size": d.world, "precision": precision,
                     "init": plan.init.summary() if plan.init else None,
                     "corpus": corpus.info | {"train_tokens": len(corpus.train), "val_tokens": len(corpus.val),
                                              "vocab_size": corpus.vocab_size},
                     "environment": _environment(device)}
-        if not resumed:
-            ckpt.write_json_atomic(paths["config"], run_info)
+        # Rewritten on resume too: a later resume must see the flags this one changed (--steps).
+        ckpt.write_json_atomic(paths["config"], run_info)
         metrics = ckpt.MetricsLog(paths["metrics"], upto=state["step"] if resumed else None)
     name = "{:.1f}M".format(n_params / 1e6)
     log(f"[{cfg.recipe}] {name} parameters on {d.world} x {device.type} ({cfg.dtype}); corpus: "
@@ -429,7 +435,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     if main:
         metrics.close()
         plot_loss(paths["metrics"], paths["plot"],
-                  title=f"{name} Llama, {cfg.recipe}, {device.type} {cfg.dtype}")
+                  title=f"{name} {model.config.model_type}, {cfg.recipe}, {device.type} {cfg.dtype}")
         ckpt.write_json_atomic(paths["summary"], results)
     if diverged_at is not None:
         log(f"[{cfg.recipe}] the loss became non-finite at step {diverged_at} (training diverged); "
@@ -440,4 +446,6 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     else:
         log(f"[{cfg.recipe}] done in {results['wall_time_s']:.0f}s ({results['train_time_s']:.0f}s training): "
             f"val loss {state['initial_val']:.3f} -> {state['last_val']:.3f}, {results['tokens']:,} tokens")
+    written = [p.name for p in paths.values()] + [n + "/" for n in ("model", ckpt.CHECKPOINTS) if (out / n).is_dir()]
+    log(f"[{cfg.recipe}] in {out}: {', '.join(written)}")
     return results

@@ -56,19 +56,23 @@ def resume_config(cfg: TrainConfig) -> TrainConfig:
     if not saved_file.is_file():
         raise ConfigError("--resume", f"{folder} is not a coat train output folder (no config.json)")
     try:
-        saved = json.loads(saved_file.read_text())["train"]
+        saved = json.loads(saved_file.read_text())
+        known = {f.name for f in fields(TrainConfig)}
+        ran = TrainConfig(**{k: v for k, v in saved["train"].items() if k in known})
+        flags = TrainConfig(**{k: v for k, v in saved.get("flags", saved["train"]).items() if k in known})
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError("--resume", f"{saved_file} is not a coat train config ({e})") from None
-    known = {f.name for f in fields(TrainConfig)}
-    base = TrainConfig(**{k: v for k, v in saved.items() if k in known})
     if cfg.out is not None and Path(cfg.out).resolve() != folder.resolve():
         raise ConfigError("--out", f"a resumed run writes into its own folder ({folder}); drop --out")
     for name in sorted(explicit_fields(cfg) - {"resume", "out", *RESUME_OVERRIDES}):
-        if getattr(cfg, name) != getattr(base, name):
+        if getattr(cfg, name) != getattr(ran, name):
             raise ConfigError(flag(name), f"cannot change when resuming (the run in {folder} used "
-                              f"{getattr(base, name)!r}); drop the flag")
+                              f"{getattr(ran, name)!r}); drop the flag")
     overrides = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if k in explicit_fields(cfg)}
-    return replace(base, **overrides, out=str(folder), resume=str(folder))
+    # The run's own flags, resolved again; what was derived from the machine or from --steps is
+    # pinned to what the run used, so a resume on another machine or to more steps continues it.
+    pinned = {k: getattr(ran, k) for k in ("device", "dtype", "warmup_steps", "eval_every", "min_lr")}
+    return replace(flags, **pinned, **overrides, out=str(folder), resume=str(folder))
 
 
 def _rank0_first(d: dt.Dist, fn: Callable[[], Any]) -> Any:
@@ -96,6 +100,7 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
 
     if cfg.resume is not None:
         cfg = resume_config(cfg)
+    flags = cfg
     check_init_flags(cfg)
     init = None
     if cfg.init is not None:
@@ -106,7 +111,7 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
         if cfg.tokenizer is not None and init.has_tokenizer:
             raise ConfigError("--tokenizer", f"--init {cfg.init} brings its own tokenizer; drop --tokenizer")
     cfg = resolve_config(cfg, init.max_positions if init else None)
-    validate(cfg)
+    validate(cfg, init.max_positions if init else None)
     _check_imports(cfg)
     if cfg.data is not None and not Path(cfg.data).exists():
         raise ConfigError("--data", f"path does not exist: {cfg.data}")
@@ -145,7 +150,7 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
     if cfg.resume is not None:
         resume_from = _check_resume(cfg, corpus, d)
     out = _reserve(cfg, d)
-    return RunPlan(cfg, corpus, out, init, tokenizer, resume_from)
+    return RunPlan(cfg, corpus, out, init, tokenizer, resume_from, flags)
 
 
 def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist) -> Path | None:

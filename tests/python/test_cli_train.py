@@ -313,6 +313,16 @@ def test_default_recipe_is_coat_compared_with_bf16() -> None:
     assert (cfg.recipe, cfg.compare) == ("bf16", False)
 
 
+@pytest.mark.parametrize("flags", [
+    dict(), dict(recipe="bf16"), dict(recipe="fp8", compare=True), dict(optim="torch"),
+    dict(activations="bf16", optim="coat", master_weights="bf16_sr"), dict(tokenizer="bpe", vocab_size=1024),
+    dict(init="/some/ckpt", steps=40), dict(model="tiny", steps=7, save_every=3),
+])
+def test_resolving_is_idempotent(flags: dict) -> None:
+    once = resolve_config(TrainConfig(device="cpu", **flags), 256 if "init" in flags else None)
+    assert resolve_config(once, 256 if "init" in flags else None) == once
+
+
 def test_defaults_stay_far_below_one_pass_over_the_corpus() -> None:
     corpus_bytes = sum(f.stat().st_size for fs in data.builtin_sources().values() for f in fs)
     for device, d in DEVICE_DEFAULTS.items():

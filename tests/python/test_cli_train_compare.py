@@ -46,6 +46,22 @@ def test_comparison_table() -> None:
     assert table["rows"]["coat"]["final_val_loss"] == 2.01
 
 
+def test_each_side_of_a_comparison_resolves_to_its_recipe() -> None:
+    from coat.cli.compare import _sub_flags
+    from coat.cli.config import TrainConfig, resolve_config
+
+    # Parts given without a recipe (bf16 activations, FP8 optimizer states): a combination with no
+    # recipe name, compared with bf16; each side's flags resolve without contradicting themselves.
+    flags = TrainConfig(activations="bf16", optim="coat", master_weights="bf16_sr", device="cpu")
+    top = resolve_config(flags)
+    assert top.compare and top.recipe == "bf16-activations+coat-adamw"
+    base = resolve_config(_sub_flags(flags, ("bf16", "torch"), Path("b")))
+    side = resolve_config(_sub_flags(flags, (top.activations, top.optim), Path("c")))
+    assert (base.recipe, base.compare, base.master_weights) == ("bf16", False, "fp32")
+    assert (side.recipe, side.compare, side.master_weights) == (top.recipe, False, "bf16_sr")
+    assert resolve_config(side) == side  # a resolved side resolves to itself
+
+
 def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -123,6 +123,19 @@ def test_init_without_tokenizer_uses_bytes_and_save_is_on(tmp_path: Path) -> Non
     assert config["train"]["lr"] == 3e-3 and config["model"]["vocab_size"] == 320
 
 
+def test_init_run_resumes_exactly(tmp_path: Path) -> None:
+    import shutil
+
+    write_jsonl(tmp_path / "ft.jsonl")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "mistral")
+    straight = train(finetune_config(tmp_path, ckpt, "straight", recipe="bf16", steps=6, save_every=3, save=False))
+    half = tmp_path / "half"
+    shutil.copytree(tmp_path / "straight", half, ignore=shutil.ignore_patterns("step_00000006", ".lock"))
+    (half / "summary.json").unlink()
+    resumed = train(TrainConfig(resume=str(half), quiet=True))
+    assert resumed["finished"] and resumed["final_val_loss"] == straight["final_val_loss"]
+
+
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     with pytest.raises(SystemExit) as exc:
         main(["train", "--device", "cpu", *argv])
