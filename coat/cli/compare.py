@@ -155,6 +155,10 @@ def _fmt_bytes(n: float | None) -> str:
     return "n/a" if n is None else f"{n / _MiB:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
+def _fmt_seconds(t: float) -> str:
+    return f"{t:.1f} s" if t < 100 else f"{t:.0f} s"
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if not a or not b else f"{b / a:.2f}x"
 
@@ -178,8 +182,9 @@ def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str) 
           if b.get("peak_memory_above_start_bytes") is not None else []),
         ("optimizer states", _fmt_bytes(a["optimizer_state_bytes"]), _fmt_bytes(b["optimizer_state_bytes"]),
          _ratio(a["optimizer_state_bytes"], b["optimizer_state_bytes"])),
-        ("tokens/s", f"{a['tokens_per_s']:,.0f}", f"{b['tokens_per_s']:,.0f}", _ratio(a["tokens_per_s"], b["tokens_per_s"])),
-        ("training time", f"{a['train_time_s']:.0f} s", f"{b['train_time_s']:.0f} s",
+        ("tokens/s", f"{a['tokens_per_s']:,.0f}", f"{b['tokens_per_s']:,.0f}",
+         _ratio(a["tokens_per_s"], b["tokens_per_s"])),
+        ("training time", _fmt_seconds(a["train_time_s"]), _fmt_seconds(b["train_time_s"]),
          _ratio(a["train_time_s"], b["train_time_s"])),
     ]
     device = b["device"]

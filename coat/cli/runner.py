@@ -308,8 +308,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         _set_rng_state(rng, rank_state, device)
     resumed = plan.resume is not None
     if main:
-        run_info = {"train": asdict(cfg), "flags": asdict(plan.flags or cfg), "model": model.config.to_dict(), "n_params": n_params,
-                    "world_size": d.world, "precision": precision,
+        run_info = {"train": asdict(cfg), "flags": asdict(plan.flags or cfg), "model": model.config.to_dict(),
+                    "n_params": n_params, "world_size": d.world, "precision": precision,
                     "init": plan.init.summary() if plan.init else None,
                     "corpus": corpus.info | {"train_tokens": len(corpus.train), "val_tokens": len(corpus.val),
                                              "vocab_size": corpus.vocab_size},
@@ -334,7 +334,6 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
             "step": step, "pending": pending, "scheduler": scheduler.state_dict()}
         path = ckpt.save(out, step, model, optimizer, train_state, _rng_state(rng, device), d, cfg.keep_last)
         state["pending"] = [torch.tensor(p, device=device) for p in pending]
-        state["saved_step"] = step
         log(f"[{cfg.recipe}] checkpoint {path}")
 
     state["pending"] = [torch.tensor(p, device=device) for p in state["pending"]]
@@ -406,6 +405,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     bar.close()
 
     finished = stopped_by is None and diverged_at is None
+    memory = peak_memory(device, d, rss_start, rss_reset)  # of the training, before --save copies the weights
     saved_model = None
     if finished and cfg.save:
         from coat.cli.pretrained import save_model
@@ -418,7 +418,6 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
             saved_model = str(save_model(full, model.config, out / "model", dtype, tok, arch))
             log(f"[{cfg.recipe}] model saved to {saved_model} ({dtype})")
         d.barrier()
-    memory = peak_memory(device, d, rss_start, rss_reset)
     opt_bytes = d.all_reduce(torch.tensor([optimizer_state_bytes(optimizer)], dtype=torch.float64,
                                           device=device)).item()
     results = {

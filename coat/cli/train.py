@@ -19,8 +19,8 @@ from typing import Any, Callable
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, MASTER_WEIGHTS, MODEL_PRESETS,
-                             OPTIMIZERS, RECIPES, SCHEDULES, ConfigError, TrainConfig, check_init_flags, explicit_fields, flag,
-                             lr_lambda, resolve_config, validate)
+                             OPTIMIZERS, RECIPES, SCHEDULES, ConfigError, TrainConfig, check_init_flags,
+                             explicit_fields, flag, lr_lambda, resolve_config, validate)
 from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, load_corpus
 from coat.cli.runner import RunPlan, build_model, build_optimizer, evaluate, lm_loss
 
