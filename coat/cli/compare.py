@@ -194,12 +194,15 @@ def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str) 
     lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows]
     lines += ["", f"{other}, in FP8: " + "; ".join(b["precision"]["fp8"]) + ".",
               f"{other}, not in FP8: " + "; ".join(b["precision"]["not_fp8"]) + "."]
+    if b.get("dtype") == "fp32":
+        lines.append(f"The {base} baseline is plain PyTorch; here it computed in fp32 (--dtype fp32, the CPU default; "
+                     "GPUs default to bf16 autocast).")
     if device == "cpu":
         lines.append("On a CPU the FP8 path runs coat's C++ reference kernels (FP8 emulated in software): its "
                      "tokens/s says nothing about GPU speed; losses, memory and optimizer-state bytes do carry over.")
     keys = ("final_val_loss", "final_train_loss", "peak_memory_bytes", "peak_memory_kind",
             "peak_memory_above_start_bytes", "optimizer_state_bytes",
-            "tokens_per_s", "train_time_s", "steps", "tokens", "n_params", "world_size", "device")
+            "tokens_per_s", "train_time_s", "steps", "tokens", "n_params", "world_size", "device", "dtype")
     return {"markdown": "\n".join(lines), "title": title,
             "rows": {"title": title, **{r: {k: results[r].get(k) for k in keys} for r in (base, other)}}}
 

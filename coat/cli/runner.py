@@ -427,7 +427,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         "tokens_per_s": state["measured_tokens"] / state["measured_time"] if state["measured_time"] else None,
         "peak_memory_bytes": memory["bytes"], "peak_memory_kind": memory["kind"],
         "peak_memory_above_start_bytes": memory["above_start_bytes"],
-        "optimizer_state_bytes": int(opt_bytes), "precision": precision, "device": device.type,
+        "optimizer_state_bytes": int(opt_bytes), "precision": precision, "device": device.type, "dtype": cfg.dtype,
         "train_time_s": state["train_time"], "wall_time_s": time.perf_counter() - t0, "finished": finished,
         "stopped_by": stopped_by, "diverged_at": diverged_at, "model_dir": saved_model, "out_dir": str(out),
     } | {k: str(p) for k, p in paths.items()}
