@@ -23,6 +23,8 @@ inline void check_rope(const RopeArgs& a) {
   check_heads(a.q, a.tokens, a.dim, "q");
   check_heads(a.k, a.tokens, a.dim, "k");
   check_heads(a.v, a.tokens, a.dim, "v");
+  COAT_CHECK_ARG((a.q.heads + a.k.heads + a.v.heads) * a.dim < (int64_t(1) << 31),
+                 "heads x head_dim of one token must stay below 2^31 elements");
   if (a.tokens == 0) return;
   COAT_CHECK_ARG(a.cos != nullptr && a.sin != nullptr, "cos and sin must not be null");
   COAT_CHECK_ARG(a.cs_rows > 0 && a.tokens % a.cs_rows == 0,
