@@ -1,0 +1,372 @@
+"""Fused final RMSNorm + LM head + cross-entropy, chunked so the [tokens, vocab] logits never exist
+whole (neither in the compute dtype nor in fp32).
+
+Forward: the token rows are processed in chunks of ``chunk_mib`` MiB of fp32 logits; per chunk the
+logits are one GEMM in the compute dtype (BF16 under autocast or for a BF16 model, as Hugging
+Face's ``lm_head`` produces them), upcast to fp32 for a max-shifted log-sum-exp, and only the
+per-token log-sum-exp (4 bytes per token) survives the chunk.
+
+Backward recomputes the logits, chunked over the VOCABULARY: per slice ``W[v0:v1]`` the tile
+[tokens, slice] is recomputed and turned into ``s * (softmax - onehot)`` with the saved
+log-sum-exp (one subtract-and-exp pass, the scale ``s = grad / denominator`` folded into the
+shift as ``log|s|``), cast to the compute dtype, and fed to two GEMMs:
+
+- ``dW[v0:v1] = dlogits^T @ y``: each slice of the weight gradient is complete after one GEMM over
+  all tokens, so dW is never accumulated across chunks (one rounding to the compute dtype, as in
+  Hugging Face's single GEMM) and no fp32 [vocab, hidden] buffer exists;
+- ``dY += dlogits @ W[v0:v1]``: the hidden-state gradient accumulates over the slices in an fp32
+  [tokens, hidden] buffer.
+
+Saved for backward: the final norm's INPUT in its own dtype (the last decoder layer's output, one
+[tokens, hidden] tensor), the norm and LM head weights (references), the labels and the fp32
+log-sum-exp per token. Never the logits, never the normed hidden states (recomputed: a cheap
+elementwise pass). The norm keeps Hugging Face's LlamaRMSNorm arithmetic, so the loss of an fp32
+model agrees with Hugging Face's to fp32 rounding.
+
+Precision: the LM head GEMMs run in the compute dtype (BF16 in mixed precision), not FP8.
+Measured (``benchmarks/bench_loss.py --accuracy``): per-tensor E4M3 operands in the forward GEMM
+move the loss by 0.3-1 % relative on trained-like logit distributions (0.03 % at random init),
+past the 0.1 % budget for the loss; BF16 moves it by < 0.01 %.
+
+Semantics are Hugging Face's ``ForCausalLMLoss``: labels are shifted left by one (the last
+position has no target) unless ``shift_labels`` is given, ``ignore_index`` positions contribute
+nothing, the loss is the mean over the other positions (NaN when there are none, gradients zero),
+or their sum divided by ``num_items_in_batch`` when the Trainer passes it.
+
+For a Hugging Face model, ``install_fused_loss(model)`` makes ``model(..., labels=...)`` take this
+path; the returned output then has ``logits=None``. To get logits, call the model without
+``labels`` (and compute the loss yourself), or set ``model.coat_fused_loss = False`` (Hugging
+Face's own path: logits and loss, at its memory cost).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .fused import compute_dtype
+from .norm import hf_rms_norm
+
+__all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss", "install_fused_loss", "FusedCausalLMLossMixin"]
+
+#: Default bound on one chunk of fp32 logits. The transient of a chunk is about 1.5x this (the
+#: compute-dtype logits and their fp32 upcast); smaller chunks mean more, smaller GEMMs and more
+#: passes over the fp32 hidden-state gradient in backward.
+DEFAULT_CHUNK_MIB = 256
+_VOCAB_ALIGN = 128  # vocabulary slices in backward: multiples of this (GEMM-friendly widths)
+
+
+def _chunk_rows(total: int, row_len: int, chunk_bytes: int, align: int = 1) -> int:
+    """How many rows of ``row_len`` fp32 elements fit ``chunk_bytes``, at least ``align`` (or 1)."""
+    rows = chunk_bytes // (4 * max(row_len, 1))
+    if align > 1:
+        rows = rows // align * align
+    return max(min(rows, total), min(align, total), 1)
+
+
+def _no_autocast(device: torch.device):
+    # The dtypes below are chosen explicitly (compute dtype decided by the caller); an ambient
+    # autocast would re-cast the GEMMs and the fp32 reductions.
+    return torch.autocast(device.type, enabled=False)
+
+
+def _check_labels_in_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    msg = f"labels must lie in [0, {vocab}) or equal ignore_index ({ignore_index})"
+    if labels.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(msg)
+    else:  # no host synchronization on an accelerator: fails at the next sync point
+        torch._assert_async(~bad.any(), msg)
+
+
+class _NormHeadCrossEntropyFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, meta, x, norm_w, weight, labels, num_items):
+        eps, ignore_index, chunk_bytes, cdt = meta
+        t, v = x.shape[0], weight.shape[0]
+        with _no_autocast(x.device):
+            y = hf_rms_norm(x, norm_w, eps) if norm_w is not None else x
+            yc, wc = y.to(cdt), weight.to(cdt)
+            del y
+            valid = labels != ignore_index
+            safe = torch.where(valid, labels, 0)
+            lse = torch.empty(t, dtype=torch.float32, device=x.device)
+            target = torch.empty(t, dtype=torch.float32, device=x.device)
+            rows = _chunk_rows(t, v, chunk_bytes)
+            for t0 in range(0, t, rows):
+                t1 = min(t0 + rows, t)
+                logits = yc[t0:t1] @ wc.t()  # [rows, V] in the compute dtype, as HF's lm_head
+                target[t0:t1] = logits.gather(1, safe[t0:t1, None]).squeeze(1)
+                m = logits.amax(1, keepdim=True).float()
+                e = logits - m  # fp32 by type promotion: one pass reads the chunk, writes fp32
+                del logits
+                e.exp_()
+                lse[t0:t1] = m.squeeze(1) + e.sum(1).log()
+                del e
+            total = torch.where(valid, lse - target, 0.0).sum()
+            denom = valid.sum().float() if num_items is None else num_items.to(x.device, torch.float32)
+            loss = total / denom
+        ctx.save_for_backward(x, norm_w, weight, labels, lse, denom)
+        ctx.meta = meta
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        eps, ignore_index, chunk_bytes, cdt = ctx.meta
+        x, norm_w, weight, labels, lse, denom = ctx.saved_tensors
+        need_x, need_nw, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        need_dy = need_x or need_nw
+        t, v = x.shape[0], weight.shape[0]
+        dx = dnw = dw = None
+        with _no_autocast(x.device):
+            with torch.no_grad():
+                yc = (hf_rms_norm(x, norm_w, eps) if norm_w is not None else x).to(cdt)
+            wc = weight.to(cdt)
+            # s * (softmax - onehot) with s = grad / denom: |s| rides in the exp's shift, its
+            # sign multiplies y (for dW) and the fp32 dY once, so each tile takes one pass.
+            s = grad.float() / denom
+            mag, sign = s.abs(), torch.sign(s)
+            valid = labels != ignore_index
+            shift = torch.where(valid, lse - mag.log(), math.inf)  # ignored rows: exp(-inf) = 0
+            hot = torch.where(valid, -mag, 0.0)
+            safe = torch.where(valid, labels, 0)
+            y_signed = yc * sign.to(cdt) if need_w else None
+            dw = torch.empty_like(weight) if need_w else None
+            dy = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_dy else None
+            cols = _chunk_rows(v, t, chunk_bytes, _VOCAB_ALIGN)
+            for v0 in range(0, v, cols):
+                v1 = min(v0 + cols, v)
+                logits = yc @ wc[v0:v1].t()  # [T, slice], recomputed in the compute dtype
+                p = logits - shift[:, None]  # fp32
+                del logits
+                p.exp_()
+                inside = (safe >= v0) & (safe < v1)
+                p.scatter_add_(1, (safe - v0).clamp_(0, v1 - v0 - 1)[:, None], torch.where(inside, hot, 0.0).to(p.dtype)[:, None])
+                dl = p.to(cdt)
+                del p
+                if need_w:
+                    dw[v0:v1] = dl.t() @ y_signed
+                if need_dy:
+                    dy += dl @ wc[v0:v1]
+                del dl
+            del yc, wc, y_signed
+            if need_dy:
+                dy *= sign
+                if norm_w is None:
+                    dx = dy.to(x.dtype)
+                else:
+                    with torch.enable_grad():
+                        xr = x.detach().requires_grad_(need_x)
+                        wr = norm_w.detach().requires_grad_(need_nw)
+                        yr = hf_rms_norm(xr, wr, eps)
+                    wanted = [tt for tt, n in ((xr, need_x), (wr, need_nw)) if n]
+                    got = list(torch.autograd.grad(yr, wanted, dy.to(yr.dtype)))
+                    del yr, dy
+                    dx = got.pop(0) if need_x else None
+                    dnw = got.pop(0) if need_nw else None
+        return None, dx, dnw, dw, None, None
+
+
+def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Hugging Face's shift: position i predicts labels[..., i + 1]; the last predicts nothing."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def fused_lm_head_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    shift_labels: torch.Tensor | None = None,
+    chunk_mib: float = DEFAULT_CHUNK_MIB,
+) -> torch.Tensor:
+    """Hugging Face's causal-LM loss of ``lm_head(norm(hidden))`` without materializing the logits.
+
+    ``hidden``: [..., H], the final norm's input (or its output when ``norm_weight`` is None).
+    ``lm_head_weight``: [V, H]. ``labels``: the inputs' token ids ([...], shifted here as Hugging
+    Face does), or None with ``shift_labels`` (already aligned with ``hidden``). Returns the fp32
+    scalar loss: the mean over non-ignored positions, or their sum / ``num_items_in_batch``.
+    The GEMMs run in the autocast dtype when autocast is on, else in ``hidden``'s dtype.
+    """
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
+        raise ValueError(f"hidden must be a floating-point tensor [..., H], got {getattr(hidden, 'dtype', type(hidden))}")
+    h = hidden.shape[-1]
+    if not isinstance(lm_head_weight, torch.Tensor) or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != h:
+        raise ValueError(
+            f"lm_head_weight must have shape [vocab, {h}], got {list(getattr(lm_head_weight, 'shape', []))}"
+        )
+    if lm_head_weight.shape[0] == 0 or not lm_head_weight.is_floating_point():
+        raise ValueError("lm_head_weight must be a floating-point [vocab, hidden] tensor with vocab > 0")
+    if norm_weight is not None and (not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (h,)):
+        raise ValueError(f"norm_weight must have shape ({h},), got {list(getattr(norm_weight, 'shape', []))}")
+    for name, t in (("lm_head_weight", lm_head_weight), ("norm_weight", norm_weight)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device}, hidden on {hidden.device}")
+    if not isinstance(chunk_mib, (int, float)) or isinstance(chunk_mib, bool) or not chunk_mib > 0:
+        raise ValueError(f"chunk_mib must be a positive number, got {chunk_mib!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    if shift_labels is not None:
+        targets, name = shift_labels, "shift_labels"
+    elif labels is not None:
+        targets, name = labels, "labels"
+    else:
+        raise ValueError("labels (or shift_labels) must be given to compute the loss")
+    if not isinstance(targets, torch.Tensor) or targets.dtype == torch.bool or targets.is_floating_point() \
+            or targets.is_complex():
+        raise ValueError(f"{name} must be an integer tensor of token ids, got {getattr(targets, 'dtype', type(targets))}")
+    if shift_labels is None:
+        if targets.dim() == 0:
+            raise ValueError("labels must have a sequence dimension")
+        targets = _shifted(targets, ignore_index)
+    positions = hidden.numel() // h if h else hidden.shape[:-1].numel()
+    if targets.numel() != positions:
+        raise ValueError(
+            f"{name} has {targets.numel()} positions ({list(targets.shape)}) but hidden has {positions} "
+            f"({list(hidden.shape[:-1])})"
+        )
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float, torch.Tensor)):
+            raise ValueError(f"num_items_in_batch must be a number or a tensor, got {type(num_items_in_batch).__name__}")
+        if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must hold one number, got shape {list(num_items_in_batch.shape)}")
+        num_items_in_batch = torch.as_tensor(num_items_in_batch).reshape(())
+    x2 = hidden.reshape(-1, h)
+    lab = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64)
+    _check_labels_in_range(lab, lab != ignore_index, lm_head_weight.shape[0], ignore_index)
+    meta = (float(eps), ignore_index, int(chunk_mib * 2**20), compute_dtype(hidden))
+    return _NormHeadCrossEntropyFn.apply(meta, x2, norm_weight, lm_head_weight, lab, num_items_in_batch)
+
+
+# ---- Hugging Face models ---------------------------------------------------------------------------
+
+_SUBCLASSES: dict = {}
+
+
+def _slice_to_keep(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    try:  # transformers >= 5 (also takes boolean / per-sample position tensors)
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:
+        slice_logits_to_keep = None
+    if slice_logits_to_keep is not None:
+        return slice_logits_to_keep(hidden, logits_to_keep)
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden[:, keep, :]
+
+
+class _DeferrableNormMixin:
+    """The final norm of a model with the fused loss: while the loss is computed fused, it passes
+    its input through (the fused op applies it), so its output and saved tensors never exist."""
+
+    def forward(self, hidden_states):
+        if self.__dict__.get("_coat_deferred", False):
+            return hidden_states
+        return super().forward(hidden_states)
+
+
+class _Deferred:
+    def __init__(self, norm: nn.Module, on: bool):
+        self.norm, self.on = norm, on
+
+    def __enter__(self):
+        if self.on:
+            self.norm._coat_deferred = True
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.norm._coat_deferred = False
+
+
+class FusedCausalLMLossMixin:
+    """forward() of a Hugging Face ``*ForCausalLM`` whose loss runs through ``fused_lm_head_loss``
+    when ``labels`` are given (``logits`` is then None). Without labels, with
+    ``coat_fused_loss = False``, or with a custom ``loss_function``, it is Hugging Face's forward."""
+
+    coat_fused_loss: bool = True
+    coat_loss_chunk_mib: float = DEFAULT_CHUNK_MIB
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        loss_type = getattr(self, "loss_type", None)
+        if (labels is None or not self.coat_fused_loss or "_loss_function" in self.__dict__
+                or loss_type not in (None, "ForCausalLM")):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            cfg = self.config
+            return_dict = cfg.return_dict if hasattr(cfg, "return_dict") else getattr(cfg, "use_return_dict", True)
+        norm = self.model.norm
+        # hidden_states[-1] of the output is the normed state: keep the norm in the model then.
+        want_hidden = kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False))
+        fuse_norm = not want_hidden
+        with _Deferred(norm, fuse_norm):
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                 **kwargs)
+        hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        loss = fused_lm_head_loss(
+            hidden, self.lm_head.weight, labels,
+            norm_weight=norm.weight if fuse_norm else None, eps=eps,
+            ignore_index=kwargs.get("ignore_index", -100),
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            shift_labels=kwargs.get("shift_labels"),
+            chunk_mib=self.coat_loss_chunk_mib,
+        )
+        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                     hidden_states=getattr(outputs, "hidden_states", None),
+                                     attentions=getattr(outputs, "attentions", None))
+        return out if return_dict else out.to_tuple()
+
+
+def _subclass(cls: type, mixin: type, name: str) -> type:
+    if issubclass(cls, mixin):
+        return cls
+    key = (cls, mixin)
+    if key not in _SUBCLASSES:
+        sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+        _SUBCLASSES[key] = sub
+        globals().setdefault(name, sub)  # lets pickle find the class in a process that installed it
+    return _SUBCLASSES[key]
+
+
+def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB) -> nn.Module:
+    """Makes ``model(..., labels=...)`` of a Hugging Face Llama/Mistral/Qwen2/Qwen3 causal LM
+    compute its loss with ``fused_lm_head_loss`` (final norm + LM head + cross-entropy, chunked),
+    in place; returns the model. Parameters, state-dict keys and the class name (which
+    ``save_pretrained`` records) stay as they were. ``model.coat_fused_loss = False`` switches
+    back to Hugging Face's path at run time; installing twice only updates ``chunk_mib``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(chunk_mib, (int, float)) or isinstance(chunk_mib, bool) or not chunk_mib > 0:
+        raise ValueError(f"chunk_mib must be a positive number, got {chunk_mib!r}")
+    base = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    norm = getattr(base, "norm", None)
+    if not isinstance(head, nn.Linear) or norm is None or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        raise ValueError(
+            f"install_fused_loss needs a causal LM with .model.norm and an nn.Linear .lm_head; "
+            f"{type(model).__name__} has not"
+        )
+    if head.bias is not None:
+        raise ValueError("install_fused_loss supports LM heads without bias")
+    if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
+        raise ValueError("install_fused_loss does not support final_logit_softcapping")
+    if not hasattr(norm, "variance_epsilon") and not hasattr(norm, "eps"):
+        raise ValueError(f"{type(norm).__name__} has no variance_epsilon/eps: not an RMSNorm")
+    norm.__class__ = _subclass(type(norm), _DeferrableNormMixin, "Deferrable" + type(norm).__name__)
+    model.__class__ = _subclass(type(model), FusedCausalLMLossMixin, type(model).__name__)
+    model.coat_fused_loss = True
+    model.coat_loss_chunk_mib = float(chunk_mib)
+    return model
