@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .nn import adapters
 from .nn.attention import Fp8AttentionMixin
 from .nn.layer import Fp8DecoderLayerMixin
 from .nn.mlp import Fp8SwiGLUMixin
@@ -28,6 +29,26 @@ _LAYER_NAMES = set(SUPPORTED.values())
 _SUBCLASSES: dict = {}
 
 
+_MIXIN_BY_SUFFIX = (("DecoderLayer", Fp8DecoderLayerMixin), ("Attention", Fp8AttentionMixin), ("MLP", Fp8SwiGLUMixin))
+_HF_MODULES = {t: f"transformers.models.{t}.modeling_{t}" for t in SUPPORTED}
+
+
+def __getattr__(name: str) -> type:
+    """Rebuilds a converted class by name, so that ``torch.save(model)`` of a converted model loads in
+    a process that has not converted anything yet (pickle finds classes as module attributes)."""
+    import importlib
+
+    if name.startswith("Fp8"):
+        base_name = name[3:]
+        for suffix, mixin in _MIXIN_BY_SUFFIX:
+            if base_name.endswith(suffix):
+                for mod_name in _HF_MODULES.values():
+                    base = getattr(importlib.import_module(mod_name), base_name, None)
+                    if base is not None:
+                        return _subclass(base, mixin)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _subclass(cls: type, mixin: type) -> type:
     if issubclass(cls, mixin):
         return cls
@@ -41,10 +62,27 @@ def _subclass(cls: type, mixin: type) -> type:
     return _SUBCLASSES[key]
 
 
-def _convert_layer(layer: nn.Module, recipe: Fp8Recipe) -> None:
+_PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _check_projections(layer: nn.Module, prefix: str) -> None:
+    """Every projection is a plain nn.Linear or a PEFT LoRA layer around one (anything else would be
+    read past silently, so it is refused here, naming it)."""
+    for block, names in _PROJECTIONS.items():
+        for n in names:
+            full = f"{prefix}{block}.{n}"
+            mod = getattr(getattr(layer, block), n, None)
+            if mod is None:
+                raise ValueError(f"coat.convert: {full} is missing: not a Llama-family decoder layer")
+            adapters.base_linear(mod, full)
+            adapters.check_adapters(mod, full)
+
+
+def _convert_layer(layer: nn.Module, recipe: Fp8Recipe, prefix: str = "") -> None:
     for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
         if not hasattr(layer, name):
             raise ValueError(f"{type(layer).__name__} has no {name!r}: not a Llama-family decoder layer")
+    _check_projections(layer, prefix)
     cfg = getattr(layer.self_attn, "config", None)
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -79,9 +117,11 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8") -> nn.Module:
             f"coat.convert supports Llama, Mistral, Qwen2 and Qwen3 models; got {type(model).__name__}"
             + (f" (model_type={model_type!r})" if model_type else "")
         )
-    layers = [m for m in model.modules() if _is_layer(m)]
+    layers = [(n, m) for n, m in model.named_modules() if _is_layer(m)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no {SUPPORTED[model_type]} to convert")
-    for layer in layers:
-        _convert_layer(layer, rec)
+    for name, layer in layers:  # every layer is checked before any is converted: nothing half-done
+        _check_projections(layer, name + ".")
+    for name, layer in layers:
+        _convert_layer(layer, rec, name + ".")
     return model

@@ -13,6 +13,6 @@ if ! dpkg -s libgtest-dev ninja-build cmake >/dev/null 2>&1; then
 fi
 # torch first (TORCH_SPEC overrides; the default is the CPU-or-CUDA build pip picks for 2.13.0).
 python3 -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-python3 -m pip install -q "nanobind>=2" "scikit-build-core>=0.10" "nvidia-cublas==13.0.*" "pytest>=7" expecttest
+python3 -m pip install -q "nanobind>=2" "scikit-build-core>=0.10" "nvidia-cublas==13.0.*" "pytest>=7" expecttest "peft>=0.14"
 COAT_BUILD_TESTS=ON python3 -m pip install -q --no-build-isolation -e .
 python3 -c "import coat; print('coat', coat.__version__, '| CUDA kernels:', coat.built_with_cuda())"

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .._ops import rope as rops
+from . import adapters as A
 from .fused import norm_linear
 from .mlp import _bias_list
 from .norm import rms_norm
@@ -83,6 +84,9 @@ def _attention_fn(module: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+
 class Fp8AttentionMixin:
     """forward() for HF Llama/Mistral/Qwen2/Qwen3 attention modules, same signature and return
     (attn_output, attn_weights), plus ``norm``: the input RMSNorm to fuse into the QKV GEMM."""
@@ -95,11 +99,17 @@ class Fp8AttentionMixin:
         nw = norm.weight if norm is not None else None
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 0.0
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        qkv = norm_linear(hidden_states, nw, eps, [p.weight for p in projs], _bias_list(*projs), recipe)
+        bases = [A.base_linear(p, n) for p, n in zip(projs, _QKV)]
+        weights, biases = [b.weight for b in bases], _bias_list(*bases)
+        if A.any_delta(projs):  # LoRA: the adapters need the normed input itself (BF16, beside the FP8 GEMM)
+            y = rms_norm(hidden_states, nw, eps, recipe) if nw is not None else hidden_states
+            qkv = A.add_deltas(norm_linear(y, None, 0.0, weights, biases, recipe), projs, _QKV, y)
+        else:
+            qkv = norm_linear(hidden_states, nw, eps, weights, biases, recipe)
         cos, sin = position_embeddings
-        hq, hk = self.q_proj.out_features // d, self.k_proj.out_features // d
+        hq, hk = bases[0].out_features // d, bases[1].out_features // d
         if hasattr(self, "q_norm"):  # Qwen3: per-head norms between the projection and RoPE
-            q, k, v = qkv.split([p.out_features for p in projs], dim=-1)
+            q, k, v = qkv.split([b.out_features for b in bases], dim=-1)
             q = rms_norm(q.view(*b_s, hq, d), self.q_norm.weight, self.q_norm.variance_epsilon, recipe)
             k = rms_norm(k.view(*b_s, hk, d), self.k_norm.weight, self.k_norm.variance_epsilon, recipe)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -110,12 +120,12 @@ class Fp8AttentionMixin:
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         kwargs.setdefault("sliding_window", getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)))
-        out, weights = _attention_fn(self)(
+        out, attn_weights = _attention_fn(self)(
             self, q, k, v, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, **kwargs,
         )
         out = out.reshape(*b_s, -1).contiguous()
-        o = norm_linear(out, None, 0.0, [self.o_proj.weight], [self.o_proj.bias] if self.o_proj.bias is not None else [],
-                        recipe)
-        return o, weights
+        base_o = A.base_linear(self.o_proj, "self_attn.o_proj")
+        o = norm_linear(out, None, 0.0, [base_o.weight], [base_o.bias] if base_o.bias is not None else [], recipe)
+        return A.add_deltas(o, (self.o_proj,), ("self_attn.o_proj",), out), attn_weights

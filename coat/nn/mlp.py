@@ -15,8 +15,10 @@ from torch import nn
 
 from .._ops import swiglu as sops
 from . import _fp8mm as mm
+from . import adapters as A
 from . import weights as W
 from .fused import compute_dtype, norm_linear, wgrad_dtype
+from .norm import rms_norm
 from .recipe import ACT_DTYPE, GRAD_DTYPE, Fp8Recipe, resolve
 
 
@@ -106,18 +108,61 @@ def _bias_list(*linears: nn.Linear) -> list[torch.Tensor]:
             for b, lin in zip(bs, linears)]
 
 
+class _SwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up alone, saving gate/up in FP8 (1 x 16 groups): the MLP's path when down_proj
+    carries a LoRA adapter, which needs the activation itself as its input."""
+
+    @staticmethod
+    def forward(ctx, gu, e8m0):
+        gu2 = gu.reshape(-1, gu.shape[-1])
+        if not gu2.is_contiguous():
+            gu2 = gu2.contiguous()
+        h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, e8m0)
+        ctx.save_for_backward(q, s)
+        ctx.gu_shape = gu.shape
+        return h.reshape(*gu.shape[:-1], h.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dh):
+        q, s = ctx.saved_tensors
+        dgu, _ = sops.swiglu_bwd(q, s, dh.reshape(-1, dh.shape[-1]).contiguous(), False)
+        return dgu.reshape(ctx.gu_shape), None
+
+
+def swiglu(gate_up: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """silu(gate) * up over a fused [.., 2I] gate/up tensor, its input saved in FP8 where I % 16 == 0."""
+    if fp8_swiglu_ok(gate_up.shape[-1] // 2):
+        return _SwiGLUFn.apply(gate_up, recipe.e8m0)
+    return _silu_mul(gate_up)
+
+
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+
 class Fp8SwiGLUMixin:
     """forward() of an FP8 SwiGLU MLP over HF's ``gate_proj``/``up_proj``/``down_proj`` linears.
     ``norm`` (an RMSNorm module whose ``weight`` and ``variance_epsilon`` are used) fuses the
-    preceding norm so its output is never saved."""
+    preceding norm so its output is never saved. PEFT LoRA adapters on any of the three add their
+    outputs beside the FP8 GEMMs (``adapters.py``)."""
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         recipe = getattr(self, "coat_recipe", None) or resolve(None)
         nw = norm.weight if norm is not None else None
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 0.0
-        gu = norm_linear(x, nw, eps, [self.gate_proj.weight, self.up_proj.weight],
-                         _bias_list(self.gate_proj, self.up_proj), recipe)
-        return swiglu_down(gu, self.down_proj.weight, self.down_proj.bias, recipe)
+        gate_up = (self.gate_proj, self.up_proj)
+        bg, bu = (A.base_linear(m, n) for m, n in zip(gate_up, _GATE_UP))
+        bd = A.base_linear(self.down_proj, "mlp.down_proj")
+        if A.any_delta(gate_up):  # LoRA: the adapters need the normed input itself
+            y = rms_norm(x, nw, eps, recipe) if nw is not None else x
+            gu = A.add_deltas(norm_linear(y, None, 0.0, [bg.weight, bu.weight], _bias_list(bg, bu), recipe),
+                              gate_up, _GATE_UP, y)
+        else:
+            gu = norm_linear(x, nw, eps, [bg.weight, bu.weight], _bias_list(bg, bu), recipe)
+        if A.has_delta(self.down_proj):
+            h = swiglu(gu, recipe)
+            out = norm_linear(h, None, 0.0, [bd.weight], [bd.bias] if bd.bias is not None else [], recipe)
+            return A.add_deltas(out, (self.down_proj,), ("mlp.down_proj",), h)
+        return swiglu_down(gu, bd.weight, bd.bias, recipe)
 
 
 class Fp8SwiGLUMLP(Fp8SwiGLUMixin, nn.Module):

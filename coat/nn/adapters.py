@@ -1,0 +1,115 @@
+"""Projections as coat's FP8 blocks see them: a plain ``nn.Linear``, or a PEFT LoRA layer around
+one. The base weight always goes through coat's FP8 path (fused with its siblings: q/k/v,
+gate/up); each active LoRA adapter adds ``lora_B(lora_A(dropout(x))) * scaling`` beside it in the
+adapter's own dtype (BF16), exactly as ``peft.tuners.lora.Linear.forward`` computes it.
+
+Anything else in a projection's place is refused with an error naming it, at ``coat.convert`` and
+again at forward (a wrapper added after conversion): a layer whose weight coat would silently
+read past (a quantized ``bnb`` layer, another PEFT tuner, DoRA) must never train as if it were
+plain. PEFT itself is optional: without it only plain ``nn.Linear`` projections exist.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _lora_linear_type():
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:  # peft not installed: no LoRA layers can exist
+        return None
+    return Linear
+
+
+def is_lora(mod: nn.Module) -> bool:
+    t = _lora_linear_type()
+    return t is not None and type(mod) is t
+
+
+def _describe(mod: nn.Module) -> str:
+    return f"{type(mod).__module__}.{type(mod).__qualname__}"
+
+
+def base_linear(mod: nn.Module, name: str) -> nn.Linear:
+    """The ``nn.Linear`` whose weight coat multiplies in FP8; raises for anything coat cannot run."""
+    base = mod.base_layer if is_lora(mod) else mod
+    # Exact types: subclasses of nn.Linear (bitsandbytes' Linear4bit/8bitLt, ...) keep weights coat
+    # cannot read as a floating-point matrix.
+    from .linear import Fp8Linear
+
+    if type(base) not in (nn.Linear, Fp8Linear):
+        raise ValueError(
+            f"coat.convert: {name} is a {_describe(mod)}"
+            + (f" around a {_describe(base)}" if base is not mod else "")
+            + "; coat's FP8 layers run plain torch.nn.Linear projections and PEFT LoRA layers around them"
+        )
+    if base.weight.dtype not in _FLOATS and not is_frozen_fp8(base):
+        raise ValueError(f"coat.convert: {name}.weight is {base.weight.dtype}; coat needs float32, bfloat16 or float16")
+    return base
+
+
+def is_frozen_fp8(linear: nn.Module) -> bool:
+    """Whether ``linear`` holds its (frozen) weight only as FP8 codes (see ``frozen.py``)."""
+    return getattr(linear, "weight_scale", None) is not None and linear.weight.dtype == torch.float8_e4m3fn
+
+
+def check_adapters(mod: nn.Module, name: str) -> None:
+    """Refuses LoRA variants coat does not compute (DoRA and the other ``lora_variant`` kinds)."""
+    if not is_lora(mod):
+        return
+    variants = getattr(mod, "lora_variant", {}) or {}
+    dora = getattr(mod, "use_dora", {}) or {}
+    for a in mod.lora_A.keys():
+        if a in variants or dora.get(a, False):
+            kind = type(variants[a]).__name__ if a in variants else "DoRA"
+            raise ValueError(
+                f"coat.convert: {name} has the LoRA adapter {a!r} of variant {kind}; coat computes plain LoRA "
+                "beside its FP8 base GEMM only (use a LoraConfig without use_dora, or do not convert this model)"
+            )
+
+
+def has_delta(mod: nn.Module) -> bool:
+    """Whether ``mod`` adds an adapter output now (an active, enabled, unmerged LoRA adapter)."""
+    if not is_lora(mod) or mod.disable_adapters or mod.merged:
+        return False
+    return any(a in mod.lora_A.keys() for a in mod.active_adapters)
+
+
+def lora_delta(mod: nn.Module, x: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+    """The sum over active adapters of ``lora_B(lora_A(dropout(x))) * scaling``, or None."""
+    if not has_delta(mod):
+        return None
+    check_adapters(mod, name)
+    out = None
+    for a in mod.active_adapters:
+        if a not in mod.lora_A.keys():
+            continue
+        lora_a = mod.lora_A[a]
+        xa = mod._cast_input_dtype(x, lora_a.weight.dtype)
+        d = mod.lora_B[a](lora_a(mod.lora_dropout[a](xa))) * mod.scaling[a]
+        out = d if out is None else out + d
+    return out
+
+
+def any_delta(mods) -> bool:
+    return any(has_delta(m) for m in mods)
+
+
+def add_deltas(out: torch.Tensor, mods, names, x: torch.Tensor) -> torch.Tensor:
+    """``out`` (the fused FP8 output of ``mods``, columns in their order) plus their adapters'
+    outputs on input ``x``; projections without an active adapter contribute nothing."""
+    deltas = [lora_delta(m, x, n) for m, n in zip(mods, names)]
+    if all(d is None for d in deltas):
+        return out
+    if len(mods) == 1:
+        return out + deltas[0].to(out.dtype)
+    widths = [base_linear(m, n).out_features for m, n in zip(mods, names)]
+    full = torch.cat([d.to(out.dtype) if d is not None else out.new_zeros(*out.shape[:-1], w)
+                      for d, w in zip(deltas, widths)], -1)
+    return out + full

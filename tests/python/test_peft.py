@@ -1,0 +1,146 @@
+"""PEFT LoRA on converted models, in either order of get_peft_model and coat.convert: the adapters
+compute beside the FP8 base GEMMs and train (logits and gradients within the FP8 tolerance of
+test_convert.py against the unconverted PEFT model), merge_and_unload, adapter save and reload;
+refused wrappers (DoRA, unknown modules); torch.save of a converted model in a fresh process; the
+float64 error."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from _emu import rel
+
+import coat
+import transformers as tf
+
+peft = pytest.importorskip("peft")
+
+V = 64
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _base(seed=0):
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _lora(model, targets=TARGETS, **kw):
+    torch.manual_seed(1)
+    # init_lora_weights=False: B is random too, so the adapters change the output from the start.
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **kw)
+    m = peft.get_peft_model(model, cfg)
+    with torch.no_grad():  # adapters as after some training: a perturbation of the base, not larger than it
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.2)
+    return m
+
+
+def _grads(m):
+    return {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("order", ["convert_then_peft", "peft_then_convert"])
+def test_lora_trains_beside_fp8(order, gen):
+    ref = _lora(_base())
+    if order == "convert_then_peft":
+        m = _lora(coat.convert(_base()))
+    else:
+        m = coat.convert(_lora(_base()))
+    m.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, V, (2, 9), generator=gen)
+    out, r = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    # The adapters act: without them the logits move (by about as much as in the reference).
+    with m.disable_adapter(), ref.disable_adapter(), torch.no_grad():
+        plain, ref_plain = m(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert rel(out.logits - plain, r.logits - ref_plain) < 0.2
+    assert rel(out.logits, plain) > 0.05
+    # FP8 tolerances of test_convert.py: logits 10 %, loss 1 %, gradients 30 %.
+    assert rel(out.logits, r.logits) < 0.10
+    assert abs(out.loss.item() - r.loss.item()) < 0.01 * r.loss.item()
+    out.loss.backward()
+    r.loss.backward()
+    g, rg = _grads(m), _grads(ref)
+    assert set(g) == set(rg) and all("lora_" in n for n in g) and len(g) == 2 * 7 * 2
+    errs = {n: rel(g[n], rg[n]) for n in g}
+    assert max(errs.values()) < 0.30, errs
+
+
+def test_merge_save_and_reload(tmp_path, gen):
+    m = _lora(coat.convert(_base()))
+    ref = _lora(_base())
+    ref.load_state_dict(m.state_dict())
+    ids = torch.randint(0, V, (1, 7), generator=gen)
+    with torch.no_grad():
+        logits = m(input_ids=ids).logits
+    m.save_pretrained(tmp_path / "adapter")
+    fresh = peft.PeftModel.from_pretrained(coat.convert(_base()), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, logits)  # same weights, same deterministic CPU path
+    merged, ref_merged = m.merge_and_unload(), ref.merge_and_unload()
+    assert all(type(getattr(merged.model.layers[0].self_attn, n)) is torch.nn.Linear for n in TARGETS[:4])
+    assert type(merged.model.layers[0].self_attn).__name__ == "Fp8LlamaAttention"  # still converted
+    with torch.no_grad():
+        assert rel(merged(input_ids=ids).logits, ref_merged(input_ids=ids).logits) < 0.10  # FP8 tolerance
+
+
+def test_dora_is_refused(gen):
+    with pytest.raises(ValueError, match="variant Dora"):
+        coat.convert(_lora(_base(), use_dora=True))
+    m = _lora(coat.convert(_base()), use_dora=True)  # wrapped after conversion: refused at forward
+    with pytest.raises(ValueError, match="variant Dora"):
+        m(input_ids=torch.randint(0, V, (1, 4), generator=gen))
+
+
+def test_unknown_wrappers_are_refused():
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.weight = inner.weight
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    m = _base()
+    m.model.layers[1].mlp.up_proj = Wrapped(m.model.layers[1].mlp.up_proj)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj is a .*Wrapped"):
+        coat.convert(m)
+    assert type(m.model.layers[0].mlp).__name__ == "LlamaMLP"  # nothing half-converted
+    ia3 = peft.get_peft_model(_base(), peft.IA3Config(target_modules=["k_proj", "down_proj"],
+                                                      feedforward_modules=["down_proj"]))
+    with pytest.raises(ValueError, match=r"self_attn\.k_proj is a peft\.tuners\.ia3"):
+        coat.convert(ia3)
+
+
+def test_float64_model_names_its_dtype():
+    with pytest.raises(ValueError, match=r"q_proj\.weight is torch\.float64"):
+        coat.convert(_base().double())
+
+
+def test_torch_save_loads_in_a_fresh_process(tmp_path, gen):
+    m = coat.convert(_base())
+    ids = torch.randint(0, V, (1, 6), generator=gen)
+    with torch.no_grad():
+        want = m(input_ids=ids).logits
+    torch.save({"model": m, "ids": ids, "want": want}, tmp_path / "m.pt")
+    code = (
+        "import torch, sys\n"
+        f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+        "with torch.no_grad():\n"
+        "    got = d['model'](input_ids=d['ids']).logits\n"
+        "sys.exit(0 if torch.equal(got, d['want']) else 3)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_deepcopy_keeps_the_adapters(gen):
+    m = _lora(coat.convert(_base()))
+    ids = torch.randint(0, V, (1, 5), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(m)(input_ids=ids).logits, m(input_ids=ids).logits)
