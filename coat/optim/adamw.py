@@ -128,6 +128,7 @@ class AdamW(torch.optim.Optimizer):
         self.seed = seed
         self._check_hyper(defaults)
         self._reset_caches()
+        self._release = None  # the GradRelease attached by coat.optim.step_in_backward, if any
         super().__init__(params, defaults)
 
     def _reset_caches(self) -> None:
@@ -156,6 +157,7 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             _compat.fill_group_defaults(group)
         self._reset_caches()
+        self._release = None  # a copy is not attached: the hooks belong to the original's parameters
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -300,6 +302,32 @@ class AdamW(torch.optim.Optimizer):
 
     # ---- step ------------------------------------------------------------------------------
 
+    def _item(self, p: torch.Tensor, group: dict[str, Any], gi: int, index: int) -> tuple[tuple, tuple]:
+        """(launch key, (p, local, grad, state)) of a parameter holding a gradient, checked; its state
+        created on first use. ``index``: its position in the whole parameter list (the state dict's
+        id, from which the stochastic-rounding seed derives)."""
+        local, grad = _local(p), _local(p.grad)
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise ValueError("coat.optim.AdamW does not support sparse gradients")
+        if grad.is_complex() or local.is_complex():
+            raise ValueError("coat.optim.AdamW does not support complex parameters or gradients")
+        if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"gradients must be float32, bfloat16 or float16, got {grad.dtype}")
+        if grad.shape != local.shape:
+            raise ValueError(f"gradient shape {tuple(grad.shape)} does not match the parameter's {tuple(local.shape)}")
+        if grad.device != local.device:
+            raise ValueError(f"gradient on {grad.device} but parameter on {local.device}")
+        if not (local.is_contiguous() and grad.is_contiguous()):
+            grad = _state.grad_like(local, grad)  # channels_last and other dense layouts
+        if local.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"coat.optim.AdamW runs on CPU or CUDA tensors, got {local.device}")
+        # An empty shard (an FSDP2 rank past a short dim 0) still gets its (empty) state and
+        # its step count, so that every rank holds the same states with the same steps, as
+        # distributed state dicts expect; it has no row in the kernel's descriptor table.
+        state = self.state[p] or self._init_state(p, local, group, index)
+        master = self._master_kind(local.dtype)
+        return (local.device, local.dtype, grad.dtype, master, gi), (p, local, grad, state)
+
     def _gather(self) -> dict[tuple, list]:
         """Parameters with gradients, bucketed by what one launch can share."""
         buckets: dict[tuple, list] = defaultdict(list)
@@ -310,27 +338,8 @@ class AdamW(torch.optim.Optimizer):
             for j, p in enumerate(params):
                 if p.grad is None:
                     continue
-                local, grad = _local(p), _local(p.grad)
-                if grad.is_sparse or grad.layout != torch.strided:
-                    raise ValueError("coat.optim.AdamW does not support sparse gradients")
-                if grad.is_complex() or local.is_complex():
-                    raise ValueError("coat.optim.AdamW does not support complex parameters or gradients")
-                if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    raise ValueError(f"gradients must be float32, bfloat16 or float16, got {grad.dtype}")
-                if grad.shape != local.shape:
-                    raise ValueError(f"gradient shape {tuple(grad.shape)} does not match the parameter's {tuple(local.shape)}")
-                if grad.device != local.device:
-                    raise ValueError(f"gradient on {grad.device} but parameter on {local.device}")
-                if not (local.is_contiguous() and grad.is_contiguous()):
-                    grad = _state.grad_like(local, grad)  # channels_last and other dense layouts
-                if local.device.type not in ("cpu", "cuda"):
-                    raise ValueError(f"coat.optim.AdamW runs on CPU or CUDA tensors, got {local.device}")
-                # An empty shard (an FSDP2 rank past a short dim 0) still gets its (empty) state and
-                # its step count, so that every rank holds the same states with the same steps, as
-                # distributed state dicts expect; it has no row in the kernel's descriptor table.
-                state = self.state[p] or self._init_state(p, local, group, first + j)
-                master = self._master_kind(local.dtype)
-                buckets[(local.device, local.dtype, grad.dtype, master, gi)].append((p, local, grad, state))
+                key, item = self._item(p, group, gi, first + j)
+                buckets[key].append(item)
             first += len(params)
         return buckets
 
@@ -378,53 +387,72 @@ class AdamW(torch.optim.Optimizer):
             on_device[("-grad_scale", device)] = torch.neg(scale)
         return on_device[("-grad_scale", device)]
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        buckets = self._gather()
-        if self.nonfinite == "raise":
-            self._raise_on_nonfinite(buckets)
-        # Every table (and with it every check of the states) before anything is written.
-        tables = {key: self._descriptors(key, items) for key, items in buckets.items()}
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        on_device: dict[tuple, torch.Tensor] = {}
+    def _launch(self, key: tuple, items: list, table: torch.Tensor, n_groups: int, grad_scale: Any,
+                found_inf: Any, on_device: dict[tuple, torch.Tensor]) -> None:
+        """Count the step of every tensor of one launch and run the fused kernel over its table, on
+        the current stream. ``grad_scale`` / ``found_inf``: tensors (any device) or None; copies on
+        the launch's device are kept in ``on_device`` for the other launches of the same step."""
+        device, pdtype, gdtype, master, gi = key[:5]
+        group = self.param_groups[gi]
 
-        def to_dev(t: torch.Tensor | None, device: torch.device, what: str) -> torch.Tensor | None:
+        def to_dev(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
             if t is None:
                 return None
             if (what, device) not in on_device:
                 on_device[(what, device)] = t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
             return on_device[(what, device)]
 
+        steps = [st["step"] for _, _, _, st in items]
+        torch._foreach_add_(steps, 1)
+        lr = group["lr"]
+        lr_t = to_dev(lr, f"lr{gi}") if isinstance(lr, torch.Tensor) else None
+        fi = to_dev(found_inf, "found_inf")
+        gs = to_dev(grad_scale, "grad_scale")
+        if group["maximize"]:
+            gs = self._negated(gs, device, on_device)
+        m_fmt, v_fmt = group["m_format"], group["v_format"]
+        if n_groups > 0:  # else only empty shards: their steps count, nothing to compute
+            _ops.adamw_step(
+                table, n_groups, lr=0.0 if lr_t is not None else float(lr), lr_tensor=lr_t,
+                beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                weight_decay=group["weight_decay"], grad_scale=gs,
+                found_inf=fi, param_dtype=pdtype, grad_dtype=gdtype, master=master,
+                m_fmt=CORE_ID[m_fmt], v_fmt=CORE_ID[v_fmt], expansion=group["expansion"],
+                m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
+                cpu_threads=torch.get_num_threads(),
+            )
+        if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
+            torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One AdamW step over the parameters that hold a gradient.
+
+        Under gradient release (``coat.optim.step_in_backward``) backward has already stepped and
+        freed every released gradient: ``step()`` then ends the iteration. It launches what is
+        still pending, steps any parameter that still holds a gradient (one whose hook did not
+        fire, e.g. after ``release.accumulate()``), and sets ``release.grad_norm`` and the clipping
+        scale of the next iteration; it must be called once per iteration."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        release = self._release
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if release is not None:
+            release._before_step(grad_scale, found_inf)
+            grad_scale = release._clip_scale
+        buckets = self._gather()
+        if self.nonfinite == "raise":
+            self._raise_on_nonfinite(buckets)
+        # Every table (and with it every check of the states) before anything is written.
+        tables = {key: self._descriptors(key, items) for key, items in buckets.items()}
+        on_device: dict[tuple, torch.Tensor] = {}
         for key, items in buckets.items():
-            device, pdtype, gdtype, master, gi = key
-            group = self.param_groups[gi]
-            steps = [st["step"] for _, _, _, st in items]
-            torch._foreach_add_(steps, 1)
-            table, n_groups = tables[key]
-            lr = group["lr"]
-            lr_t = to_dev(lr, device, f"lr{gi}") if isinstance(lr, torch.Tensor) else None
-            fi = to_dev(found_inf, device, "found_inf")
-            gs = to_dev(grad_scale, device, "grad_scale")
-            if group["maximize"]:
-                gs = self._negated(gs, device, on_device)
-            m_fmt, v_fmt = group["m_format"], group["v_format"]
-            if n_groups > 0:  # else only empty shards: their steps count, nothing to compute
-                _ops.adamw_step(
-                    table, n_groups, lr=0.0 if lr_t is not None else float(lr), lr_tensor=lr_t,
-                    beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                    weight_decay=group["weight_decay"], grad_scale=gs,
-                    found_inf=fi, param_dtype=pdtype, grad_dtype=gdtype, master=master,
-                    m_fmt=CORE_ID[m_fmt], v_fmt=CORE_ID[v_fmt], expansion=group["expansion"],
-                    m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
-                    cpu_threads=torch.get_num_threads(),
-                )
-            if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
-                torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
+            self._launch(key, items, *tables[key], grad_scale, found_inf, on_device)
+        if release is not None:
+            release._end_iteration()
         return loss
 
     @staticmethod

@@ -1,0 +1,455 @@
+"""Gradient release: coat.optim.AdamW's step inside backward, so a full set of gradients never exists.
+
+A post-accumulate-grad hook on every parameter hands its finished gradient to the bucket it belongs
+to (by default one bucket per decoder layer: each element of the model's ``nn.ModuleList`` s, and
+one per module owning the remaining parameters). When every parameter of a bucket has its
+gradient, the bucket runs the same fused kernel as ``AdamW.step`` over them (one launch per device,
+dtypes and parameter group, through a descriptor table cached per bucket, on the current stream,
+without host synchronisation) and frees their gradients. Whatever a backward leaves incomplete (a
+parameter that got no gradient) is launched when that backward ends (an autograd-engine callback).
+
+Why the result is the ordinary step's, bit for bit: the kernel's arithmetic for an element depends
+only on that element, its tensor's step count and its tensor's seed (the stochastic-rounding seed
+derives from the parameter's position in the optimizer, never from launch order), so splitting one
+launch into several changes nothing. Every autograd node that reads a parameter feeds its
+AccumulateGrad, so the hook fires only after the last read of the value being replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+from collections import defaultdict
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from . import _state
+from .adamw import AdamW, _local
+
+__all__ = ["GradRelease", "step_in_backward", "clip_scale"]
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The kernel's ``grad_scale`` (gradients are multiplied by ``1 / grad_scale``) that clips like
+    ``torch.nn.utils.clip_grad_norm_``: coefficient ``min(1, max_norm / (norm + 1e-6))``."""
+    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
+    return torch.reciprocal(coef)
+
+
+def _refuse_wrappers(model: torch.nn.Module | None) -> None:
+    if model is None or not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("gradient release cannot run under DistributedDataParallel: DDP all-reduces the "
+                         "gradients after the hooks that release them have fired, so each rank would step with "
+                         "its own unreduced gradient. Shard the model with FSDP2 (torch.distributed.fsdp."
+                         "fully_shard), whose reduce-scatter completes a gradient before its hook fires")
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ValueError("gradient release does not support FSDP1 (FullyShardedDataParallel): its flat "
+                         "parameters are not the optimizer's; use FSDP2 (torch.distributed.fsdp.fully_shard)")
+
+
+def _model_buckets(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """Each element of every outermost ``nn.ModuleList`` (a decoder layer) is a bucket; every other
+    parameter goes to the bucket of the module that registers it."""
+    inside: set[int] = set()
+    buckets: list[list[torch.nn.Parameter]] = []
+    seen: set[int] = set()
+    for mod in model.modules():  # pre-order: an outer ModuleList comes before the lists inside it
+        if isinstance(mod, torch.nn.ModuleList) and id(mod) not in inside:
+            for child in mod:
+                inside.update(id(m) for m in child.modules())
+                ps = [p for p in child.parameters() if id(p) not in seen]
+                seen.update(id(p) for p in ps)
+                if ps:
+                    buckets.append(ps)
+    for mod in model.modules():
+        if id(mod) in inside:
+            continue
+        ps = [p for p in mod._parameters.values() if p is not None and id(p) not in seen]
+        seen.update(id(p) for p in ps)
+        if ps:
+            buckets.append(ps)
+    return buckets
+
+
+def _explicit_buckets(buckets: Iterable[Any]) -> list[list[torch.nn.Parameter]]:
+    out: list[list[torch.nn.Parameter]] = []
+    seen: set[int] = set()
+    for i, b in enumerate(buckets):
+        members = [b] if isinstance(b, (torch.nn.Module, torch.Tensor)) else list(b)
+        ps: list[torch.nn.Parameter] = []
+        for m in members:
+            got = list(m.parameters()) if isinstance(m, torch.nn.Module) else [m]
+            for p in got:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(f"buckets[{i}] holds a {type(p).__name__}; a bucket is a Module or an iterable "
+                                     "of Parameters and Modules")
+                if id(p) in seen:
+                    raise ValueError(f"buckets[{i}]: a parameter of shape {tuple(p.shape)} is in more than one bucket")
+                seen.add(id(p))
+                ps.append(p)
+        out.append(ps)
+    return out
+
+
+class GradRelease:
+    """The handle that ``step_in_backward`` returns: the hooks, the buckets and the iteration's
+    bookkeeping. See ``step_in_backward`` for the semantics."""
+
+    def __init__(self, optimizer: AdamW, model: torch.nn.Module | None = None, *,
+                 buckets: Iterable[Any] | None = None, max_grad_norm: float | None = None) -> None:
+        if not isinstance(optimizer, AdamW):
+            raise TypeError(f"step_in_backward needs a coat.optim.AdamW, got {type(optimizer).__name__}")
+        if optimizer._release is not None:
+            raise RuntimeError("this optimizer already has gradient release attached; call .remove() on its "
+                               "handle first")
+        if optimizer.nonfinite == "raise":
+            raise ValueError("gradient release cannot honour nonfinite='raise': that mode checks every gradient "
+                             "before writing anything, and release steps each layer before the next one's "
+                             "gradient exists; use nonfinite='propagate' (a non-finite gradient then shows up as "
+                             "NaN in that parameter and its states)")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or math.isnan(max_grad_norm) or max_grad_norm <= 0):
+            raise ValueError(f"max_grad_norm must be a number > 0 (math.inf: measure the norm, never clip) or None, "
+                             f"got {max_grad_norm!r}")
+        if model is None and buckets is None:
+            raise ValueError("step_in_backward needs the model (its decoder layers become the buckets) or buckets=")
+        _refuse_wrappers(model)
+        self.optimizer = optimizer
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        names = {}
+        if model is not None:
+            for n, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), n)
+        in_opt = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+        raw = _explicit_buckets(buckets) if buckets is not None else _model_buckets(model)
+        chosen: list[list[torch.nn.Parameter]] = []
+        placed: set[int] = set()
+        for b in raw:
+            ps = [p for p in b if id(p) in in_opt and p.requires_grad]
+            placed.update(id(p) for p in b)
+            if ps:
+                chosen.append(ps)
+        for p in in_opt.values():  # the optimizer's parameters outside the model: one bucket each
+            if id(p) not in placed and p.requires_grad:
+                chosen.append([p])
+        self._buckets: list[tuple[torch.nn.Parameter, ...]] = [tuple(b) for b in chosen]
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
+        self._names = {id(p): names.get(id(p), f"param_groups parameter of shape {tuple(p.shape)}")
+                       for b in self._buckets for p in b}
+        self._positions: dict[int, tuple[int, int, int]] = {}
+        self._norm_group = self._find_norm_group() if self.max_grad_norm is not None else None
+        self._lock = threading.RLock()
+        self._accumulating = 0
+        self.grad_norm: torch.Tensor | None = None
+        self._clip_scale: torch.Tensor | None = None
+        self.stats = {"flushes": 0, "launches": 0, "incomplete": 0}
+        self._reset_iteration()
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self._buckets for p in b]
+        optimizer._release = self
+
+    # ---- public --------------------------------------------------------------------------------
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The parameters (by name in the model) of each bucket, one launch group each."""
+        return [[self._names[id(p)] for p in b] for b in self._buckets]
+
+    @contextlib.contextmanager
+    def accumulate(self, enabled: bool = True) -> Iterator[None]:
+        """Backward passes inside accumulate into ``.grad`` as without release (no step); the next
+        backward outside releases the sums. ``enabled=False`` makes it a no-op (for
+        ``with release.accumulate(i < n - 1):``)."""
+        if not enabled:
+            yield
+            return
+        with self._lock:
+            self._accumulating += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._accumulating -= 1
+
+    def remove(self) -> None:
+        """Detach: remove the hooks; the optimizer steps as usual again. Gradients not yet stepped
+        stay in ``.grad`` (``optimizer.step()`` steps them)."""
+        with self._lock:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            if self.optimizer._release is self:
+                self.optimizer._release = None
+            self._reset_iteration()
+
+    def __enter__(self) -> "GradRelease":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (f"GradRelease({len(self._buckets)} buckets, max_grad_norm={self.max_grad_norm}, "
+                f"attached={self.optimizer._release is self})")
+
+    # ---- per iteration ---------------------------------------------------------------------------
+
+    def _reset_iteration(self) -> None:
+        n = len(self._buckets)
+        self._arrived = [0] * n
+        self._expected: list[int | None] = [None] * n
+        self._pending: list[list[torch.nn.Parameter]] = [[] for _ in range(n)]
+        self._released: set[int] = set()
+        self._norms: dict[int, torch.Tensor] = {}  # position in the optimizer -> norm of the local grad
+        self._tasks: set[int] = set()
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        with self._lock:
+            pid = id(p)
+            if pid in self._released:
+                what = ("accumulated another gradient" if self._accumulating else "received a second gradient")
+                raise RuntimeError(
+                    f"gradient release: parameter '{self._names[pid]}' {what} after its step in this iteration. "
+                    "Call optimizer.step() once per iteration (under release it launches what is pending and ends "
+                    "the iteration), and run every micro-batch but the last inside release.accumulate()")
+            if self._accumulating:
+                return
+            self._released.add(pid)
+            b = self._bucket_of[pid]
+            if self._expected[b] is None:
+                self._expected[b] = sum(1 for q in self._buckets[b] if q.requires_grad)
+            self._arrived[b] += 1
+            self._pending[b].append(p)
+            self._queue_end_of_backward()
+            if self._arrived[b] >= self._expected[b]:
+                self._flush(b)
+
+    def _queue_end_of_backward(self) -> None:
+        # Outside a backward (a hook fired by hand) there is no engine callback: what stays pending is
+        # launched by optimizer.step().
+        task = torch._C._current_graph_task_id()
+        if task >= 0 and task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task))
+
+    def _end_of_backward(self, task: int) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+            self._flush_all()
+        # coat's FP8 weight cache (Fp8Recipe(weight_cache=True)) is keyed on version counters, which
+        # the kernel's in-place writes do not bump; the ordinary step clears it through a step hook.
+        weights = sys.modules.get("coat.nn.weights")
+        if weights is not None:
+            weights.invalidate_weight_cache()
+
+    def _flush_all(self) -> None:
+        for b, pending in enumerate(self._pending):
+            if pending:
+                self.stats["incomplete"] += 1
+                self._flush(b)
+
+    def _position(self, p: torch.nn.Parameter) -> tuple[int, int, int]:
+        """(group index, index in the group, index in the whole list) of p, followed through
+        add_param_group and load_state_dict."""
+        groups = self.optimizer.param_groups
+        pos = self._positions.get(id(p))
+        if pos is None or pos[0] >= len(groups) or pos[1] >= len(groups[pos[0]]["params"]) \
+                or groups[pos[0]]["params"][pos[1]] is not p:
+            self._positions, first = {}, 0
+            for gi, g in enumerate(groups):
+                for j, q in enumerate(g["params"]):
+                    self._positions.setdefault(id(q), (gi, j, first + j))
+                first += len(g["params"])
+            pos = self._positions.get(id(p))
+            if pos is None:
+                raise RuntimeError(f"gradient release: parameter '{self._names[id(p)]}' is no longer in the "
+                                   "optimizer's parameter groups; call .remove() and step_in_backward again")
+        return pos
+
+    @torch.no_grad()
+    def _flush(self, b: int) -> None:
+        params, self._pending[b] = self._pending[b], []
+        if not params:
+            return
+        opt = self.optimizer
+        groups = opt.param_groups
+        where = [self._position(p) for p in params]
+        for gi in sorted({w[0] for w in where}):
+            opt._check_hyper(groups[gi])
+        by_key: dict[tuple, list] = defaultdict(list)
+        for p, (gi, _, index) in zip(params, where):
+            key, item = opt._item(p, groups[gi], gi, index)
+            by_key[key + ("release", b)].append(item)  # key[0] stays the device (the table cache's)
+        # Every table (and with it every check of the states) before anything is written.
+        tables = {key: opt._descriptors(key, items) for key, items in by_key.items()}
+        if self.max_grad_norm is not None:
+            for key, items in by_key.items():
+                norms = torch._foreach_norm([it[2] for it in items], 2, dtype=torch.float32)
+                for (gi, _, index), n in zip((self._position(it[0]) for it in items), norms):
+                    self._norms[index] = n
+        on_device: dict[tuple, torch.Tensor] = {}
+        for key, items in by_key.items():
+            opt._launch(key, items, *tables[key], self._clip_scale, None, on_device)
+            self.stats["launches"] += 1
+        self.stats["flushes"] += 1
+        for p in params:
+            g = p.grad
+            if g is not None and g.is_cuda:
+                # The gradient may come from another stream (FSDP2's reduce-scatter): its memory must not
+                # be handed out again before the launch on this stream has read it.
+                _local(g).record_stream(torch.cuda.current_stream(g.device))
+            p.grad = None
+        del by_key, tables
+
+    # ---- optimizer.step() --------------------------------------------------------------------
+
+    def _before_step(self, grad_scale: Any, found_inf: Any) -> None:
+        if grad_scale is not None or found_inf is not None:
+            raise RuntimeError(
+                "torch.amp.GradScaler cannot drive an optimizer under gradient release: a skipped step needs "
+                "every gradient checked before any parameter is written, and release has already stepped each "
+                "layer in backward (with the scaled gradients). Train in bf16 without a scaler, or call .remove() "
+                "on the release handle")
+        with self._lock:
+            self._flush_all()
+
+    def _end_iteration(self) -> None:
+        with self._lock:
+            if self.max_grad_norm is not None:
+                self._finish_norm()
+            self._reset_iteration()
+
+    def _find_norm_group(self) -> Any:
+        """The process group over which sharded gradients' squared norms are summed (None: no sharded
+        parameters)."""
+        found = set()
+        for b in self._buckets:
+            for p in b:
+                if not _state._is_dtensor(p):
+                    continue
+                dims = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+                if len(dims) > 1:
+                    raise NotImplementedError(f"gradient release with max_grad_norm: parameter '{self._names[id(p)]}' "
+                                              f"is sharded over {len(dims)} mesh dimensions {tuple(p.placements)}; "
+                                              "only one sharded dimension (FSDP2, HSDP) is supported")
+                if dims:
+                    found.add((p.device_mesh, dims[0]))
+        if len(found) > 1:
+            raise NotImplementedError("gradient release with max_grad_norm: parameters are sharded over different "
+                                      "meshes; the norm needs one process group")
+        if not found:
+            return None
+        mesh, dim = found.pop()
+        return mesh.get_group(dim)
+
+    def _finish_norm(self) -> None:
+        """The total norm of this iteration's released gradients (as clip_grad_norm_ computes it over
+        the whole model), and from it the clipping scale of the next iteration."""
+        sharded, plain = [], []
+        for b in self._buckets:
+            for p in b:
+                index = self._position(p)[2]
+                n = self._norms.get(index)
+                if self._norm_group is not None and _state._is_dtensor(p) and any(pl.is_shard() for pl in p.placements):
+                    sharded.append((index, p, n))
+                elif n is not None:
+                    plain.append((index, n))
+        plain.sort(key=lambda x: x[0])  # the optimizer's order, whatever order the buckets launched in
+        sharded.sort(key=lambda x: x[0])
+        total = None
+        if plain:
+            dev = plain[0][1].device
+            total = torch.linalg.vector_norm(torch.stack([n.to(dev) for _, n in plain]))
+        if self._norm_group is not None:
+            # Every rank sums a vector of the same length (a zero where a shard got no gradient), so
+            # the collective matches on all ranks whatever each released.
+            dev = _local(sharded[0][1]).device
+            zero = torch.zeros((), dtype=torch.float32, device=dev)
+            sq = torch.stack([(n.to(dev) if n is not None else zero) ** 2 for _, _, n in sharded])
+            torch.distributed.all_reduce(sq, group=self._norm_group)
+            sq_total = sq.sum()
+            total = torch.sqrt(sq_total + (total.to(dev) ** 2 if total is not None else 0.0))
+        self.grad_norm = total
+        if total is None or math.isinf(self.max_grad_norm):
+            self._clip_scale = None
+        else:
+            self._clip_scale = clip_scale(total, self.max_grad_norm)
+
+
+def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, buckets: Iterable[Any] | None = None,
+                     max_grad_norm: float | None = None) -> GradRelease:
+    """Gradient release: ``optimizer`` (a ``coat.optim.AdamW``) steps each parameter inside
+    backward, as soon as its gradient is complete, and frees that gradient, so at most a bucket's
+    gradients (a decoder layer's) exist at a time instead of the whole model's.
+
+    Args:
+        optimizer: the ``coat.optim.AdamW`` over the model's parameters (its groups, formats,
+            master weights, lr and scheduler work as without release).
+        model: the model; each element of every outermost ``nn.ModuleList`` (a decoder layer) is
+            one bucket, each other module's own parameters another. Under FSDP2 pass the sharded
+            model: its DTensor parameters are the optimizer's, each rank releases its own shards as
+            FSDP2's reduce-scatter completes them.
+        buckets: instead of the model's layout, an explicit list of buckets (each a Module or an
+            iterable of Parameters and Modules). Parameters of the optimizer outside every bucket
+            get a bucket of their own.
+        max_grad_norm: clip by the total gradient norm of the *previous* iteration (the current
+            one is not known until every layer has been stepped): iteration t's gradients are
+            multiplied by ``min(1, max_grad_norm / (norm_{t-1} + 1e-6))``, the first iteration's are
+            not clipped. ``math.inf`` only measures the norm. The norm (of the released gradients,
+            as ``clip_grad_norm_`` computes it; summed over ranks under FSDP2) is
+            ``release.grad_norm`` after ``optimizer.step()``. None: no norm is computed.
+
+    Returns a ``GradRelease`` handle: ``release.accumulate()``, ``release.grad_norm``,
+    ``release.buckets``, ``release.remove()`` (also as a context manager: ``with
+    step_in_backward(opt, model): ...`` removes the hooks on exit).
+
+    The training loop stays the ordinary one::
+
+        release = coat.optim.step_in_backward(opt, model, max_grad_norm=1.0)
+        for batch in data:
+            model(**batch).loss.backward()   # every layer is stepped here, its gradient freed
+            opt.step()                       # ends the iteration (launches nothing already done)
+            opt.zero_grad()                  # nothing left to zero
+            scheduler.step()                 # the lr is read when a bucket steps: next iteration
+
+    Same result as without release, bit for bit (same data, same seed, no clipping): each
+    element's update depends only on its own gradient, state, step count and seed, and the
+    stochastic-rounding seed derives from the parameter's position in the optimizer, not from
+    which bucket or launch it is stepped in.
+
+    What the ordinary step allows and how it is handled here:
+
+    - ``optimizer.step()`` must be called once per iteration. It launches what is still pending,
+      steps any parameter that still holds a gradient (one whose hook did not fire), computes
+      ``grad_norm`` and the next clipping scale, and ends the iteration. A parameter that gets a
+      second gradient before it raises ``RuntimeError`` (it would be stepped twice).
+    - Gradient accumulation: run every micro-batch but the last inside ``release.accumulate()``
+      (gradients accumulate in ``.grad``); the last backward releases the sums. Under FSDP2,
+      ``model.set_requires_gradient_sync(False)`` on the earlier micro-batches works the same way
+      (FSDP2 fires the hooks only when it reduce-scatters). A parameter already stepped in this
+      iteration that gets a gradient inside ``accumulate()`` raises ``RuntimeError``.
+    - Global-norm clipping of the current gradients is impossible (``clip_grad_norm_`` needs every
+      gradient first, which release never holds): use ``max_grad_norm`` (previous iteration's
+      norm). Parameters stepped by ``optimizer.step()`` (not released) are clipped by the same
+      scale but are not in the norm.
+    - ``torch.amp.GradScaler``: ``scaler.step(optimizer)`` raises ``RuntimeError`` (a skipped step
+      needs every gradient before any write). Train bf16 without a scaler.
+    - Parameters shared between modules (tied embeddings): autograd sums every use's gradient
+      before the parameter's hook fires once, so they are stepped once with the full gradient (in
+      the bucket of the module that owns them first; its gradient lives until its last use's
+      backward). The same parameter in two *separate* backward passes of one iteration needs
+      ``accumulate()`` around the first.
+    - A parameter whose hook does not fire in a backward (no gradient) is not stepped.
+    - lr schedulers and ``lr`` changes: the lr is read when a bucket launches.
+    - ``nonfinite='raise'`` and ``DistributedDataParallel`` (which reduces after the hooks fire) are
+      refused at attach time; ``state_dict`` / ``load_state_dict`` / distributed checkpoints are
+      unchanged (resume and attach release again).
+    """
+    return GradRelease(optimizer, model, buckets=buckets, max_grad_norm=max_grad_norm)
