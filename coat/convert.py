@@ -14,6 +14,7 @@ from torch import nn
 
 from .nn import adapters
 from .nn.attention import Fp8AttentionMixin
+from .nn.frozen import freeze_to_fp8
 from .nn.layer import Fp8DecoderLayerMixin
 from .nn.mlp import Fp8SwiGLUMixin
 from .nn.recipe import Fp8Recipe, resolve
@@ -98,30 +99,43 @@ def _is_layer(m: nn.Module) -> bool:
     return any(c.__name__ in _LAYER_NAMES for c in type(m).__mro__)
 
 
-def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8") -> nn.Module:
+FROZEN_WEIGHTS = ("keep", "fp8")
+
+
+def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: str = "keep") -> nn.Module:
     """Converts ``model`` (a Hugging Face Llama/Mistral/Qwen2/Qwen3 model, or one decoder layer)
     in place and returns it. ``recipe``: "fp8" / "coat" (FP8 GEMMs, FP8 saved activations with fp32
     group scales), "fp8-e8m0" (power-of-two group scales), an ``Fp8Recipe``, or "bf16" (no change).
-    Converting twice only updates the recipe."""
+    ``frozen_weights="fp8"`` stores every projection group whose weights are all frozen
+    (requires_grad False: a LoRA base, frozen layers) as FP8 codes only, 1 byte per parameter
+    (``coat/nn/frozen.py``); call convert again after freezing more (e.g. after
+    ``peft.get_peft_model``). Converting twice only updates the recipe (and stores newly frozen
+    groups in FP8)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if frozen_weights not in FROZEN_WEIGHTS:
+        raise ValueError(f"frozen_weights must be one of {FROZEN_WEIGHTS}, got {frozen_weights!r}")
     if recipe == "bf16":
+        if frozen_weights != "keep":
+            raise ValueError("frozen_weights='fp8' needs an FP8 recipe (the bf16 recipe leaves the model as it is)")
         return model
     rec = resolve(recipe)
     if _is_layer(model):
-        _convert_layer(model, rec)
-        return model
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED:
-        raise ValueError(
-            f"coat.convert supports Llama, Mistral, Qwen2 and Qwen3 models; got {type(model).__name__}"
-            + (f" (model_type={model_type!r})" if model_type else "")
-        )
-    layers = [(n, m) for n, m in model.named_modules() if _is_layer(m)]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no {SUPPORTED[model_type]} to convert")
+        layers = [("", model)]
+    else:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in SUPPORTED:
+            raise ValueError(
+                f"coat.convert supports Llama, Mistral, Qwen2 and Qwen3 models; got {type(model).__name__}"
+                + (f" (model_type={model_type!r})" if model_type else "")
+            )
+        layers = [(n + ".", m) for n, m in model.named_modules() if _is_layer(m)]
+        if not layers:
+            raise ValueError(f"{type(model).__name__} has no {SUPPORTED[model_type]} to convert")
     for name, layer in layers:  # every layer is checked before any is converted: nothing half-done
-        _check_projections(layer, name + ".")
+        _check_projections(layer, name)
     for name, layer in layers:
-        _convert_layer(layer, rec, name + ".")
+        _convert_layer(layer, rec, name)
+    if frozen_weights == "fp8":
+        freeze_to_fp8([layer for _, layer in layers])
     return model

@@ -140,6 +140,29 @@ def _prep_torchao(model, ctx):
     return _train_step(model, opt, nullcontext())
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _prep_lora(on_coat: bool):
+    # Issue 17: rank-16 LoRA on every linear layer of the decoder (PEFT's defaults otherwise), the
+    # base frozen; torch fused AdamW over the adapters. coat: FP8 GEMMs with the frozen base kept
+    # only in FP8 (coat.convert(..., frozen_weights="fp8")), adapters in BF16 beside them.
+    def prepare(model, ctx):
+        import peft
+
+        if on_coat:
+            import coat
+
+            coat.convert(model, recipe="coat")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+        if on_coat:
+            coat.convert(model, recipe="coat", frozen_weights="fp8")
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ctx.lr, fused=True)
+        return _train_step(model, opt, nullcontext())
+
+    return prepare
+
+
 SETUPS: dict[str, Setup] = {s.name: s for s in (
     Setup("amp", "fp32 weights, bf16 autocast, torch fused AdamW (FSDP2: MixedPrecisionPolicy bf16/fp32)", "amp",
           torch.float32, _prep_amp),
@@ -150,6 +173,10 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           torch.bfloat16, _prep_coat("bf16_sr")),
     Setup("torchao", "peer: torchao float8 training + per-layer torch.compile + AdamW8bit(bf16_stochastic_round)",
           None, torch.bfloat16, _prep_torchao, needs=("torchao",), cuda_only=True, fsdp=False),
+    Setup("lora-bf16", "PEFT LoRA r=16 on all decoder linears, bf16 frozen base, torch fused AdamW", None,
+          torch.bfloat16, _prep_lora(False), needs=("peft",), fsdp=False),
+    Setup("lora-coat", "coat.convert + PEFT LoRA r=16 on all decoder linears, base frozen in FP8, torch fused AdamW",
+          None, torch.bfloat16, _prep_lora(True), needs=("peft",), fsdp=False),
 )}
 
 

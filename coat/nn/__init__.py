@@ -6,6 +6,7 @@ from .linear import Fp8Linear, fp8_linear
 from .mlp import Fp8SwiGLUMixin, Fp8SwiGLUMLP, swiglu_down
 from .norm import Fp8RMSNorm, rms_norm
 from .recipe import RECIPES, Fp8Recipe
+from .frozen import dequantize_frozen
 from .weights import cached_bytes, invalidate_weight_cache
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "Fp8DecoderLayerMixin",
     "invalidate_weight_cache",
     "cached_bytes",
+    "dequantize_frozen",
 ]

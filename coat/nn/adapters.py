@@ -59,6 +59,13 @@ def is_frozen_fp8(linear: nn.Module) -> bool:
     return getattr(linear, "weight_scale", None) is not None and linear.weight.dtype == torch.float8_e4m3fn
 
 
+def frozen_scales(bases) -> Optional[list]:
+    """The FP8 scales of a projection group stored FP8-frozen, or None for floating-point weights."""
+    if not is_frozen_fp8(bases[0]):
+        return None
+    return [b.weight_scale for b in bases]
+
+
 def check_adapters(mod: nn.Module, name: str) -> None:
     """Refuses LoRA variants coat does not compute (DoRA and the other ``lora_variant`` kinds)."""
     if not is_lora(mod):

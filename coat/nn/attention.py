@@ -100,12 +100,12 @@ class Fp8AttentionMixin:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 0.0
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bases = [A.base_linear(p, n) for p, n in zip(projs, _QKV)]
-        weights, biases = [b.weight for b in bases], _bias_list(*bases)
+        weights, biases, scales = [b.weight for b in bases], _bias_list(*bases), A.frozen_scales(bases)
         if A.any_delta(projs):  # LoRA: the adapters need the normed input itself (BF16, beside the FP8 GEMM)
             y = rms_norm(hidden_states, nw, eps, recipe) if nw is not None else hidden_states
-            qkv = A.add_deltas(norm_linear(y, None, 0.0, weights, biases, recipe), projs, _QKV, y)
+            qkv = A.add_deltas(norm_linear(y, None, 0.0, weights, biases, recipe, scales), projs, _QKV, y)
         else:
-            qkv = norm_linear(hidden_states, nw, eps, weights, biases, recipe)
+            qkv = norm_linear(hidden_states, nw, eps, weights, biases, recipe, scales)
         cos, sin = position_embeddings
         hq, hk = bases[0].out_features // d, bases[1].out_features // d
         if hasattr(self, "q_norm"):  # Qwen3: per-head norms between the projection and RoPE
@@ -127,5 +127,6 @@ class Fp8AttentionMixin:
         )
         out = out.reshape(*b_s, -1).contiguous()
         base_o = A.base_linear(self.o_proj, "self_attn.o_proj")
-        o = norm_linear(out, None, 0.0, [base_o.weight], [base_o.bias] if base_o.bias is not None else [], recipe)
+        o = norm_linear(out, None, 0.0, [base_o.weight], [base_o.bias] if base_o.bias is not None else [], recipe,
+                        A.frozen_scales((base_o,)))
         return A.add_deltas(o, (self.o_proj,), ("self_attn.o_proj",), out), attn_weights

@@ -42,7 +42,7 @@ def wgrad_dtype(w: torch.Tensor) -> torch.dtype:
 class _NormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, *params):
-        recipe, eps, n_w, cdt, cache = meta
+        recipe, eps, n_w, cdt, cache, frozen_scales = meta
         weights, biases = params[:n_w], params[n_w:]
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
@@ -63,7 +63,7 @@ class _NormLinearFn(torch.autograd.Function):
             need_wgrad = any(w.requires_grad for w in weights)
             yq, yq_t, ys = mm.quantize(x2, ACT_DTYPE, need_wgrad)
             saved = (yq_t, ys)
-        w8 = W.forward_weight(weights, cache)
+        w8 = W.forward_weight(weights, cache, frozen_scales)
         out = mm.fp8_mm(yq, ys, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
         if biases:
             out = out + (biases[0] if len(biases) == 1 else torch.cat(biases)).to(cdt)
@@ -137,9 +137,11 @@ def norm_linear(
     weights: list[torch.Tensor],
     biases: list[torch.Tensor],
     recipe: Fp8Recipe,
+    frozen_scales: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[rms_norm(x)] @ cat(weights).T + cat(biases)`` with FP8 GEMMs and the memory plan above.
-    ``biases`` is empty or has one entry per weight."""
+    ``biases`` is empty or has one entry per weight. ``frozen_scales``: the weights are FP8-frozen
+    codes (``frozen.py``) with these scales."""
     if biases and len(biases) != len(weights):
         raise ValueError("biases must be empty or one per weight")
     for w in weights:
@@ -147,5 +149,6 @@ def norm_linear(
             raise ValueError(f"weight of shape {tuple(w.shape)} does not take inputs of width {x.shape[-1]}")
         if w.dtype != weights[0].dtype:
             raise ValueError(f"fused weights must share one dtype, got {weights[0].dtype} and {w.dtype}")
-    meta = (recipe, float(eps), len(weights), compute_dtype(x), W.use_cache(recipe.weight_cache, weights))
+    cache = frozen_scales is None and W.use_cache(recipe.weight_cache, weights)
+    meta = (recipe, float(eps), len(weights), compute_dtype(x), cache, frozen_scales)
     return _NormLinearFn.apply(meta, x, norm_weight, *weights, *biases)

@@ -34,7 +34,7 @@ def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
 class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, gu, w_down, b_down):
-        recipe, cdt, cache = meta
+        recipe, cdt, cache, w_scale = meta
         i2 = gu.shape[-1]
         gu2 = gu.reshape(-1, i2)
         if not gu2.is_contiguous():
@@ -49,7 +49,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
             ctx.fp8 = False
         hq, _, hs = mm.quantize(h, ACT_DTYPE, False)
         del h
-        w8 = W.forward_weight((w_down,), cache)
+        w8 = W.forward_weight((w_down,), cache, None if w_scale is None else (w_scale,))
         out = mm.fp8_mm(hq, hs, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
         if b_down is not None:
             out = out + b_down.to(cdt)
@@ -61,7 +61,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        recipe, cdt, cache = ctx.meta
+        recipe, cdt, cache, _ = ctx.meta
         *saved, w_scale, w_down = ctx.saved_tensors
         d2 = dout.reshape(-1, dout.shape[-1])
         if d2.dtype != cdt:
@@ -92,11 +92,13 @@ class _SwiGLUDownFn(torch.autograd.Function):
         return None, dgu.to(ctx.gu_dtype).reshape(ctx.gu_shape), dw, db
 
 
-def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor | None, recipe: Fp8Recipe):
-    """down_proj(silu(gate) * up) over a fused [.., 2I] gate/up tensor."""
+def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor | None, recipe: Fp8Recipe,
+                w_scale: torch.Tensor | None = None):
+    """down_proj(silu(gate) * up) over a fused [.., 2I] gate/up tensor; ``w_scale``: w_down is
+    FP8-frozen codes with this scale (``frozen.py``)."""
     if gate_up.shape[-1] % 2 or w_down.dim() != 2 or w_down.shape[1] * 2 != gate_up.shape[-1]:
         raise ValueError(f"gate_up of width {gate_up.shape[-1]} does not match down_proj {tuple(w_down.shape)}")
-    meta = (recipe, compute_dtype(gate_up), W.use_cache(recipe.weight_cache, (w_down,)))
+    meta = (recipe, compute_dtype(gate_up), w_scale is None and W.use_cache(recipe.weight_cache, (w_down,)), w_scale)
     return _SwiGLUDownFn.apply(meta, gate_up, w_down, b_down)
 
 
@@ -152,17 +154,18 @@ class Fp8SwiGLUMixin:
         gate_up = (self.gate_proj, self.up_proj)
         bg, bu = (A.base_linear(m, n) for m, n in zip(gate_up, _GATE_UP))
         bd = A.base_linear(self.down_proj, "mlp.down_proj")
+        gu_w, gu_b, gu_s = [bg.weight, bu.weight], _bias_list(bg, bu), A.frozen_scales((bg, bu))
         if A.any_delta(gate_up):  # LoRA: the adapters need the normed input itself
             y = rms_norm(x, nw, eps, recipe) if nw is not None else x
-            gu = A.add_deltas(norm_linear(y, None, 0.0, [bg.weight, bu.weight], _bias_list(bg, bu), recipe),
-                              gate_up, _GATE_UP, y)
+            gu = A.add_deltas(norm_linear(y, None, 0.0, gu_w, gu_b, recipe, gu_s), gate_up, _GATE_UP, y)
         else:
-            gu = norm_linear(x, nw, eps, [bg.weight, bu.weight], _bias_list(bg, bu), recipe)
+            gu = norm_linear(x, nw, eps, gu_w, gu_b, recipe, gu_s)
+        d_s = A.frozen_scales((bd,))
         if A.has_delta(self.down_proj):
             h = swiglu(gu, recipe)
-            out = norm_linear(h, None, 0.0, [bd.weight], [bd.bias] if bd.bias is not None else [], recipe)
+            out = norm_linear(h, None, 0.0, [bd.weight], [bd.bias] if bd.bias is not None else [], recipe, d_s)
             return A.add_deltas(out, (self.down_proj,), ("mlp.down_proj",), h)
-        return swiglu_down(gu, bd.weight, bd.bias, recipe)
+        return swiglu_down(gu, bd.weight, bd.bias, recipe, None if d_s is None else d_s[0])
 
 
 class Fp8SwiGLUMLP(Fp8SwiGLUMixin, nn.Module):

@@ -37,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ops import quantize as qops
+from . import frozen
 from .recipe import ACT_DTYPE
 
 __all__ = ["Fp8Weight", "forward_weight", "backward_weight", "use_cache", "invalidate_weight_cache", "cached_bytes",
@@ -134,9 +135,14 @@ def _cached(weights: Sequence[torch.Tensor]) -> Fp8Weight:
 # ---- the two passes ------------------------------------------------------------------------------
 
 
-def forward_weight(weights: Sequence[torch.Tensor], cache: bool = False) -> Fp8Weight:
+def forward_weight(weights: Sequence[torch.Tensor], cache: bool = False,
+                   frozen_scales: Optional[Sequence[torch.Tensor]] = None) -> Fp8Weight:
     """Row-major E4M3 codes of cat(weights, 0) and their per-tensor scale (``data_t`` is None
-    unless the cache made it too). ``cache``: ``use_cache(...)`` as the layer's caller decided."""
+    unless the cache made it too). ``cache``: ``use_cache(...)`` as the layer's caller decided.
+    ``frozen_scales``: the weights are FP8-frozen codes with these (shared) scales (``frozen.py``)."""
+    if frozen_scales is not None:
+        codes, scale = frozen.group_codes(weights, frozen_scales)
+        return Fp8Weight(codes, None, scale)
     if cache:
         return _cached(weights)
     q, _, scale = qops.quantize_stacked_amax(list(weights), _E4M3, True, False)
@@ -146,7 +152,10 @@ def forward_weight(weights: Sequence[torch.Tensor], cache: bool = False) -> Fp8W
 
 def backward_weight(weights: Sequence[torch.Tensor], scale: torch.Tensor, cache: bool = False) -> torch.Tensor:
     """Transposed E4M3 codes [K, N] of cat(weights, 0) with the forward's ``scale``: the cached
-    copy when the forward used the cache and the weights have not changed since, else one pass."""
+    copy when the forward used the cache and the weights have not changed since, else one pass
+    (for FP8-frozen weights, the codes themselves transposed)."""
+    if weights[0].dtype == ACT_DTYPE:
+        return frozen.group_codes_t(weights)
     if cache:
         entry = _lookup(weights)
         if entry is not None and entry.scale is scale:

@@ -144,3 +144,89 @@ def test_deepcopy_keeps_the_adapters(gen):
     ids = torch.randint(0, V, (1, 5), generator=gen)
     with torch.no_grad():
         assert torch.equal(copy.deepcopy(m)(input_ids=ids).logits, m(input_ids=ids).logits)
+
+
+# ---- frozen weights in FP8 ------------------------------------------------------------------------
+
+
+def _proj_bytes(m):
+    return sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "proj" in n and "lora_" not in n)
+
+
+@pytest.mark.parametrize("order", ["convert_then_peft", "peft_then_convert"])
+def test_frozen_fp8_base_computes_what_the_bf16_base_computes(order, gen):
+    def build(frozen):
+        if order == "convert_then_peft":
+            m = _lora(coat.convert(_base()))
+            return coat.convert(m, frozen_weights=frozen)  # convert again once PEFT froze the base
+        return coat.convert(_lora(_base()), frozen_weights=frozen)
+
+    keep, fp8 = build("keep"), build("fp8")
+    assert _proj_bytes(fp8) * 4 == _proj_bytes(keep)  # fp32 base here: 4 bytes -> 1 byte per parameter
+    ids = torch.randint(0, V, (2, 7), generator=gen)
+    a, b = keep(input_ids=ids, labels=ids), fp8(input_ids=ids, labels=ids)
+    # The same per-tensor codes and scales the trainable path computes each step: bit for bit.
+    assert torch.equal(a.logits, b.logits)
+    a.loss.backward()
+    b.loss.backward()
+    ga, gb = _grads(keep), _grads(fp8)
+    assert set(ga) == set(gb) and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_frozen_fp8_leaves_trainable_groups_alone_and_dequantizes(gen):
+    m = coat.convert(_base())
+    layer = m.model.layers[0]
+    for p in m.parameters():
+        p.requires_grad_(False)
+    layer.self_attn.k_proj.weight.requires_grad_(True)  # q/k/v share a GEMM: the group stays as it is
+    coat.convert(m, frozen_weights="fp8")
+    assert layer.self_attn.q_proj.weight.dtype == torch.float32
+    assert layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert m.model.layers[1].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+    ids = torch.randint(0, V, (1, 6), generator=gen)
+    m(input_ids=ids, labels=ids).loss.backward()
+    assert layer.self_attn.k_proj.weight.grad is not None
+    with torch.no_grad():
+        before = m(input_ids=ids).logits
+    coat.nn.dequantize_frozen(m, torch.float32)
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    with torch.no_grad():  # the dequantized weights quantize back to the same codes
+        assert torch.equal(m(input_ids=ids).logits, before)
+
+
+def test_frozen_layers_save_no_weight_gradient_inputs(gen):
+    def saved_bytes(m):
+        total = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            m(inputs_embeds=torch.randn(1, 16, 64, generator=gen, requires_grad=True)).logits.sum()
+        return sum(total)
+
+    trainable = coat.convert(_base())
+    frozen = coat.convert(_base())
+    for p in frozen.model.layers.parameters():
+        p.requires_grad_(False)
+    coat.convert(frozen, frozen_weights="fp8")
+    # What a frozen layer no longer saves: o_proj's transposed FP8 input (16 x 64 bytes per layer);
+    # the parameters it would save are FP8 codes instead of fp32 weights.
+    assert saved_bytes(frozen) < saved_bytes(trainable)
+
+
+def test_frozen_weights_bad_option():
+    with pytest.raises(ValueError, match="frozen_weights must be one of"):
+        coat.convert(_base(), frozen_weights="int8")
+
+
+@pytest.mark.gpu
+def test_gpu_lora_on_frozen_fp8_base(gen):
+    ref = _lora(_base()).to("cuda", torch.bfloat16)
+    m = coat.convert(_lora(_base()).to("cuda", torch.bfloat16), frozen_weights="fp8")
+    m.load_state_dict({k: v for k, v in ref.state_dict().items() if "lora_" in k}, strict=False)
+    ids = torch.randint(0, V, (2, 33), generator=gen).cuda()
+    out, r = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert rel(out.logits, r.logits) < 0.10
+    out.loss.backward()
+    r.loss.backward()
+    g, rg = _grads(m), _grads(ref)
+    assert set(g) == set(rg)
+    assert max(rel(g[n], rg[n]) for n in g) < 0.30

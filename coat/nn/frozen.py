@@ -1,0 +1,85 @@
+"""Frozen weights kept only in FP8: ``coat.convert(model, frozen_weights="fp8")``.
+
+A weight that does not train (the base of a LoRA fine-tune, frozen layers) needs no bf16 copy: its
+projection's ``weight`` becomes E4M3 codes (1 byte per parameter instead of 2) with a per-tensor
+``weight_scale`` buffer, and the forward and input-gradient GEMMs read the codes directly.
+
+Scales: one per-tensor scale per fused group (q/k/v share one, gate/up share one, o and down have
+their own): the scale coat's trainable path already computes for those GEMMs every step, so a
+frozen-FP8 layer computes bit for bit what the converted layer with bf16 frozen weights computes
+(tested) and adds no error of its own beyond the FP8 GEMMs that conversion already brings.
+Per-channel or 128x128-block scales would need GEMM kernels that scale inside the reduction for
+the input gradient (the channel scales of W lie along its reduction dimension there); measured,
+the per-tensor codes stay within the FP8 tolerance stated by the conversion tests.
+
+A group is stored in FP8 only when every member is frozen (requires_grad False); a group with a
+trainable member stays as it is. The state dict then holds the codes and scales (plain
+transformers cannot load it: save adapters with ``save_pretrained`` of the PEFT model, or call
+``dequantize_frozen`` first); ``dequantize_frozen`` turns the codes back into floating-point
+weights (the dequantized FP8 values), e.g. before PEFT's ``merge_and_unload``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._ops import quantize as qops
+from . import adapters as A
+from .recipe import ACT_DTYPE
+
+__all__ = ["freeze_to_fp8", "dequantize_frozen", "GROUPS"]
+
+# Projections that share one GEMM (and so one per-tensor scale).
+GROUPS = {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
+          "mlp": (("gate_proj", "up_proj"), ("down_proj",))}
+
+
+def _bases(layer: nn.Module, block: str, names) -> list[nn.Linear]:
+    owner = getattr(layer, block)
+    return [A.base_linear(getattr(owner, n), f"{block}.{n}") for n in names]
+
+
+def freeze_to_fp8(layers) -> int:
+    """Stores every fully frozen projection group of ``layers`` as E4M3 codes + one scale; returns
+    the bytes freed."""
+    freed = 0
+    for layer in layers:
+        for block, groups in GROUPS.items():
+            for names in groups:
+                bases = _bases(layer, block, names)
+                if any(A.is_frozen_fp8(b) for b in bases) or any(b.weight.requires_grad for b in bases):
+                    continue
+                ws = [b.weight.detach() for b in bases]
+                q, _, scale = qops.quantize_stacked_amax(ws, 0, True, False)
+                q = q.view(ACT_DTYPE)
+                row = 0
+                for b, w in zip(bases, ws):
+                    codes = q[row:row + w.shape[0]].clone()  # each projection owns its codes
+                    row += w.shape[0]
+                    freed += w.numel() * w.element_size() - codes.numel()
+                    b.weight = nn.Parameter(codes, requires_grad=False)
+                    b.register_buffer("weight_scale", scale.clone())
+    return freed
+
+
+def dequantize_frozen(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Turns FP8-frozen projection weights back into ``dtype`` weights (the FP8 values, scaled)."""
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) and A.is_frozen_fp8(mod):
+            w = (mod.weight.float() * mod.weight_scale).to(dtype)
+            del mod.weight_scale
+            mod.weight = nn.Parameter(w, requires_grad=False)
+    return model
+
+
+def group_codes(weights, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked row-major codes of an FP8-frozen group and its (shared) scale."""
+    codes = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
+    return codes, scales[0]
+
+
+def group_codes_t(weights) -> torch.Tensor:
+    """The stacked codes transposed [K, N], for the input-gradient GEMM."""
+    codes = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
+    return codes.view(torch.uint8).t().contiguous().view(codes.dtype)
