@@ -236,7 +236,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            COAT_STATE_BYTES, 2, "coat", "coat", fp8_weights=True),
 )}
 
-#: Modes that ``recipe()`` accepts after a '+': they are modeled, not yet measured.
+#: Modes that ``recipe()`` accepts after a '+'. "release" is ``coat.optim.step_in_backward`` (held to
+#: CPU measurements in tests/python/test_memory.py; no GPU peak recorded yet); "fused-loss" is modeled.
 MODES = ("release", "fused-loss")
 
 
@@ -425,21 +426,40 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     # Backward begins with the loss (everything saved is alive), then the last layer runs with the
     # LM head's gradient written and what was saved outside the layers already freed.
     layers_saved = per_layer * s.layers
-    start_tr = max(outside + loss_tr, head_grad + layer_tr + weight_tr)
-    start = resident + copies + layers_saved + start_tr + fsdp_tr + work
-    if rec.grad_release:  # gradients of one layer (and the head's) at a time
-        live_grads = (max(s.layer_params, head) * (compute if fsdp else rec.grad_bytes))
+    last_layer = head_grad + layer_tr + weight_tr
+    if rec.grad_release:
+        # coat.optim.step_in_backward: a bucket (a decoder layer, the LM head, the embedding) is
+        # stepped and its gradients freed as soon as the last of them lands; autograd runs a
+        # parameter's AccumulateGrad as soon as it is ready, so the LM head's gradient is gone before
+        # the last layer's backward starts. Beside a layer's largest transient (its MLP's backward,
+        # the first part of it) live the MLP's gradients; the whole layer's once its attention is
+        # done, with smaller transients. Under FSDP2 the root's unsharded gradients (LM head,
+        # embedding) wait for its reduce-scatter at the end of backward, as without release; the
+        # sharded gradients of one FSDP group are what is released at a time.
+        if fsdp:
+            last_layer += rec.grad_bytes * s.layer_params / gpus
+            live_grads = rec.grad_bytes * max(s.layer_params, s.embed_params + s.head_params + s.hidden) / gpus
+        else:
+            mlp = 3 * h * i + (2 * i + h if s.mlp_bias else 0)
+            last_layer = max(head_grad, rec.grad_bytes * mlp + layer_tr + weight_tr, rec.grad_bytes * s.layer_params)
+            live_grads = rec.grad_bytes * max(s.layer_params, head, s.embed_params)
     else:
         live_grads = grads
+    start_tr = max(outside + loss_tr, last_layer)
+    start = resident + copies + layers_saved + start_tr + fsdp_tr + work
     end = resident + live_grads + fsdp_end + work
     common = {"weights": weights, "master weights": master, "optimizer states": states}
+    if outside + loss_tr >= last_layer:
+        start_part = "saved outside layers + loss backward"
+    elif rec.grad_release and not fsdp:
+        start_part = "a layer's gradients + its backward"
+    else:
+        start_part = "LM head gradient + last layer's backward"
     if start >= end:
         phase = "backward start"
         parts = {**common, "gradients": 0.0, "autocast bf16 weight copies": copies,
                  f"saved activations ({s.layers} layers)": layers_saved,
-                 "saved outside layers + loss backward" if outside + loss_tr >= head_grad + layer_tr + weight_tr
-                 else "LM head gradient + last layer's backward": start_tr, "FSDP2 gathered weights/gradients": fsdp_tr,
-                 "cuBLAS workspaces": work}
+                 start_part: start_tr, "FSDP2 gathered weights/gradients": fsdp_tr, "cuBLAS workspaces": work}
     else:
         phase = "backward end"
         parts = {**common, "gradients": live_grads, "autocast bf16 weight copies": 0.0,
