@@ -441,7 +441,9 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
             live_grads = rec.grad_bytes * max(s.layer_params, s.embed_params + s.head_params + s.hidden) / gpus
         else:
             mlp = 3 * h * i + (2 * i + h if s.mlp_bias else 0)
-            last_layer = max(head_grad, rec.grad_bytes * mlp + layer_tr + weight_tr, rec.grad_bytes * s.layer_params)
+            layer = max(rec.grad_bytes * mlp + layer_tr + weight_tr, rec.grad_bytes * s.layer_params)
+            # A tied LM head is the embedding: its gradient waits for the embedding's backward, the last.
+            last_layer = head_grad + layer if s.tied else max(head_grad, layer)
             live_grads = rec.grad_bytes * max(s.layer_params, head, s.embed_params)
     else:
         live_grads = grads

@@ -178,6 +178,33 @@ class GradRelease:
             with self._lock:
                 self._accumulating -= 1
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to clip as the uninterrupted one: the last iteration's norm."""
+        return {"grad_norm": None if self.grad_norm is None else self.grad_norm.detach().cpu().clone(),
+                "max_grad_norm": self.max_grad_norm}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the carried norm (and from it the next iteration's clipping scale)."""
+        if not isinstance(state, dict) or "grad_norm" not in state:
+            raise ValueError("not a GradRelease state dict (expected a dict with 'grad_norm')")
+        norm = state["grad_norm"]
+        if norm is not None and not (isinstance(norm, torch.Tensor) and norm.numel() == 1):
+            raise ValueError(f"grad_norm must be None or a one-element tensor, got {norm!r}")
+        if state.get("max_grad_norm") != self.max_grad_norm:
+            raise ValueError(f"the state was saved with max_grad_norm={state.get('max_grad_norm')!r}, this release "
+                             f"has {self.max_grad_norm!r}")
+        with self._lock:
+            if norm is None or self.max_grad_norm is None:
+                self.grad_norm, self._clip_scale = None, None
+                return
+            dev = self._norm_device()
+            self.grad_norm = norm.detach().to(dev, torch.float32).reshape(())
+            self._clip_scale = None if math.isinf(self.max_grad_norm) else clip_scale(self.grad_norm,
+                                                                                        self.max_grad_norm)
+
+    def _norm_device(self) -> torch.device:
+        return _local(self._buckets[0][0]).device if self._buckets else torch.device("cpu")
+
     def remove(self) -> None:
         """Detach: remove the hooks; the optimizer steps as usual again. Gradients not yet stepped
         stay in ``.grad`` (``optimizer.step()`` steps them)."""
@@ -312,6 +339,8 @@ class GradRelease:
 
     def _before_step(self, grad_scale: Any, found_inf: Any) -> None:
         if grad_scale is not None or found_inf is not None:
+            for name in ("grad_scale", "found_inf"):  # GradScaler removes them only after a step that returns
+                self.optimizer.__dict__.pop(name, None)
             raise RuntimeError(
                 "torch.amp.GradScaler cannot drive an optimizer under gradient release: a skipped step needs "
                 "every gradient checked before any parameter is written, and release has already stepped each "

@@ -283,6 +283,11 @@ def test_gradient_release_plan():
         # Activation-bound batches gain nothing; FSDP2 never loses.
         assert M.plan(shape, rec + "+release", 4, 2048).peak == M.plan(shape, rec, 4, 2048).peak
         assert M.plan(shape, rec + "+release", 1, 2048, 2).peak <= M.plan(shape, rec, 1, 2048, 2).peak
+    # A tied LM head's gradient lives from the head's backward to the embedding's, through every layer.
+    tied = M.ModelShape(**{**shape.__dict__, "name": "tied", "tied": True})
+    untied_part = M.plan(shape, "coat-lean+release+fused-loss", 1, 2048).parts["a layer's gradients + its backward"]
+    tied_part = M.plan(tied, "coat-lean+release+fused-loss", 1, 2048).parts["a layer's gradients + its backward"]
+    assert tied_part == pytest.approx(untied_part + 2 * tied.embed_params)
     # The issue-12 targets for Llama-2-7B at batch 1: coat lean with release <= 32 GiB, coat <= 58 GiB.
     assert M.plan(shape, "coat-lean+release", 1, 2048).peak_gib <= 32
     assert M.plan(shape, "coat+release", 1, 2048).peak_gib <= 58

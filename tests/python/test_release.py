@@ -40,7 +40,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _llama(dtype=torch.float32, convert=False, tied=False, layers=2):
+def _llama(dtype=torch.float32, convert=False, tied=False, layers=2, recipe="fp8"):
     import transformers as tf
 
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def _llama(dtype=torch.float32, convert=False, tied=False, layers=2):
                          num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64,
                          tie_word_embeddings=tied)
     model = tf.LlamaForCausalLM(cfg).to(dtype)
-    return coat.convert(model) if convert else model
+    return coat.convert(model, recipe) if convert else model
 
 
 def _batches(n=STEPS, seed=1):
@@ -154,13 +154,16 @@ def test_unused_parameter_is_not_stepped_and_bucket_launches_at_end_of_backward(
     _run(model, opt, batches)
     assert torch.equal(unused, torch.ones(5)) and not opt.state[unused] and unused.grad is None
     assert release.stats["incomplete"] == 2  # layer 0 waited for `extra`, launched when backward ended
-    for (n, p), q in zip(ref.named_parameters(), (p for n, p in model.named_parameters() if n != "model.layers.0.extra")):
+    rest = [p for n, p in model.named_parameters() if n != "model.layers.0.extra"]
+    for (n, p), q in zip(ref.named_parameters(), rest):
         assert torch.equal(p, q), n
 
 
 def test_accumulation_releases_the_sum_on_the_last_micro_batch():
     micro = [_batches(3, seed=s) for s in range(2)]  # 2 iterations of 3 micro-batches
-    ref = _llama(torch.bfloat16, convert=True)
+    # The FP8 weight cache lives across micro-batches; it must not outlive the weights' release.
+    cached = coat.nn.Fp8Recipe(weight_cache=True)
+    ref = _llama(torch.bfloat16, convert=True, recipe=cached)
     ref_opt = _opt(ref, "bf16_sr")
     for mbs in micro:
         for ids in mbs:
@@ -168,9 +171,10 @@ def test_accumulation_releases_the_sum_on_the_last_micro_batch():
         ref_opt.step()
         ref_opt.zero_grad()
 
-    model = _llama(torch.bfloat16, convert=True)
+    model = _llama(torch.bfloat16, convert=True, recipe=cached)
     opt = _opt(model, "bf16_sr")
     release = co.step_in_backward(opt, model)
+    hits = coat.nn.weights.stats["hits"]
     for mbs in micro:
         for i, ids in enumerate(mbs):
             with release.accumulate(i < len(mbs) - 1):
@@ -178,6 +182,7 @@ def test_accumulation_releases_the_sum_on_the_last_micro_batch():
             assert all((p.grad is None) == (i == len(mbs) - 1) for p in model.parameters())
         opt.step()
         opt.zero_grad()
+    assert coat.nn.weights.stats["hits"] > hits  # the cache was in use
     _same(ref, model, ref_opt, opt)
 
     # What would step a parameter twice in one iteration is refused, before anything is written.
@@ -193,6 +198,24 @@ def test_accumulation_releases_the_sum_on_the_last_micro_batch():
     opt.step()  # ends the iteration; the next backward releases again
     _loss(model, ids).backward()
     opt.step()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    # Each layer's forward runs again inside backward (reentrant: in a nested backward of its own);
+    # it reads only its own layer's weights, which are stepped after its backward.
+    models = []
+    for release in (False, True):
+        model = _llama(torch.bfloat16, convert=True)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.config.use_cache = False
+        opt = _opt(model, "bf16_sr")
+        if release:
+            handle = co.step_in_backward(opt, model)
+        _run(model, opt, _batches(3))
+        models.append(model)
+    assert handle.stats["incomplete"] == 0
+    _same(*models)
 
 
 def test_clipping_by_previous_norm_scheduler_and_tensor_lr():
@@ -241,21 +264,32 @@ def test_clipping_by_previous_norm_scheduler_and_tensor_lr():
 
 
 def test_state_dict_resume_is_bit_identical():
+    # Clipped by the carried norm, which the release's own state dict carries across the checkpoint.
     batches = _batches(5)
     model = _llama(torch.bfloat16, convert=True)
     opt = _opt(model, "bf16_sr")
-    co.step_in_backward(opt, model)
+    release = co.step_in_backward(opt, model, max_grad_norm=0.5)
     _run(model, opt, batches[:2])
     msd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    rsd = copy.deepcopy(release.state_dict())
+    assert rsd["grad_norm"] > 0.5  # the first step after the checkpoint is clipped
     _run(model, opt, batches[2:])
 
     resumed = _llama(torch.bfloat16, convert=True)
     resumed.load_state_dict(msd)
     ropt = _opt(resumed, "bf16_sr")
     ropt.load_state_dict(osd)
-    co.step_in_backward(ropt, resumed)
+    rrelease = co.step_in_backward(ropt, resumed, max_grad_norm=0.5)
+    rrelease.load_state_dict(rsd)
     _run(resumed, ropt, batches[2:])
     _same(model, resumed, opt, ropt)
+    assert torch.equal(release.grad_norm, rrelease.grad_norm)
+
+    with pytest.raises(ValueError, match="max_grad_norm=0.5"):
+        other = _llama()
+        co.step_in_backward(_opt(other), other, max_grad_norm=1.0).load_state_dict(rsd)
+    with pytest.raises(ValueError, match="not a GradRelease state dict"):
+        rrelease.load_state_dict({})
 
 
 def test_refusals_and_remove():
@@ -283,7 +317,6 @@ def test_refusals_and_remove():
         scaler.scale(_loss(model, _batches(1)[0])).backward()
         with pytest.raises(RuntimeError, match="GradScaler cannot drive an optimizer under gradient release"):
             scaler.step(opt)
-        release._reset_iteration()
     # Removed: hooks gone, the optimizer steps the ordinary way again.
     assert opt._release is None
     before = [p.detach().clone() for p in model.parameters()]
