@@ -8,8 +8,8 @@ per-token log-sum-exp (4 bytes per token) survives the chunk.
 
 Backward recomputes the logits, chunked over the VOCABULARY: per slice ``W[v0:v1]`` the tile
 [tokens, slice] is recomputed and turned into ``s * (softmax - onehot)`` with the saved
-log-sum-exp (one subtract-and-exp pass, the scale ``s = grad / denominator`` folded into the
-shift as ``log|s|``), cast to the compute dtype, and fed to two GEMMs:
+log-sum-exp (the scale ``s = grad / denominator`` folded into the exponent's shift as ``log|s|``,
+so no separate scaling pass), cast to the compute dtype, and fed to two GEMMs:
 
 - ``dW[v0:v1] = dlogits^T @ y``: each slice of the weight gradient is complete after one GEMM over
   all tokens, so dW is never accumulated across chunks (one rounding to the compute dtype, as in
@@ -23,10 +23,14 @@ log-sum-exp per token. Never the logits, never the normed hidden states (recompu
 elementwise pass). The norm keeps Hugging Face's LlamaRMSNorm arithmetic, so the loss of an fp32
 model agrees with Hugging Face's to fp32 rounding.
 
-Precision: the LM head GEMMs run in the compute dtype (BF16 in mixed precision), not FP8.
-Measured (``benchmarks/bench_loss.py --accuracy``): per-tensor E4M3 operands in the forward GEMM
-move the loss by 0.3-1 % relative on trained-like logit distributions (0.03 % at random init),
-past the 0.1 % budget for the loss; BF16 moves it by < 0.01 %.
+Precision: the LM head GEMMs run in the compute dtype (BF16 in mixed precision) by default.
+Measured against fp64 (``benchmarks/bench_loss.py --accuracy``, 256 tokens, hidden 256, vocab
+8192): per-tensor E4M3 operands in the forward GEMM move the loss by 0.4-0.5 % on trained-like
+logit distributions (1e-5 at random init), past the 0.1 % budget for the loss, where BF16 moves
+it by 0.02 %; so the forward stays BF16. FP8 backward GEMMs (E5M2 dlogits, E4M3 y and W) leave
+the loss untouched and put 5-6 % relative error on dW and dX (BF16: 0.7-0.8 %), within the error
+of the FP8 decoder layers' gradients (7-15 %): ``fp8_backward=True`` turns them on (off by
+default until training runs show the head takes it).
 
 Semantics are Hugging Face's ``ForCausalLMLoss``: labels are shifted left by one (the last
 position has no target) unless ``shift_labels`` is given, ``ignore_index`` positions contribute
@@ -45,9 +49,14 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
-from .fused import compute_dtype
+from .._ops import quantize as qops
+from .._ops._util import fmt_id
+from . import _fp8mm as mm
+from .fused import compute_dtype, wgrad_dtype
 from .norm import hf_rms_norm
+from .recipe import ACT_DTYPE, GRAD_DTYPE
 
 __all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss", "install_fused_loss", "FusedCausalLMLossMixin"]
 
@@ -56,14 +65,17 @@ __all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss", "install_fused_loss", "Fus
 #: passes over the fp32 hidden-state gradient in backward.
 DEFAULT_CHUNK_MIB = 256
 _VOCAB_ALIGN = 128  # vocabulary slices in backward: multiples of this (GEMM-friendly widths)
+_ROW_ALIGN = 64  # token rows of a forward chunk: multiples of this
+_E4M3 = fmt_id(ACT_DTYPE)
 
 
-def _chunk_rows(total: int, row_len: int, chunk_bytes: int, align: int = 1) -> int:
-    """How many rows of ``row_len`` fp32 elements fit ``chunk_bytes``, at least ``align`` (or 1)."""
+def _chunk_rows(total: int, row_len: int, chunk_bytes: int, align: int) -> int:
+    """How many rows of ``row_len`` fp32 elements fit ``chunk_bytes`` (at least one), rounded
+    down to a multiple of ``align`` when that many fit."""
     rows = chunk_bytes // (4 * max(row_len, 1))
-    if align > 1:
+    if rows >= align:
         rows = rows // align * align
-    return max(min(rows, total), min(align, total), 1)
+    return max(1, min(rows, total))
 
 
 def _no_autocast(device: torch.device):
@@ -85,7 +97,7 @@ def _check_labels_in_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int
 class _NormHeadCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, weight, labels, num_items):
-        eps, ignore_index, chunk_bytes, cdt = meta
+        eps, ignore_index, chunk_bytes, cdt, _ = meta
         t, v = x.shape[0], weight.shape[0]
         with _no_autocast(x.device):
             y = hf_rms_norm(x, norm_w, eps) if norm_w is not None else x
@@ -95,7 +107,7 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
             safe = torch.where(valid, labels, 0)
             lse = torch.empty(t, dtype=torch.float32, device=x.device)
             target = torch.empty(t, dtype=torch.float32, device=x.device)
-            rows = _chunk_rows(t, v, chunk_bytes)
+            rows = _chunk_rows(t, v, chunk_bytes, _ROW_ALIGN)
             for t0 in range(0, t, rows):
                 t1 = min(t0 + rows, t)
                 logits = yc[t0:t1] @ wc.t()  # [rows, V] in the compute dtype, as HF's lm_head
@@ -114,8 +126,9 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
-        eps, ignore_index, chunk_bytes, cdt = ctx.meta
+        eps, ignore_index, chunk_bytes, cdt, fp8 = ctx.meta
         x, norm_w, weight, labels, lse, denom = ctx.saved_tensors
         need_x, need_nw, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_dy = need_x or need_nw
@@ -124,7 +137,6 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
         with _no_autocast(x.device):
             with torch.no_grad():
                 yc = (hf_rms_norm(x, norm_w, eps) if norm_w is not None else x).to(cdt)
-            wc = weight.to(cdt)
             # s * (softmax - onehot) with s = grad / denom: |s| rides in the exp's shift, its
             # sign multiplies y (for dW) and the fp32 dY once, so each tile takes one pass.
             s = grad.float() / denom
@@ -134,25 +146,41 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
             hot = torch.where(valid, -mag, 0.0)
             safe = torch.where(valid, labels, 0)
             y_signed = yc * sign.to(cdt) if need_w else None
+            if fp8 and need_w:  # E4M3 y^T for every slice's dW GEMM, made once
+                _, y_t, ys = mm.quantize(y_signed, ACT_DTYPE, True)
+                y_signed = None
+            w_scale = _e4m3_scale(weight) if fp8 and need_dy else None
             dw = torch.empty_like(weight) if need_w else None
             dy = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_dy else None
             cols = _chunk_rows(v, t, chunk_bytes, _VOCAB_ALIGN)
             for v0 in range(0, v, cols):
                 v1 = min(v0 + cols, v)
-                logits = yc @ wc[v0:v1].t()  # [T, slice], recomputed in the compute dtype
+                w_slice = weight[v0:v1]
+                wc = w_slice.to(cdt)  # under autocast: a bf16 copy of this slice only
+                logits = yc @ wc.t()  # [T, slice], recomputed in the compute dtype
                 p = logits - shift[:, None]  # fp32
                 del logits
                 p.exp_()
                 inside = (safe >= v0) & (safe < v1)
-                p.scatter_add_(1, (safe - v0).clamp_(0, v1 - v0 - 1)[:, None], torch.where(inside, hot, 0.0).to(p.dtype)[:, None])
+                p.scatter_add_(1, (safe - v0).clamp_(0, v1 - v0 - 1)[:, None],
+                               torch.where(inside, hot, 0.0).to(p.dtype)[:, None])
                 dl = p.to(cdt)
                 del p
-                if need_w:
-                    dw[v0:v1] = dl.t() @ y_signed
-                if need_dy:
-                    dy += dl @ wc[v0:v1]
-                del dl
-            del yc, wc, y_signed
+                if not fp8:
+                    if need_w:
+                        dw[v0:v1] = dl.t() @ y_signed
+                    if need_dy:
+                        dy += dl @ wc
+                else:  # E5M2 dlogits with one scale per slice, as the FP8 layers quantize dY
+                    dq, dq_t, ds = mm.quantize(dl, GRAD_DTYPE, need_w)
+                    if need_w:
+                        dw[v0:v1] = mm.fp8_mm(dq_t, ds, y_t, ys, wgrad_dtype(weight))
+                    if need_dy:
+                        w_t = qops.quantize_stacked([w_slice.contiguous()], w_scale, _E4M3, False, True)[1]
+                        dy += mm.fp8_mm(dq, ds, w_t.view(ACT_DTYPE), w_scale, torch.float32)
+                    del dq, dq_t
+                del dl, wc
+            del yc, y_signed
             if need_dy:
                 dy *= sign
                 if norm_w is None:
@@ -168,6 +196,13 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
                     dx = got.pop(0) if need_x else None
                     dnw = got.pop(0) if need_nw else None
         return None, dx, dnw, dw, None, None
+
+
+def _e4m3_scale(w: torch.Tensor) -> torch.Tensor:
+    """Per-tensor E4M3 scale of w (amax / 448; 1 when w is all zeros) without an |w| temporary."""
+    lo, hi = torch.aminmax(w)
+    amax = torch.maximum(hi, -lo).float().reshape(1)
+    return torch.where(amax > 0, amax / torch.finfo(ACT_DTYPE).max, torch.ones_like(amax))
 
 
 def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -186,6 +221,7 @@ def fused_lm_head_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
     chunk_mib: float = DEFAULT_CHUNK_MIB,
+    fp8_backward: bool = False,
 ) -> torch.Tensor:
     """Hugging Face's causal-LM loss of ``lm_head(norm(hidden))`` without materializing the logits.
 
@@ -193,7 +229,8 @@ def fused_lm_head_loss(
     ``lm_head_weight``: [V, H]. ``labels``: the inputs' token ids ([...], shifted here as Hugging
     Face does), or None with ``shift_labels`` (already aligned with ``hidden``). Returns the fp32
     scalar loss: the mean over non-ignored positions, or their sum / ``num_items_in_batch``.
-    The GEMMs run in the autocast dtype when autocast is on, else in ``hidden``'s dtype.
+    The GEMMs run in the autocast dtype when autocast is on, else in ``hidden``'s dtype;
+    ``fp8_backward`` runs the two backward GEMMs (dX, dW) in FP8 instead (the loss is unchanged).
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise ValueError(f"hidden must be a floating-point tensor [..., H], got {getattr(hidden, 'dtype', type(hidden))}")
@@ -211,6 +248,8 @@ def fused_lm_head_loss(
             raise ValueError(f"{name} is on {t.device}, hidden on {hidden.device}")
     if not isinstance(chunk_mib, (int, float)) or isinstance(chunk_mib, bool) or not chunk_mib > 0:
         raise ValueError(f"chunk_mib must be a positive number, got {chunk_mib!r}")
+    if not isinstance(fp8_backward, bool):
+        raise ValueError(f"fp8_backward must be True or False, got {fp8_backward!r}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     if shift_labels is not None:
@@ -241,7 +280,7 @@ def fused_lm_head_loss(
     x2 = hidden.reshape(-1, h)
     lab = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     _check_labels_in_range(lab, lab != ignore_index, lm_head_weight.shape[0], ignore_index)
-    meta = (float(eps), ignore_index, int(chunk_mib * 2**20), compute_dtype(hidden))
+    meta = (float(eps), ignore_index, int(chunk_mib * 2**20), compute_dtype(hidden), fp8_backward)
     return _NormHeadCrossEntropyFn.apply(meta, x2, norm_weight, lm_head_weight, lab, num_items_in_batch)
 
 
@@ -291,12 +330,17 @@ class FusedCausalLMLossMixin:
 
     coat_fused_loss: bool = True
     coat_loss_chunk_mib: float = DEFAULT_CHUNK_MIB
+    coat_loss_fp8_backward: bool = False
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         loss_type = getattr(self, "loss_type", None)
+        head = self.lm_head
+        # A custom loss, a head something wraps (PEFT's adapters or modules_to_save, FSDP2
+        # sharding the head on its own) or hooks on the head: theirs to see, on HF's path.
         if (labels is None or not self.coat_fused_loss or "_loss_function" in self.__dict__
-                or loss_type not in (None, "ForCausalLM")):
+                or loss_type not in (None, "ForCausalLM") or type(head) is not nn.Linear
+                or head.bias is not None or head._forward_hooks or head._forward_pre_hooks):
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                                    use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
@@ -308,7 +352,9 @@ class FusedCausalLMLossMixin:
             return_dict = cfg.return_dict if hasattr(cfg, "return_dict") else getattr(cfg, "use_return_dict", True)
         norm = self.model.norm
         # hidden_states[-1] of the output is the normed state: keep the norm in the model then.
-        want_hidden = kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False))
+        want_hidden = kwargs.get("output_hidden_states")
+        if want_hidden is None:
+            want_hidden = getattr(self.config, "output_hidden_states", False)
         fuse_norm = not want_hidden
         with _Deferred(norm, fuse_norm):
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -323,11 +369,37 @@ class FusedCausalLMLossMixin:
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             shift_labels=kwargs.get("shift_labels"),
             chunk_mib=self.coat_loss_chunk_mib,
+            fp8_backward=self.coat_loss_fp8_backward,
         )
         out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                      hidden_states=getattr(outputs, "hidden_states", None),
                                      attentions=getattr(outputs, "attentions", None))
         return out if return_dict else out.to_tuple()
+
+
+_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def __getattr__(name: str) -> type:
+    """Rebuilds an installed class by name, so that ``torch.save(model)`` of a model with the fused
+    loss loads in a process that has not installed it (pickle finds classes as module attributes)."""
+    import importlib
+
+    if name.startswith("Deferrable"):
+        base_name, mixin = name[len("Deferrable"):], _DeferrableNormMixin
+    elif name.endswith("ForCausalLM"):
+        base_name, mixin = name, FusedCausalLMLossMixin
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    for model_type in _HF_MODEL_TYPES:
+        try:
+            mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        except ImportError:
+            continue
+        base = getattr(mod, base_name, None)
+        if isinstance(base, type) and issubclass(base, nn.Module):
+            return _subclass(base, mixin, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _subclass(cls: type, mixin: type, name: str) -> type:
@@ -341,22 +413,31 @@ def _subclass(cls: type, mixin: type, name: str) -> type:
     return _SUBCLASSES[key]
 
 
-def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB) -> nn.Module:
-    """Makes ``model(..., labels=...)`` of a Hugging Face Llama/Mistral/Qwen2/Qwen3 causal LM
-    compute its loss with ``fused_lm_head_loss`` (final norm + LM head + cross-entropy, chunked),
-    in place; returns the model. Parameters, state-dict keys and the class name (which
-    ``save_pretrained`` records) stay as they were. ``model.coat_fused_loss = False`` switches
-    back to Hugging Face's path at run time; installing twice only updates ``chunk_mib``."""
+def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB,
+                       fp8_backward: bool = False) -> nn.Module:
+    """Makes ``model(..., labels=...)`` of a Hugging Face Llama/Mistral/Qwen2/Qwen3 causal LM (or a
+    PEFT model around one) compute its loss with ``fused_lm_head_loss`` (final norm + LM head +
+    cross-entropy, chunked), in place; returns the model. Parameters, state-dict keys and the class
+    name (which ``save_pretrained`` records) stay as they were; ``torch.save(model)`` loads in a
+    fresh process. A head something wraps at call time (a PEFT adapter or ``modules_to_save`` on
+    ``lm_head``), a custom ``loss_function`` or forward hooks on ``lm_head`` are Hugging Face's path. ``model.coat_fused_loss = False`` switches
+    back to Hugging Face's path at run time; installing twice only updates the settings.
+    ``fp8_backward``: the LM head's two backward GEMMs in FP8 (see ``fused_lm_head_loss``)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(chunk_mib, (int, float)) or isinstance(chunk_mib, bool) or not chunk_mib > 0:
         raise ValueError(f"chunk_mib must be a positive number, got {chunk_mib!r}")
+    if not isinstance(fp8_backward, bool):
+        raise ValueError(f"fp8_backward must be True or False, got {fp8_backward!r}")
+    wrapper, get_base = model, getattr(model, "get_base_model", None)
+    if callable(get_base):  # a PEFT model: the causal LM it wraps
+        model = get_base()
     base = getattr(model, "model", None)
     head = getattr(model, "lm_head", None)
     norm = getattr(base, "norm", None)
-    if not isinstance(head, nn.Linear) or norm is None or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+    if type(head) is not nn.Linear or norm is None or not isinstance(getattr(norm, "weight", None), torch.Tensor):
         raise ValueError(
-            f"install_fused_loss needs a causal LM with .model.norm and an nn.Linear .lm_head; "
+            f"install_fused_loss needs a causal LM with .model.norm and a plain nn.Linear .lm_head; "
             f"{type(model).__name__} has not"
         )
     if head.bias is not None:
@@ -369,4 +450,5 @@ def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB
     model.__class__ = _subclass(type(model), FusedCausalLMLossMixin, type(model).__name__)
     model.coat_fused_loss = True
     model.coat_loss_chunk_mib = float(chunk_mib)
-    return model
+    model.coat_loss_fp8_backward = fp8_backward
+    return wrapper

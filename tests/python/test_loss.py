@@ -5,6 +5,8 @@ labels, logits never materialized, bad input. GPU part: memory and agreement at 
 
 import copy
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import transformers as tf
 from coat.nn.loss import fused_lm_head_loss, install_fused_loss
 
 V = 300  # > 2 x 128: backward vocabulary slices of 128, 128, 44 at a small chunk
-SMALL = 0.01  # chunk_mib: 8-row forward chunks, 128-column backward slices
+SMALL = 0.01  # chunk_mib: 8-row forward chunks; backward slices of 100 columns at 26 tokens
 
 
 def _model(kind="llama", dtype=torch.float32, tie=False, seed=0):
@@ -118,6 +120,27 @@ def test_converted_model_with_fused_loss(gen):
     assert max(rel(go[n], gr[n]) for n in gr) < 1e-4
 
 
+def test_fp8_backward(gen):
+    """FP8 backward GEMMs: the forward (loss) is the BF16 one bit for bit; the gradients carry
+    E5M2/E4M3 rounding (measured 2-4 % against the BF16 backward on these models: E5M2 is ~7 %
+    rms per element, averaged over the GEMMs' sums), under a stated 10 %."""
+    for dtype, autocast in ((torch.bfloat16, False), (torch.float32, True)):
+        ref = _model("llama", dtype)
+        a = install_fused_loss(copy.deepcopy(ref), chunk_mib=SMALL)
+        b = install_fused_loss(copy.deepcopy(ref), chunk_mib=SMALL, fp8_backward=True)
+        ids = _ids(gen, 3, 17)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            la, lb = a(input_ids=ids, labels=ids).loss, b(input_ids=ids, labels=ids).loss
+        la.backward()
+        lb.backward()
+        assert torch.equal(la, lb)
+        ga, gb = _grads(a), _grads(b)
+        assert ga.keys() == gb.keys() and all(gb[n].dtype == ga[n].dtype for n in ga)
+        errs = {n: rel(gb[n], ga[n]) for n in ga}
+        assert max(errs.values()) < 0.10, errs
+        assert errs["lm_head.weight"] > 1e-3  # the FP8 path did run
+
+
 def test_tied_embeddings(gen):
     ref, m = _pair("llama", tie=True)
     assert m.lm_head.weight is m.model.embed_tokens.weight
@@ -209,6 +232,13 @@ def test_without_labels_unchanged_and_opt_out(gen):
     r, o = ref(input_ids=ids, labels=ids), m(input_ids=ids, labels=ids)
     assert torch.equal(o.logits, r.logits) and torch.equal(o.loss, r.loss)
     m.coat_fused_loss = True
+    # a loss function of the user's own is theirs to run: HF's path, logits included
+    seen = []
+    m.loss_function = lambda logits, labels, vocab_size, **kw: seen.append(logits.shape) or logits.float().mean()
+    o = m(input_ids=ids, labels=ids)
+    assert seen == [(2, 13, V)] and torch.equal(o.logits, r.logits)
+    del m._loss_function
+    assert m(input_ids=ids, labels=ids).logits is None
     # generation runs without labels: unchanged
     g_ref = ref.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
     assert torch.equal(m.generate(ids[:1, :5], max_new_tokens=4, do_sample=False), g_ref)
@@ -287,9 +317,9 @@ class _LargestTensor(TorchDispatchMode):
 def test_logits_never_materialized(gen):
     """No tensor as large as the [tokens, vocab] logits is created in forward or backward, and
     none is saved for backward; the same trackers do see them on HF's path."""
-    b, s = 2, 40
+    b, s = 2, 64
     ids = _ids(gen, b, s)
-    logits_numel = b * s * V  # 24,000; larger than any weight (V x 48 = 14,400) or activation
+    logits_numel = b * s * V  # 38,400; larger than any weight (V x 48 = 14,400) or activation
     ref, m = _pair("llama", chunk=SMALL)
     for model, fused in ((m, True), (ref, False)):
         saved = []
@@ -301,8 +331,9 @@ def test_logits_never_materialized(gen):
         if fused:
             assert fwd.largest < logits_numel and bwd.largest < logits_numel, (fwd.largest, bwd.largest)
             assert max(saved) < logits_numel
-            # the fused op's own transient: one chunk (8 rows x V forward, 80 x 128 backward)
-            assert fwd.largest <= max(8 * V, V * 48, b * 3 * s * s)
+            # beyond the attention scores [b, 3, s, s] and the weights, nothing bigger than one
+            # chunk (8 x V forward, 128 tokens x 20 columns backward)
+            assert fwd.largest <= max(8 * V, b * 3 * s * s) and bwd.largest <= max(V * 48, b * 3 * s * s)
         else:
             assert fwd.largest >= logits_numel and bwd.largest >= logits_numel and max(saved) >= logits_numel
 
@@ -319,6 +350,67 @@ def test_install_state_dict_pickle_save_pretrained(tmp_path, gen):
     again = pickle.loads(pickle.dumps(m))
     assert again.coat_fused_loss and torch.equal(again(input_ids=ids, labels=ids).loss, m(input_ids=ids, labels=ids).loss)
     assert install_fused_loss(m, chunk_mib=3) is m and m.coat_loss_chunk_mib == 3.0  # idempotent
+
+
+def test_torch_save_loads_in_a_fresh_process(tmp_path, gen):
+    _, m = _pair("qwen3")
+    ids = _ids(gen)
+    path = tmp_path / "m.pt"
+    torch.save({"model": m, "ids": ids, "loss": m(input_ids=ids, labels=ids).loss.detach()}, path)
+    code = (
+        "import torch, sys\n"
+        f"d = torch.load({str(path)!r}, weights_only=False)\n"
+        "m = d['model']\n"
+        "assert type(m).__module__ == 'coat.nn.loss' and m.coat_fused_loss\n"
+        "out = m(input_ids=d['ids'], labels=d['ids'])\n"
+        "assert out.logits is None and torch.equal(out.loss, d['loss']), (out.loss, d['loss'])\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("order", ["install_then_peft", "peft_then_install"])
+def test_peft_lora(order, gen):
+    peft = pytest.importorskip("peft")
+
+    def lora(model, targets):
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                          init_lora_weights=False))
+
+    base = _model("llama")
+    if order == "install_then_peft":
+        m = lora(install_fused_loss(base, chunk_mib=SMALL), ["q_proj", "v_proj"])
+    else:
+        m = install_fused_loss(lora(base, ["q_proj", "v_proj"]), chunk_mib=SMALL)
+    ids = _ids(gen)
+    inner = m.get_base_model()
+    inner.coat_fused_loss = False
+    r = m(input_ids=ids, labels=ids)
+    r.loss.backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    inner.coat_fused_loss = True
+    o = m(input_ids=ids, labels=ids)
+    o.loss.backward()
+    assert o.logits is None and abs(o.loss.item() - r.loss.item()) <= 1e-6 * r.loss.item()
+    got = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and any("lora_A" in n for n in got)
+    assert max(rel(got[n], want[n]) for n in want) < 1e-5
+    # an adapter on the head itself: HF's path (the fused op would read past it)
+    m2 = lora(install_fused_loss(_model("llama"), chunk_mib=SMALL), ["lm_head"])
+    assert m2(input_ids=ids, labels=ids).logits is not None
+
+
+def test_hooks_on_the_head_see_hf_path(gen):
+    _, m = _pair("llama")
+    ids = _ids(gen)
+    seen = []
+    handle = m.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    out = m(input_ids=ids, labels=ids)
+    assert seen == [(2, 13, V)] and out.logits is not None
+    handle.remove()
+    assert m(input_ids=ids, labels=ids).logits is None
 
 
 def test_gradient_checkpointing(gen):
@@ -355,9 +447,61 @@ def test_bad_input(gen):
         fused_lm_head_loss(x, w, None)
     with pytest.raises(ValueError, match="chunk_mib"):
         install_fused_loss(m, chunk_mib=-1)
+    with pytest.raises(ValueError, match="fp8_backward"):
+        install_fused_loss(m, fp8_backward="yes")
     with pytest.raises(ValueError, match="needs a causal LM"):
         install_fused_loss(m.model)
     assert m.coat_loss_chunk_mib == SMALL  # a refused call changed nothing
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        ref = coat.convert(_model("llama"))
+        m = install_fused_loss(copy.deepcopy(ref), chunk_mib=SMALL)
+        for model in (ref, m):  # as coat train shards: each decoder layer, then the root (norm, head)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        ids = torch.randint(0, V, (1, 11), generator=torch.Generator().manual_seed(rank))
+        losses = [model(input_ids=ids, labels=ids).loss for model in (ref, m)]
+        for loss in losses:
+            loss.backward()
+        grads = [{n: p.grad.full_tensor() for n, p in model.named_parameters()} for model in (ref, m)]
+        if rank == 0:
+            torch.save({"losses": [x.detach() for x in losses], "grads": grads}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_cpu_ranks(tmp_path):
+    """Under FSDP2 (root holds the final norm and the LM head) on two CPU ranks: the fused loss
+    gives the converted model's HF-path loss and gradients."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "fsdp.pt")
+    mp.spawn(_fsdp_worker, args=(2, port, out), nprocs=2, join=True)
+    got = torch.load(out)
+    (lr, lf), (gr, gf) = got["losses"], got["grads"]
+    assert abs(lf.item() - lr.item()) <= 1e-6 * lr.item()
+    assert gr.keys() == gf.keys()
+    assert max(rel(gf[n], gr[n]) for n in gr) < 1e-5
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
@@ -374,23 +518,26 @@ def test_gpu_bf16_agrees_and_saves_memory():
     lab = torch.randint(0, v, (t,), device=dev, generator=g)
     lab[: t // 8] = -100
 
-    def run(fused):
+    def run(fused, fp8=False):
         xs, nws, ws = (a.clone().requires_grad_() for a in (x, nw, w))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         if fused:
-            loss = fused_lm_head_loss(xs, ws, None, shift_labels=lab, norm_weight=nws, eps=1e-5, chunk_mib=64)
+            loss = fused_lm_head_loss(xs, ws, None, shift_labels=lab, norm_weight=nws, eps=1e-5, chunk_mib=64,
+                                      fp8_backward=fp8)
         else:
             loss = F.cross_entropy((hf_rmsnorm(xs, nws, 1e-5) @ ws.t()).float(), lab)
         loss.backward()
         torch.cuda.synchronize()
         return loss.detach(), xs.grad, nws.grad, ws.grad, torch.cuda.max_memory_allocated() - base
 
-    ref, fused = run(False), run(True)
+    ref, fused, fused8 = run(False), run(True), run(True, fp8=True)
     assert abs(fused[0].item() - ref[0].item()) < 1e-4 * ref[0].item()
-    for a, b in zip(fused[1:4], ref[1:4]):
+    assert torch.equal(fused8[0], fused[0])
+    for a, b, c in zip(fused[1:4], ref[1:4], fused8[1:4]):
         assert rel(a, b) < 0.02
+        assert rel(c, b) < 0.10
     logits_bytes = t * v * 4
     assert fused[4] < ref[4] - 2 * logits_bytes  # HF holds bf16 + fp32 logits and their gradients
     assert fused[4] < 4 * 64 * 2**20 + 6 * (t * h * 4 + v * h * 2)
