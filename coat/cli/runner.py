@@ -247,6 +247,7 @@ def run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str, Any]
         torch.set_num_threads(cfg.threads)
     else:
         torch.set_float32_matmul_precision("high")  # TF32 for whatever autocast leaves in fp32
+        torch.empty(0, device=device)  # the caching allocator exists only after a first CUDA tensor
         torch.cuda.reset_peak_memory_stats(device)
     # Libraries the run loads lazily (model code, plotting) are loaded first, so that the RSS the
     # run adds above its start counts the model, optimizer, activations and allocator, not imports.
