@@ -108,15 +108,103 @@ def any_delta(mods) -> bool:
     return any(has_delta(m) for m in mods)
 
 
+def _plain_adapter(mod: nn.Module):
+    """(A weight, B weight, scaling) of ``mod``'s single active adapter when it is plain LoRA with
+    no dropout and no bias on B (the common configuration), else None."""
+    if not has_delta(mod):
+        return None
+    active = [a for a in mod.active_adapters if a in mod.lora_A.keys()]
+    if len(active) != 1:
+        return None
+    a = active[0]
+    lora_a, lora_b = mod.lora_A[a], mod.lora_B[a]
+    if not isinstance(mod.lora_dropout[a], nn.Identity) or lora_a.bias is not None or lora_b.bias is not None:
+        return None
+    if not getattr(mod, "cast_input_dtype_enabled", True):
+        return None
+    return lora_a.weight, lora_b.weight, float(mod.scaling[a])
+
+
+class _LoraGroupFn(torch.autograd.Function):
+    """The adapters of a projection group on one input: delta_i = (x A_i^T) B_i^T s_i, computed in
+    the adapters' dtype as PEFT does, returned as one [.., sum N_i] tensor (zeros where a projection
+    has no adapter). Saves x once for the whole group (PEFT's modules each save their own copy of x
+    cast to the adapter dtype: three fp32 copies for q/k/v) and the small [M, r] products."""
+
+    @staticmethod
+    def forward(ctx, x, meta, *ab):
+        widths, scalings, present = meta
+        x2 = x.reshape(-1, x.shape[-1])
+        outs, us, k = [], [], 0
+        for w, s, has in zip(widths, scalings, present):
+            if not has:
+                outs.append(None)
+                continue
+            a, b = ab[2 * k], ab[2 * k + 1]
+            k += 1
+            u = x2.to(a.dtype) @ a.t()
+            outs.append((u @ b.t()) * s)
+            us.append(u)
+        dt = next(o.dtype for o in outs if o is not None)
+        full = torch.cat([o if o is not None else x2.new_zeros(x2.shape[0], w, dtype=dt)
+                          for o, w in zip(outs, widths)], -1)
+        ctx.save_for_backward(x, *us, *ab)
+        ctx.meta = meta
+        return full.reshape(*x.shape[:-1], full.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dfull):
+        widths, scalings, present = ctx.meta
+        n = sum(present)
+        x, us, ab = ctx.saved_tensors[0], ctx.saved_tensors[1:1 + n], ctx.saved_tensors[1 + n:]
+        x2 = x.reshape(-1, x.shape[-1])
+        d2 = dfull.reshape(-1, dfull.shape[-1])
+        dx = None
+        grads = []
+        col, k = 0, 0
+        for w, s, has in zip(widths, scalings, present):
+            if has:
+                a, b = ab[2 * k], ab[2 * k + 1]
+                u = us[k]
+                k += 1
+                dd = d2[:, col:col + w].to(b.dtype) * s
+                db = dd.t() @ u
+                du = dd @ b
+                xa = x2.to(a.dtype)
+                da = du.t() @ xa
+                dxi = du @ a
+                dx = dxi if dx is None else dx + dxi
+                grads += [da if ctx.needs_input_grad[2 + 2 * (k - 1)] else None,
+                          db if ctx.needs_input_grad[3 + 2 * (k - 1)] else None]
+            col += w
+        if dx is not None and ctx.needs_input_grad[0]:
+            dx = dx.to(x.dtype).reshape(x.shape)
+        else:
+            dx = None
+        return (dx, None, *grads)
+
+
 def add_deltas(out: torch.Tensor, mods, names, x: torch.Tensor) -> torch.Tensor:
     """``out`` (the fused FP8 output of ``mods``, columns in their order) plus their adapters'
     outputs on input ``x``; projections without an active adapter contribute nothing."""
+    for m, n in zip(mods, names):
+        check_adapters(m, n)
+    widths = [base_linear(m, n).out_features for m, n in zip(mods, names)]
+    plain = [_plain_adapter(m) for m in mods]
+    active = [has_delta(m) for m in mods]
+    if not any(active):
+        return out
+    if all(p is not None or not act for p, act in zip(plain, active)):  # the grouped path
+        present = tuple(p is not None for p in plain)
+        ab = [t for p in plain if p is not None for t in p[:2]]
+        scalings = tuple(p[2] if p is not None else 0.0 for p in plain)
+        delta = _LoraGroupFn.apply(x, (tuple(widths), scalings, present), *ab)
+        return out + delta.to(out.dtype)
     deltas = [lora_delta(m, x, n) for m, n in zip(mods, names)]
     if all(d is None for d in deltas):
         return out
     if len(mods) == 1:
         return out + deltas[0].to(out.dtype)
-    widths = [base_linear(m, n).out_features for m, n in zip(mods, names)]
     full = torch.cat([d.to(out.dtype) if d is not None else out.new_zeros(*out.shape[:-1], w)
                       for d, w in zip(deltas, widths)], -1)
     return out + full
