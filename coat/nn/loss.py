@@ -17,6 +17,12 @@ so no separate scaling pass), cast to the compute dtype, and fed to two GEMMs:
 - ``dY += dlogits @ W[v0:v1]``: the hidden-state gradient accumulates over the slices in an fp32
   [tokens, hidden] buffer.
 
+Transient memory: a forward chunk is ``chunk_mib`` of fp32 logits plus half that in the compute
+dtype; a backward tile the same, plus [tokens, hidden] tensors (recomputed y, its signed copy,
+the fp32 dY, one GEMM output: about 10 bytes x tokens x hidden) and the weight gradient itself.
+Under autocast the forward also holds the compute-dtype copy of the LM head weight (as Hugging
+Face's autocast does); the backward casts one vocabulary slice at a time.
+
 Saved for backward: the final norm's INPUT in its own dtype (the last decoder layer's output, one
 [tokens, hidden] tensor), the norm and LM head weights (references), the labels and the fp32
 log-sum-exp per token. Never the logits, never the normed hidden states (recomputed: a cheap
@@ -233,7 +239,8 @@ def fused_lm_head_loss(
     ``fp8_backward`` runs the two backward GEMMs (dX, dW) in FP8 instead (the loss is unchanged).
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
-        raise ValueError(f"hidden must be a floating-point tensor [..., H], got {getattr(hidden, 'dtype', type(hidden))}")
+        got = getattr(hidden, "dtype", type(hidden))
+        raise ValueError(f"hidden must be a floating-point tensor [..., H], got {got}")
     h = hidden.shape[-1]
     if not isinstance(lm_head_weight, torch.Tensor) or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != h:
         raise ValueError(
@@ -260,7 +267,8 @@ def fused_lm_head_loss(
         raise ValueError("labels (or shift_labels) must be given to compute the loss")
     if not isinstance(targets, torch.Tensor) or targets.dtype == torch.bool or targets.is_floating_point() \
             or targets.is_complex():
-        raise ValueError(f"{name} must be an integer tensor of token ids, got {getattr(targets, 'dtype', type(targets))}")
+        got = getattr(targets, "dtype", type(targets))
+        raise ValueError(f"{name} must be an integer tensor of token ids, got {got}")
     if shift_labels is None:
         if targets.dim() == 0:
             raise ValueError("labels must have a sequence dimension")
@@ -273,7 +281,8 @@ def fused_lm_head_loss(
         )
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float, torch.Tensor)):
-            raise ValueError(f"num_items_in_batch must be a number or a tensor, got {type(num_items_in_batch).__name__}")
+            got = type(num_items_in_batch).__name__
+            raise ValueError(f"num_items_in_batch must be a number or a tensor, got {got}")
         if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
             raise ValueError(f"num_items_in_batch must hold one number, got shape {list(num_items_in_batch.shape)}")
         num_items_in_batch = torch.as_tensor(num_items_in_batch).reshape(())
@@ -325,8 +334,9 @@ class _Deferred:
 
 class FusedCausalLMLossMixin:
     """forward() of a Hugging Face ``*ForCausalLM`` whose loss runs through ``fused_lm_head_loss``
-    when ``labels`` are given (``logits`` is then None). Without labels, with
-    ``coat_fused_loss = False``, or with a custom ``loss_function``, it is Hugging Face's forward."""
+    when ``labels`` are given (``logits`` is then None; with ``return_dict=False`` the tuple is
+    ``(loss, ...)`` without logits). Without labels, with ``coat_fused_loss = False``, a custom
+    ``loss_function``, or a wrapped or hooked ``lm_head``, it is Hugging Face's forward."""
 
     coat_fused_loss: bool = True
     coat_loss_chunk_mib: float = DEFAULT_CHUNK_MIB
@@ -351,11 +361,13 @@ class FusedCausalLMLossMixin:
             cfg = self.config
             return_dict = cfg.return_dict if hasattr(cfg, "return_dict") else getattr(cfg, "use_return_dict", True)
         norm = self.model.norm
-        # hidden_states[-1] of the output is the normed state: keep the norm in the model then.
+        # The norm runs in the model (and the fused op takes its output) when its output is
+        # wanted: hidden_states[-1] is the normed state; hooks on the norm; a norm replaced since.
         want_hidden = kwargs.get("output_hidden_states")
         if want_hidden is None:
             want_hidden = getattr(self.config, "output_hidden_states", False)
-        fuse_norm = not want_hidden
+        fuse_norm = (not want_hidden and isinstance(norm, _DeferrableNormMixin) and not norm._forward_hooks
+                     and not norm._forward_pre_hooks)
         with _Deferred(norm, fuse_norm):
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -420,8 +432,9 @@ def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB
     cross-entropy, chunked), in place; returns the model. Parameters, state-dict keys and the class
     name (which ``save_pretrained`` records) stay as they were; ``torch.save(model)`` loads in a
     fresh process. A head something wraps at call time (a PEFT adapter or ``modules_to_save`` on
-    ``lm_head``), a custom ``loss_function`` or forward hooks on ``lm_head`` are Hugging Face's path. ``model.coat_fused_loss = False`` switches
-    back to Hugging Face's path at run time; installing twice only updates the settings.
+    ``lm_head``), a custom ``loss_function`` or forward hooks on ``lm_head`` take Hugging Face's
+    path, and so does every call after ``model.coat_fused_loss = False``. Installing twice only
+    updates the settings.
     ``fp8_backward``: the LM head's two backward GEMMs in FP8 (see ``fused_lm_head_loss``)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -348,7 +348,8 @@ def test_install_state_dict_pickle_save_pretrained(tmp_path, gen):
     assert loaded.config.architectures == ["LlamaForCausalLM"]
     ids = _ids(gen)
     again = pickle.loads(pickle.dumps(m))
-    assert again.coat_fused_loss and torch.equal(again(input_ids=ids, labels=ids).loss, m(input_ids=ids, labels=ids).loss)
+    assert again.coat_fused_loss
+    assert torch.equal(again(input_ids=ids, labels=ids).loss, m(input_ids=ids, labels=ids).loss)
     assert install_fused_loss(m, chunk_mib=3) is m and m.coat_loss_chunk_mib == 3.0  # idempotent
 
 
@@ -411,6 +412,13 @@ def test_hooks_on_the_head_see_hf_path(gen):
     assert seen == [(2, 13, V)] and out.logits is not None
     handle.remove()
     assert m(input_ids=ids, labels=ids).logits is None
+    # a hook on the final norm sees the normed state (the norm then runs in the model)
+    normed = []
+    handle = m.model.norm.register_forward_hook(lambda mod, inp, out: normed.append(out))
+    loss = m(input_ids=ids, labels=ids).loss
+    handle.remove()
+    assert torch.equal(normed[0], m.model(input_ids=ids).last_hidden_state)  # normed, as without labels
+    assert torch.equal(loss, m(input_ids=ids, labels=ids).loss)  # the same arithmetic either way
 
 
 def test_gradient_checkpointing(gen):
