@@ -15,6 +15,7 @@ from torch import nn
 from .nn import adapters
 from .nn.attention import Fp8AttentionMixin
 from .nn.frozen import freeze_to_fp8
+from .nn.loss import install_fused_loss
 from .nn.layer import Fp8DecoderLayerMixin
 from .nn.mlp import Fp8SwiGLUMixin
 from .nn.recipe import Fp8Recipe, resolve
@@ -102,15 +103,19 @@ def _is_layer(m: nn.Module) -> bool:
 FROZEN_WEIGHTS = ("keep", "fp8")
 
 
-def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: str = "keep") -> nn.Module:
+def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: str = "keep",
+            fused_loss: bool = True) -> nn.Module:
     """Converts ``model`` (a Hugging Face Llama/Mistral/Qwen2/Qwen3 model, or one decoder layer)
     in place and returns it. ``recipe``: "fp8" / "coat" (FP8 GEMMs, FP8 saved activations with fp32
     group scales), "fp8-e8m0" (power-of-two group scales), an ``Fp8Recipe``, or "bf16" (no change).
     ``frozen_weights="fp8"`` stores every projection group whose weights are all frozen
     (requires_grad False: a LoRA base, frozen layers) as FP8 codes only, 1 byte per parameter
     (``coat/nn/frozen.py``); call convert again after freezing more (e.g. after
-    ``peft.get_peft_model``). Converting twice only updates the recipe (and stores newly frozen
-    groups in FP8)."""
+    ``peft.get_peft_model``). ``fused_loss`` (default on): a causal LM called with ``labels`` runs its
+    final norm, LM head and cross-entropy chunk by chunk (``coat/nn/loss.py``): the [tokens, vocab]
+    logits never exist, and the output's ``logits`` is None; call without labels (or set
+    ``model.coat_fused_loss = False``) to get logits. Converting twice only updates the recipe (and
+    stores newly frozen groups in FP8)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if frozen_weights not in FROZEN_WEIGHTS:
@@ -138,4 +143,14 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
         _convert_layer(layer, rec, name)
     if frozen_weights == "fp8":
         freeze_to_fp8([layer for _, layer in layers])
+    if not isinstance(fused_loss, bool):
+        raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
+    if fused_loss and hasattr(_inner_lm(model), "lm_head"):
+        install_fused_loss(model)
     return model
+
+
+def _inner_lm(model: nn.Module) -> nn.Module:
+    """The causal LM inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model

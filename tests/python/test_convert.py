@@ -43,10 +43,12 @@ def test_logits_loss_grads_close(spec, gen):
     out, r = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
     out.loss.backward()
     r.loss.backward()
+    assert out.logits is None  # the fused loss: [tokens, vocab] logits never exist with labels
     # Stated tolerances (E4M3 operands ~3.6 % rms each, E5M2 gradients ~7 % rms; tiny random
     # models have no structure to average it out; measured here: logits 3-6 %, grads 7-15 %):
     # logits 10 %, loss 1 %, every gradient 30 %.
-    assert rel(out.logits, r.logits) < 0.10
+    with torch.no_grad():
+        assert rel(m(input_ids=ids).logits, r.logits) < 0.10
     assert abs(out.loss.item() - r.loss.item()) < 0.01 * r.loss.item()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     errs = {n: rel(p.grad, grads[n]) for n, p in m.named_parameters()}
@@ -63,8 +65,9 @@ def test_bf16_model_and_state_dict_keys(tmp_path, gen):
     ids = torch.randint(0, V, (1, 9), generator=gen)
     out = m(input_ids=ids, labels=ids)
     out.loss.backward()
-    assert out.logits.dtype == torch.bfloat16
-    assert rel(out.logits, ref(input_ids=ids).logits) < 0.10
+    logits = m(input_ids=ids).logits
+    assert logits.dtype == torch.bfloat16
+    assert rel(logits, ref(input_ids=ids).logits) < 0.10
     m.save_pretrained(tmp_path)
     plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(plain.model.layers[0]).__name__ == "Qwen2DecoderLayer"
@@ -151,7 +154,8 @@ def test_gpu_bf16_close_to_hf(spec, gen):
     out, r = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
     out.loss.backward()
     r.loss.backward()
-    assert rel(out.logits, r.logits) < 0.10
+    with torch.no_grad():
+        assert rel(m(input_ids=ids).logits, r.logits) < 0.10
     assert abs(out.loss.item() - r.loss.item()) < 0.02 * r.loss.item()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     errs = {n: rel(p.grad, grads[n]) for n, p in m.named_parameters()}

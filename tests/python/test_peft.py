@@ -54,13 +54,15 @@ def test_lora_trains_beside_fp8(order, gen):
     m.load_state_dict(ref.state_dict())
     ids = torch.randint(0, V, (2, 9), generator=gen)
     out, r = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    with torch.no_grad():  # with labels the fused loss never makes logits: ask for them without
+        logits = m(input_ids=ids).logits
     # The adapters act: without them the logits move (by about as much as in the reference).
     with m.disable_adapter(), ref.disable_adapter(), torch.no_grad():
         plain, ref_plain = m(input_ids=ids).logits, ref(input_ids=ids).logits
-    assert rel(out.logits - plain, r.logits - ref_plain) < 0.2
-    assert rel(out.logits, plain) > 0.05
+    assert rel(logits - plain, r.logits - ref_plain) < 0.2
+    assert rel(logits, plain) > 0.05
     # FP8 tolerances of test_convert.py: logits 10 %, loss 1 %, gradients 30 %.
-    assert rel(out.logits, r.logits) < 0.10
+    assert rel(logits, r.logits) < 0.10
     assert abs(out.loss.item() - r.loss.item()) < 0.01 * r.loss.item()
     out.loss.backward()
     r.loss.backward()
@@ -81,7 +83,7 @@ def test_grouped_adapters_match_peft_modules(gen):
                 mod.lora_dropout[a] = torch.nn.Dropout(0.0)
     ids = torch.randint(0, V, (2, 7), generator=gen)
     x, y = m(input_ids=ids, labels=ids), generic(input_ids=ids, labels=ids)
-    assert rel(x.logits, y.logits) < 1e-6
+    assert abs(x.loss.item() - y.loss.item()) < 1e-6 * abs(y.loss.item())
     x.loss.backward()
     y.loss.backward()
     g, gg = _grads(m), _grads(generic)
@@ -184,7 +186,9 @@ def test_frozen_fp8_base_computes_what_the_bf16_base_computes(order, gen):
     ids = torch.randint(0, V, (2, 7), generator=gen)
     a, b = keep(input_ids=ids, labels=ids), fp8(input_ids=ids, labels=ids)
     # The same per-tensor codes and scales the trainable path computes each step: bit for bit.
-    assert torch.equal(a.logits, b.logits)
+    assert torch.equal(a.loss, b.loss)
+    with torch.no_grad():
+        assert torch.equal(keep(input_ids=ids).logits, fp8(input_ids=ids).logits)
     a.loss.backward()
     b.loss.backward()
     ga, gb = _grads(keep), _grads(fp8)
@@ -242,7 +246,8 @@ def test_gpu_lora_on_frozen_fp8_base(gen):
     m.load_state_dict({k: v for k, v in ref.state_dict().items() if "lora_" in k}, strict=False)
     ids = torch.randint(0, V, (2, 33), generator=gen).cuda()
     out, r = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
-    assert rel(out.logits, r.logits) < 0.10
+    with torch.no_grad():
+        assert rel(m(input_ids=ids).logits, r.logits) < 0.10
     out.loss.backward()
     r.loss.backward()
     g, rg = _grads(m), _grads(ref)

@@ -109,14 +109,14 @@ def test_gpu_stacked_matches_cpu(rows, cols, gen):
 
 
 def _live_fp8():
+    """(id, shape) of every FP8 or uint8 tensor alive now."""
     gc.collect()
-    out = []
+    out = set()
     for o in gc.get_objects():
-        try:
-            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
-                out.append(tuple(o.shape))
-        except Exception:  # objects gc sees half-built
-            pass
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.dtype in (
+            torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8
+        ):
+            out.add((id(o), tuple(o.shape)))
     return out
 
 
@@ -131,18 +131,23 @@ def _weight_shapes(m):
 
 
 def test_no_fp8_weight_outlives_its_op(gen):
+    before = _live_fp8()  # what other tests left alive is not this test's business
     m = _model()
     shapes = _weight_shapes(m)
     ids = torch.randint(0, V, (1, 7), generator=gen)  # 7 tokens: no activation has a weight's shape
-    assert not (set(_live_fp8()) & shapes)
+
+    def new_shapes():
+        return {shape for key, shape in _live_fp8() - before}
+
+    assert not (new_shapes() & shapes)
     loss = m(input_ids=ids, labels=ids).loss
-    assert not (set(_live_fp8()) & shapes), "an FP8 weight is kept from forward to backward"
+    assert not (new_shapes() & shapes), "an FP8 weight is kept from forward to backward"
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     del loss
-    assert _live_fp8() == [] and W.cached_bytes() == 0, "FP8 copies are held between steps"
+    assert new_shapes() == set() and W.cached_bytes() == 0, "FP8 copies are held between steps"
 
 
 def test_cache_holds_codes_for_one_optimizer_step(gen):
