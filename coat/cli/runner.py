@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from coat.cli import checkpoint as ckpt
@@ -103,10 +102,11 @@ def dt_local(t: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor, autocast: AbstractContextManager) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (B, T+1) batch, computed in fp32."""
+    """Mean next-token cross-entropy of a (B, T+1) batch, computed in fp32 by the model's own loss
+    path (Hugging Face's, or coat's fused LM head + loss on a converted model: no full logits)."""
+    targets = batch[:, 1:].contiguous()
     with autocast:
-        logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        return model(input_ids=batch[:, :-1], labels=targets, shift_labels=targets, use_cache=False).loss
 
 
 @torch.no_grad()
