@@ -218,7 +218,8 @@ def test_activation_checkpointing(reentrant):
     _same(*models)
 
 
-def test_clipping_by_previous_norm_scheduler_and_tensor_lr():
+@pytest.mark.parametrize("first", ["skip", "unclipped"])
+def test_clipping_by_previous_norm_and_scheduler(first):
     batches = _batches(5)
     max_norm = 0.5  # below every norm of this run: every iteration after the first is clipped
 
@@ -231,6 +232,8 @@ def test_clipping_by_previous_norm_scheduler_and_tensor_lr():
         # in the optimizer's parameter order (a sum's rounding depends on its order)
         norm = torch.nn.utils.get_total_norm([p.grad for g in ref_opt.param_groups for p in g["params"]])
         ref_opt.grad_scale = co.release.clip_scale(prev, max_norm) if prev is not None else None
+        if prev is None and first == "skip":
+            ref_opt.zero_grad()  # the first iteration only measures
         ref_opt.step()
         ref_opt.zero_grad()
         ref_sched.step()
@@ -241,7 +244,7 @@ def test_clipping_by_previous_norm_scheduler_and_tensor_lr():
     model = _llama()
     opt = _opt(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    release = co.step_in_backward(opt, model, max_grad_norm=max_norm)
+    release = co.step_in_backward(opt, model, max_grad_norm=max_norm, first_iteration=first)
     got = []
     for ids in batches:
         _loss(model, ids).backward()
@@ -250,16 +253,20 @@ def test_clipping_by_previous_norm_scheduler_and_tensor_lr():
         sched.step()
         got.append(release.grad_norm)
     assert all(torch.equal(a, b) for a, b in zip(got, norms))  # the norm clip_grad_norm_ computes, exactly
+    assert release.stats["skipped_iterations"] == (first == "skip")
     _same(ref, model, ref_opt, opt)
 
+
+def test_measured_norm_and_tensor_lr():
+    batches = _batches(2)
     # math.inf measures without clipping; a tensor lr is read on the device when a bucket launches.
     ref, model = _llama(), _llama()
     lr = torch.tensor(3e-3)
     ref_opt, opt = co.AdamW(ref.parameters(), lr=lr.clone()), co.AdamW(model.parameters(), lr=lr.clone())
     release = co.step_in_backward(opt, model, max_grad_norm=math.inf)
-    _run(ref, ref_opt, batches[:2])
-    _run(model, opt, batches[:2])
-    assert release.grad_norm is not None and release._clip_scale is None
+    _run(ref, ref_opt, batches)
+    _run(model, opt, batches)
+    assert release.grad_norm is not None and release.stats["skipped_iterations"] == 0
     _same(ref, model, ref_opt, opt)
 
 
@@ -302,6 +309,8 @@ def test_refusals_and_remove():
     for bad in (0.0, -1.0, float("nan"), True, "1"):
         with pytest.raises(ValueError, match="max_grad_norm"):
             co.step_in_backward(opt, model, max_grad_norm=bad)
+    with pytest.raises(ValueError, match="first_iteration"):
+        co.step_in_backward(opt, model, first_iteration="clip")
     with pytest.raises(ValueError, match="model .* or buckets"):
         co.step_in_backward(opt)
     layer = model.model.layers[0]
@@ -394,6 +403,8 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
                     norm = torch.sqrt(sq.sum())
                     torch_norm.append(torch.nn.utils.get_total_norm(grads).full_tensor().float())
                     opt.grad_scale = co.release.clip_scale(prev, clip) if prev is not None else None
+                    if prev is None:
+                        opt.zero_grad()  # release's first iteration only measures the norm
                     prev = norm
                     norms.append(norm)
                 opt.step()
