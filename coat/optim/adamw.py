@@ -78,6 +78,10 @@ class AdamW(torch.optim.Optimizer):
     ``grad_scale`` and ``found_inf`` to the step, the kernel unscales the gradients (times 1/scale)
     and writes nothing when an inf was found (gradients are left scaled in ``.grad``).
 
+    Gradient release (``coat.optim.step_in_backward(opt, model)``) runs this step inside backward,
+    one launch per decoder layer as its gradients complete, and frees them: a full set of
+    gradients never exists. Same result bit for bit; see ``coat/optim/release.py``.
+
     Under FSDP2 / HSDP, ``state_dict()`` returns each sharded parameter's state as DTensors (codes
     and master laid out like the parameter; group metadata as a grid over the whole parameter where
     every shard starts on a 128-element group boundary, else one block per shard), so

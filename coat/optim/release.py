@@ -183,9 +183,9 @@ class GradRelease:
                 self._accumulating -= 1
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to clip as the uninterrupted one: the last iteration's norm."""
-        return {"grad_norm": None if self.grad_norm is None else self.grad_norm.detach().cpu().clone(),
-                "max_grad_norm": self.max_grad_norm}
+        """What a resumed run needs to clip as the uninterrupted one: the last iteration's norm
+        (without it, the first iteration after loading is a first iteration: see first_iteration)."""
+        return {"grad_norm": None if self.grad_norm is None else self.grad_norm.detach().cpu().clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the carried norm (and from it the next iteration's clipping scale)."""
@@ -194,15 +194,11 @@ class GradRelease:
         norm = state["grad_norm"]
         if norm is not None and not (isinstance(norm, torch.Tensor) and norm.numel() == 1):
             raise ValueError(f"grad_norm must be None or a one-element tensor, got {norm!r}")
-        if state.get("max_grad_norm") != self.max_grad_norm:
-            raise ValueError(f"the state was saved with max_grad_norm={state.get('max_grad_norm')!r}, this release "
-                             f"has {self.max_grad_norm!r}")
         with self._lock:
             if norm is None or self.max_grad_norm is None:
                 self.grad_norm, self._clip_scale = None, None
                 return
-            dev = self._norm_device()
-            self.grad_norm = norm.detach().to(dev, torch.float32).reshape(())
+            self.grad_norm = norm.detach().to(self._norm_device(), torch.float32).reshape(())
             self._clip_scale = None if math.isinf(self.max_grad_norm) else clip_scale(self.grad_norm,
                                                                                         self.max_grad_norm)
 
@@ -315,16 +311,18 @@ class GradRelease:
         for gi in sorted({w[0] for w in where}):
             opt._check_hyper(groups[gi])
         by_key: dict[tuple, list] = defaultdict(list)
+        indices: dict[tuple, list[int]] = defaultdict(list)
         for p, (gi, _, index) in zip(params, where):
             key, item = opt._item(p, groups[gi], gi, index)
-            by_key[key + ("release", b)].append(item)  # key[0] stays the device (the table cache's)
+            key += ("release", b)  # key[0] stays the device (the table cache's)
+            by_key[key].append(item)
+            indices[key].append(index)
         # Every table (and with it every check of the states) before anything is written.
         tables = {key: opt._descriptors(key, items) for key, items in by_key.items()}
         if self.max_grad_norm is not None:
             for key, items in by_key.items():
-                norms = torch._foreach_norm([it[2] for it in items], 2, dtype=torch.float32)
-                for (gi, _, index), n in zip((self._position(it[0]) for it in items), norms):
-                    self._norms[index] = n
+                norms = torch._foreach_norm([grad for _, _, grad, _ in items], 2, dtype=torch.float32)
+                self._norms.update(zip(indices[key], norms))
         on_device: dict[tuple, torch.Tensor] = {}
         if not self._measuring():
             for key, items in by_key.items():
@@ -338,7 +336,6 @@ class GradRelease:
                 # be handed out again before the launch on this stream has read it.
                 _local(g).record_stream(torch.cuda.current_stream(g.device))
             p.grad = None
-        del by_key, tables
 
     def _measuring(self) -> bool:
         """Whether this iteration only measures the norm (first_iteration="skip", no norm carried)."""

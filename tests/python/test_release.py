@@ -292,11 +292,10 @@ def test_state_dict_resume_is_bit_identical():
     _same(model, resumed, opt, ropt)
     assert torch.equal(release.grad_norm, rrelease.grad_norm)
 
-    with pytest.raises(ValueError, match="max_grad_norm=0.5"):
-        other = _llama()
-        co.step_in_backward(_opt(other), other, max_grad_norm=1.0).load_state_dict(rsd)
     with pytest.raises(ValueError, match="not a GradRelease state dict"):
         rrelease.load_state_dict({})
+    with pytest.raises(ValueError, match="one-element tensor"):
+        rrelease.load_state_dict({"grad_norm": torch.ones(2)})
 
 
 def test_refusals_and_remove():
