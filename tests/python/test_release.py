@@ -365,34 +365,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _shard(model, world):
+def _shard(model, world, dev="cpu"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(dev, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = "cuda" if backend == "nccl" else "cpu"
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        batches = _batches()
+        batches = [b.to(dev) for b in _batches()]
         result = {}
         for name, release, clip in (("plain", False, None), ("release", True, None), ("plain-clip", False, 0.5),
                                     ("release-clip", True, 0.5)):
-            model = _shard(_llama(torch.bfloat16, convert=True), world)
+            model = _shard(_llama(torch.bfloat16, convert=True).to(dev), world, dev)
             opt = _opt(model, "bf16_sr")
             handle = co.step_in_backward(opt, model, max_grad_norm=clip) if release else None
             prev, norms, live, torch_norm = None, [], [], []
             for ids in batches:
-                _loss(model, ids[rank:rank + 1]).backward()  # each rank its own sequence
+                with sdpa_kernel(SDPBackend.MATH):  # deterministic attention backward on CUDA
+                    _loss(model, ids[rank:rank + 1]).backward()  # each rank its own sequence
                 live.append(sum(p.grad is not None for p in model.parameters()))
                 if clip is not None and not release:  # the ordinary step, clipped by the previous norm
                     grads = [p.grad for g in opt.param_groups for p in g["params"]]
@@ -410,24 +415,38 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
                 opt.zero_grad()
                 if handle is not None and clip is not None:
                     norms.append(handle.grad_norm)
-            result[name] = {"params": [p.full_tensor().detach().float() for p in model.parameters()],
-                            "norms": norms, "live": live, "torch_norm": torch_norm}
-        try:
-            co.step_in_backward(co.AdamW(_llama().parameters()), DistributedDataParallel(_llama()))
-        except ValueError as e:
-            result["ddp"] = str(e)
+            result[name] = {"params": [p.full_tensor().detach().float().cpu() for p in model.parameters()],
+                            "norms": [n.cpu() for n in norms], "live": live,
+                            "torch_norm": [n.cpu() for n in torch_norm]}
+        if backend == "gloo":
+            try:
+                co.step_in_backward(co.AdamW(_llama().parameters()), DistributedDataParallel(_llama()))
+            except ValueError as e:
+                result["ddp"] = str(e)
         if rank == 0:
             torch.save(result, out)
     finally:
         dist.destroy_process_group()
 
 
+# gloo on CPU ranks everywhere; NCCL on two GPUs where there are two (FSDP2's reduce-scatter and the
+# hooks it fires run on streams of their own there).
+BACKENDS = [
+    "gloo",
+    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+        reason="needs two CUDA devices and NCCL")]),
+]
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_fsdp2_release_matches_fsdp2_without_it(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsdp2_release_matches_fsdp2_without_it(tmp_path, backend):
     out = str(tmp_path / "fsdp.pt")
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, _free_port(), out, backend), nprocs=2, join=True)
     got = torch.load(out)
-    assert "DistributedDataParallel" in got["ddp"]
+    if backend == "gloo":
+        assert "DistributedDataParallel" in got["ddp"]
     assert got["release"]["live"] == [0] * STEPS and all(n > 0 for n in got["plain"]["live"])
     for a, b in ((got["plain"], got["release"]), (got["plain-clip"], got["release-clip"])):
         for x, y in zip(a["params"], b["params"]):
