@@ -303,6 +303,9 @@ class GradRelease:
     @torch.no_grad()
     def _flush(self, b: int) -> None:
         params, self._pending[b] = self._pending[b], []
+        # A gradient zeroed since it arrived (zero_grad before step() with a launch still pending) is
+        # not stepped, as the ordinary step would not.
+        params = [p for p in params if p.grad is not None]
         if not params:
             return
         opt = self.optimizer
@@ -453,8 +456,11 @@ def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, 
             (the same run with 2 threads instead of 1: 0.8%; with another seed: 3.8%).
 
     Returns a ``GradRelease`` handle: ``release.accumulate()``, ``release.grad_norm``,
-    ``release.buckets``, ``release.remove()`` (also as a context manager: ``with
-    step_in_backward(opt, model): ...`` removes the hooks on exit).
+    ``release.state_dict()`` / ``load_state_dict()`` (the carried norm: save it beside the
+    optimizer's to resume a clipped run exactly), ``release.buckets`` (parameter names per
+    launch group), ``release.stats`` (flushes, launches, incomplete buckets, skipped iterations),
+    ``release.remove()`` (also as a context manager: ``with step_in_backward(opt, model): ...``
+    removes the hooks on exit).
 
     The training loop stays the ordinary one::
 
@@ -492,7 +498,10 @@ def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, 
       the bucket of the module that owns them first; its gradient lives until its last use's
       backward). The same parameter in two *separate* backward passes of one iteration needs
       ``accumulate()`` around the first.
-    - A parameter whose hook does not fire in a backward (no gradient) is not stepped.
+    - A parameter whose hook does not fire in a backward (no gradient) is not stepped; its bucket
+      launches without it when the backward ends.
+    - Activation checkpointing (reentrant or not): a layer's recomputed forward reads only its
+      own weights, stepped after its backward.
     - lr schedulers and ``lr`` changes: the lr is read when a bucket launches.
     - ``nonfinite='raise'`` and ``DistributedDataParallel`` (which reduces after the hooks fire) are
       refused at attach time; ``state_dict`` / ``load_state_dict`` / distributed checkpoints are

@@ -418,6 +418,23 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
             result[name] = {"params": [p.full_tensor().detach().float().cpu() for p in model.parameters()],
                             "norms": [n.cpu() for n in norms], "live": live,
                             "torch_norm": [n.cpu() for n in torch_norm]}
+        # FSDP2's own accumulation: no reduce-scatter (so no hook) on all micro-batches but the last.
+        for name, release in (("plain-accum", False), ("release-accum", True)):
+            model = _shard(_llama(torch.bfloat16, convert=True).to(dev), world, dev)
+            opt = _opt(model, "bf16_sr")
+            if release:
+                co.step_in_backward(opt, model)
+            live = []
+            for it in range(2):
+                for mb in range(2):
+                    model.set_requires_gradient_sync(mb == 1)
+                    with sdpa_kernel(SDPBackend.MATH):
+                        _loss(model, batches[2 * it + mb][rank:rank + 1]).backward()
+                live.append(sum(p.grad is not None for p in model.parameters()))
+                opt.step()
+                opt.zero_grad()
+            result[name] = {"params": [p.full_tensor().detach().float().cpu() for p in model.parameters()],
+                            "live": live}
         if backend == "gloo":
             try:
                 co.step_in_backward(co.AdamW(_llama().parameters()), DistributedDataParallel(_llama()))
@@ -448,7 +465,9 @@ def test_fsdp2_release_matches_fsdp2_without_it(tmp_path, backend):
     if backend == "gloo":
         assert "DistributedDataParallel" in got["ddp"]
     assert got["release"]["live"] == [0] * STEPS and all(n > 0 for n in got["plain"]["live"])
-    for a, b in ((got["plain"], got["release"]), (got["plain-clip"], got["release-clip"])):
+    assert got["release-accum"]["live"] == [0, 0] and all(n > 0 for n in got["plain-accum"]["live"])
+    for a, b in ((got["plain"], got["release"]), (got["plain-clip"], got["release-clip"]),
+                 (got["plain-accum"], got["release-accum"])):
         for x, y in zip(a["params"], b["params"]):
             assert torch.equal(x, y)
     plain, rel = torch.stack(got["plain-clip"]["norms"]), torch.stack(got["release-clip"]["norms"])
