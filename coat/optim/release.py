@@ -449,11 +449,14 @@ def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, 
         first_iteration: what an iteration without a carried norm (the first one, unless
             ``release.load_state_dict`` restored it) does when clipping: "skip" (default) only
             measures the norm, dropping its released gradients without a step; "unclipped" steps
-            them unclipped. An unclipped first gradient is typically many times the clipped ones,
-            and AdamW's second moment remembers it for ~1 / (1 - beta2) steps, scaling the early
-            updates down: on ``coat train``'s CPU default run (150 steps, clip 1.0) the final
-            validation loss was 3.1% above the ordinary run with "unclipped" and 1.1% with "skip"
-            (the same run with 2 threads instead of 1: 0.8%; with another seed: 3.8%).
+            them unclipped. An unclipped first gradient is typically several times the clipped
+            ones, and AdamW's second moment remembers its square for ~1 / (1 - beta2) steps and
+            more, scaling the early updates down; a skipped first step costs one step at the
+            warm-up's smallest lr. Measured on ``coat train``'s CPU default run (150 steps, clip
+            1.0), final validation loss: ordinary 2.4714, "skip" 2.4786 (+0.3%), "unclipped"
+            2.4672 (-0.2%); before ``coat.convert`` installed the fused loss by default, ordinary
+            2.4523 and "unclipped" 2.5294 (+3.1%). The fused loss alone moved the ordinary run by
+            0.8% and another seed by 3%: single runs this short differ at the 1% level anyway.
 
     Returns a ``GradRelease`` handle: ``release.accumulate()``, ``release.grad_norm``,
     ``release.state_dict()`` / ``load_state_dict()`` (the carried norm: save it beside the
