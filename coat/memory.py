@@ -216,29 +216,36 @@ class Recipe:
     fsdp_reduce_bytes: int = 2  # FSDP2 reduce-scatter dtype
     grad_release: bool = False  # optimizer step inside backward: one layer's gradients at a time
     fused_loss: bool = False  # LM head + cross-entropy chunked over tokens: no full logits
-    loss_chunk_tokens: int = 1024
+    # coat/nn/loss.py's default chunk: fp32 logits of one chunk at most this many MiB.
+    loss_chunk_mib: float = 256.0
 
     def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None) -> "Recipe":
-        """This recipe with gradient release and/or a fused loss (named ``<name>+release+fused-loss``)."""
+        """This recipe with gradient release and/or the fused loss switched on or off (named
+        ``<name>+release``, ``+fused-loss`` where the base recipe has none, ``+hf-loss`` where it has
+        one and it is switched off)."""
         r = replace(self, grad_release=self.grad_release if grad_release is None else grad_release,
                     fused_loss=self.fused_loss if fused_loss is None else fused_loss)
         base = self.name.split("+")[0]
-        return replace(r, name=base + ("+release" if r.grad_release else "") + ("+fused-loss" if r.fused_loss else ""))
+        default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
+        loss = "" if r.fused_loss == default_fused else ("+fused-loss" if r.fused_loss else "+hf-loss")
+        return replace(r, name=base + ("+release" if r.grad_release else "") + loss)
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("amp", "fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True)", 4, 0, 8, 4, "hf-amp", "hf-bf16",
            weight_copies=True, fsdp_reduce_bytes=4),
     Recipe("bf16", "bf16 weights, torch.optim.AdamW(fused=True) (bf16 states)", 2, 0, 4, 2, "hf-bf16", "hf-bf16"),
+    # coat.convert installs the fused LM head + loss by default.
     Recipe("coat", "bf16 weights, coat.convert, coat.optim.AdamW (FP8 states, fp32 master)", 2, 4, COAT_STATE_BYTES,
-           2, "coat", "coat", fp8_weights=True),
+           2, "coat", "coat", fp8_weights=True, fused_loss=True),
     Recipe("coat-lean", "bf16 weights, coat.convert, coat.optim.AdamW(master_weights='bf16_sr')", 2, 0,
-           COAT_STATE_BYTES, 2, "coat", "coat", fp8_weights=True),
+           COAT_STATE_BYTES, 2, "coat", "coat", fp8_weights=True, fused_loss=True),
 )}
 
-#: Modes that ``recipe()`` accepts after a '+'. "release" is ``coat.optim.step_in_backward`` (held to
-#: CPU measurements in tests/python/test_memory.py; no GPU peak recorded yet); "fused-loss" is modeled.
-MODES = ("release", "fused-loss")
+#: Modes that ``recipe()`` accepts after a '+': "release" is ``coat.optim.step_in_backward``;
+#: "fused-loss" the chunked LM head + loss (coat's recipes have it already, as coat.convert installs
+#: it), "hf-loss" Hugging Face's loss path instead (``coat.convert(..., fused_loss=False)``).
+MODES = ("release", "fused-loss", "hf-loss")
 
 
 def recipe(name: str) -> Recipe:
@@ -250,8 +257,10 @@ def recipe(name: str) -> Recipe:
     if bad:
         raise ValueError(f"--recipe {name!r}: unknown mode {bad[0]!r} (modes: {', '.join(MODES)})")
     r = RECIPES[base]
-    return r.with_modes(grad_release=True if "release" in mods else None,
-                        fused_loss=True if "fused-loss" in mods else None) if mods else r
+    if "fused-loss" in mods and "hf-loss" in mods:
+        raise ValueError(f"--recipe {name!r}: fused-loss and hf-loss exclude each other")
+    fused = True if "fused-loss" in mods else False if "hf-loss" in mods else None
+    return r.with_modes(grad_release=True if "release" in mods else None, fused_loss=fused) if mods else r
 
 
 # ---- saved activations -------------------------------------------------------------------------------
@@ -302,10 +311,11 @@ def outside_saved(shape: ModelShape, table: str, fused_loss: bool) -> list[tuple
     """(op, bytes per token) saved outside the decoder layers: token ids, final norm, LM head, loss."""
     h, v = shape.hidden, shape.vocab
     resid = "hf-amp" if table == "hf-amp" else "hf-bf16"  # the final norm stays Hugging Face's
-    ops = [("token ids and labels", 16.0), ("final RMSNorm", _norm(h, 1, resid))]
-    if not fused_loss:
-        ops += [("LM head input", 2 * h), ("cross-entropy log-probabilities (fp32)", 4 * v)]
-    return ops
+    if fused_loss:  # coat/nn/loss.py: the final norm's input and one fp32 log-sum-exp per token
+        return [("token ids and labels", 16.0), ("final norm input (fused loss)", (4 if resid == "hf-amp" else 2) * h),
+                ("log-sum-exp (fp32, fused loss)", 4.0)]
+    return [("token ids and labels", 16.0), ("final RMSNorm", _norm(h, 1, resid)), ("LM head input", 2 * h),
+            ("cross-entropy log-probabilities (fp32)", 4 * v)]
 
 
 ACTIVATION_TABLES = ("hf-bf16", "hf-amp", "coat")
@@ -383,7 +393,9 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     # Transients at the start of backward, beyond what is saved.
     v = s.vocab
     if rec.fused_loss:
-        loss_tr = 12.0 * v * min(t, rec.loss_chunk_tokens)  # bf16 + fp32 logits of a chunk and their gradient
+        # coat/nn/loss.py: a chunk's fp32 logits and their working copies (~1.5x the chunk), the
+        # fp32 hidden-state gradient and the recomputed norm output (~10 bytes x hidden per token).
+        loss_tr = 1.5 * min(rec.loss_chunk_mib * MiB, 4.0 * v * t) + 10.0 * s.hidden * t
     else:
         loss_tr = 8.0 * v * t  # cross-entropy backward: gradient of the log-probabilities and of the logits (fp32)
     head = s.head_params or s.embed_params

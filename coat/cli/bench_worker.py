@@ -105,15 +105,19 @@ def _prep_bf16(model, ctx):
     return _train_step(model, _torch_adamw(model, ctx), nullcontext())
 
 
-def _prep_coat(master: str):
+def _prep_coat(master: str, release: bool = False, fused_loss: bool = True):
+    # coat.convert's defaults (FP8 layers, fused LM head + loss); ``release``: the optimizer steps
+    # inside backward (coat.optim.step_in_backward); ``fused_loss=False``: Hugging Face's loss path.
     def prepare(model, ctx):
         import coat
         import coat.optim
 
-        coat.convert(model, recipe="coat")
+        coat.convert(model, recipe="coat", fused_loss=fused_loss)
         if ctx.mesh is not None:
             _shard(model, ctx)
         opt = coat.optim.AdamW(model.parameters(), lr=ctx.lr, master_weights=master)
+        if release:
+            coat.optim.step_in_backward(opt, model)
         return _train_step(model, opt, nullcontext())
 
     return prepare
@@ -171,6 +175,12 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           _prep_coat("fp32")),
     Setup("coat-lean", "bf16 weights, coat.convert, coat.optim.AdamW(master_weights='bf16_sr')", "coat-lean",
           torch.bfloat16, _prep_coat("bf16_sr")),
+    Setup("coat-release", "coat with the optimizer step inside backward (coat.optim.step_in_backward)",
+          "coat+release", torch.bfloat16, _prep_coat("fp32", release=True)),
+    Setup("coat-lean-release", "coat-lean with the optimizer step inside backward", "coat-lean+release",
+          torch.bfloat16, _prep_coat("bf16_sr", release=True)),
+    Setup("coat-lean-hfloss", "coat-lean with Hugging Face's loss path (convert(fused_loss=False))",
+          "coat-lean+hf-loss", torch.bfloat16, _prep_coat("bf16_sr", fused_loss=False)),
     Setup("torchao", "peer: torchao float8 training + per-layer torch.compile + AdamW8bit(bf16_stochastic_round)",
           None, torch.bfloat16, _prep_torchao, needs=("torchao",), cuda_only=True, fsdp=False),
     Setup("lora-bf16", "PEFT LoRA r=16 on all decoder linears, bf16 frozen base, torch fused AdamW", None,

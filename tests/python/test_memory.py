@@ -176,7 +176,8 @@ def test_saved_activation_tables_match_saved_tensors(table, variant):
     layer, outside, copies, model = _count_saved(shape, table, batch, seq)
     t = batch * seq
     want_layer = sum(b for _, b in M.layer_saved(shape, table)) * t
-    want_outside = sum(b for _, b in M.outside_saved(shape, table, fused_loss=False)) * t
+    fused = bool(getattr(model, "coat_fused_loss", False))  # coat.convert installs it by default
+    want_outside = sum(b for _, b in M.outside_saved(shape, table, fused_loss=fused)) * t
     # Per-tensor FP8 scales (4 bytes each) are the only terms not proportional to tokens.
     assert abs(layer - want_layer) <= 0.002 * want_layer + 64, (layer, want_layer, M.layer_saved(shape, table))
     assert abs(outside - want_outside) <= 0.002 * want_outside + 64, (outside, want_outside)
@@ -234,7 +235,7 @@ def test_cpu_step_peak_with_gradient_release_matches_plan(setup):
         ids = torch.randint(0, shape.vocab, (batch, seq))
         peaks[release] = measure(step, ids, warmup=1, steps=1, dev=torch.device("cpu"), model=model)["peak_gib"]
     # coat.convert installs the fused LM head + loss by default (model.coat_fused_loss)
-    fused = "+fused-loss" if getattr(model, "coat_fused_loss", False) else ""
+    fused = "" if getattr(model, "coat_fused_loss", False) else "+hf-loss"
     p = M.plan(shape, setup + "+release" + fused, batch, seq, device="cpu")
     assert p.phase == "backward start"
     assert abs(peaks[True] / p.peak_gib - 1) <= 0.10, (peaks[True] * 1024, p.peak_gib * 1024, p.parts)
@@ -273,12 +274,18 @@ def test_fsdp_and_modes_lower_the_per_gpu_peak():
     for rec in M.RECIPES:
         one, two, four = (M.plan(shape, rec, 1, 2048, g).peak for g in (1, 2, 4))
         assert one > two > four
-    base = M.plan(shape, "coat-lean", 8, 2048)
-    fused = M.plan(shape, "coat-lean+fused-loss", 8, 2048)
+    # coat's recipes carry the fused loss (coat.convert installs it); +hf-loss is the HF loss path.
+    hf = M.plan(shape, "coat-lean+hf-loss", 8, 2048)
+    fused = M.plan(shape, "coat-lean", 8, 2048)
     release = M.plan(shape, "coat+release", 1, 2048)
-    assert fused.peak < base.peak and fused.recipe == "coat-lean+fused-loss"
+    assert fused.peak < hf.peak and hf.recipe == "coat-lean+hf-loss" and fused.recipe == "coat-lean"
+    assert M.plan(shape, "bf16+fused-loss", 2, 2048).peak < M.plan(shape, "bf16", 2, 2048).peak
     assert release.peak < M.plan(shape, "coat", 1, 2048).peak
-    assert M.recipe("coat+release+fused-loss").name == "coat+release+fused-loss"
+    assert M.recipe("coat+release").name == "coat+release"
+    assert M.recipe("coat+release+hf-loss").name == "coat+release+hf-loss"
+    assert M.recipe("bf16+fused-loss").name == "bf16+fused-loss"
+    with pytest.raises(ValueError, match="exclude each other"):
+        M.recipe("coat+fused-loss+hf-loss")
 
 
 def test_gradient_release_plan():
@@ -295,12 +302,15 @@ def test_gradient_release_plan():
         assert rel.other_phase - rel.extra["resident"] - M.CUDA_WORKSPACE == 2 * max(shape.layer_params,
                                                                                     shape.embed_params)
         # Activation-bound batches gain nothing; FSDP2 never loses.
-        assert M.plan(shape, rec + "+release", 4, 2048).peak == M.plan(shape, rec, 4, 2048).peak
-        assert M.plan(shape, rec + "+release", 1, 2048, 2).peak <= M.plan(shape, rec, 1, 2048, 2).peak
+        # Batch 4: activations set both peaks (the released one at the start of backward): within 64 MiB.
+        assert abs(M.plan(shape, rec + "+release", 4, 2048).peak - M.plan(shape, rec, 4, 2048).peak) < 64 * M.MiB
+        # Under FSDP2 on 2 GPUs a rank's gradient shards (6.3 GiB) are about what the start of
+        # backward holds anyway: release neither gains nor loses there (within 1%).
+        assert M.plan(shape, rec + "+release", 1, 2048, 2).peak <= 1.01 * M.plan(shape, rec, 1, 2048, 2).peak
     # A tied LM head's gradient lives from the head's backward to the embedding's, through every layer.
     tied = M.ModelShape(**{**shape.__dict__, "name": "tied", "tied": True})
-    untied_part = M.plan(shape, "coat-lean+release+fused-loss", 1, 2048).parts["a layer's gradients + its backward"]
-    tied_part = M.plan(tied, "coat-lean+release+fused-loss", 1, 2048).parts["a layer's gradients + its backward"]
+    untied_part = M.plan(shape, "coat-lean+release", 1, 2048).parts["a layer's gradients + its backward"]
+    tied_part = M.plan(tied, "coat-lean+release", 1, 2048).parts["a layer's gradients + its backward"]
     assert tied_part == pytest.approx(untied_part + 2 * tied.embed_params)
     # The issue-12 targets for Llama-2-7B at batch 1: coat lean with release <= 32 GiB, coat <= 58 GiB.
     assert M.plan(shape, "coat-lean+release", 1, 2048).peak_gib <= 32
