@@ -33,7 +33,8 @@ def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainCo
     combination outside the named recipes has no name to give), everything else as the user gave it."""
     act, opt = parts
     return replace(flags, recipe=None, activations=act, optim=opt, compare=False, out=str(out), resume=None,
-                   master_weights=flags.master_weights if opt == "coat" else "fp32")
+                   master_weights=flags.master_weights if opt == "coat" else "fp32",
+                   release_grads=flags.release_grads and opt == "coat")
 
 
 def _set_death_signal() -> None:

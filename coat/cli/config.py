@@ -99,6 +99,7 @@ class TrainConfig:
     activations: str | None = None
     optim: str | None = None
     master_weights: str = "fp32"
+    release_grads: bool = False
     compile: bool = False
     threads: int | None = None
     quiet: bool = False
@@ -263,6 +264,8 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
         raise ConfigError("--device", "cuda requested but torch sees no CUDA device")
     if cfg.optim == "torch" and cfg.master_weights != "fp32":
         raise ConfigError("--master-weights", "only applies to --optim coat (torch.optim.AdamW keeps fp32 weights)")
+    if cfg.release_grads and cfg.optim != "coat":
+        raise ConfigError("--release-grads", "needs --optim coat (the step inside backward is coat.optim.AdamW's)")
     if cfg.keep_last < 1:
         raise ConfigError("--keep-last", f"must be >= 1, got {cfg.keep_last}")
 

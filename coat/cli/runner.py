@@ -297,6 +297,11 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     val_set = eval_batches(corpus.val, per_rank * d.world, cfg.batch_size, cfg.seq_len)[d.rank :: d.world]
     tokens_per_step = cfg.batch_size * cfg.seq_len * d.world
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: measure the norm, never clip
+    release = None
+    if cfg.release_grads:  # each layer stepped inside backward; clipping by the previous step's norm
+        import coat.optim
+
+        release = coat.optim.step_in_backward(optimizer, model, max_grad_norm=max_norm)
     paths = {"metrics": out / "metrics.jsonl", "config": out / "config.json", "plot": out / "loss.png",
              "summary": out / "summary.json"}
 
@@ -305,6 +310,9 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     if plan.resume is not None:
         train_state, rank_state = ckpt.load(plan.resume, model, optimizer, d)
         scheduler.load_state_dict(train_state.pop("scheduler"))
+        release_state = train_state.pop("release", None)
+        if release is not None and release_state is not None:
+            release.load_state_dict(release_state)
         state |= train_state
         _set_rng_state(rng, rank_state, device)
     resumed = plan.resume is not None
@@ -332,7 +340,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     def save_checkpoint(step: int) -> None:
         pending = torch.stack(state["pending"]).tolist() if state["pending"] else []
         train_state = {k: v for k, v in state.items() if k != "pending"} | {
-            "step": step, "pending": pending, "scheduler": scheduler.state_dict()}
+            "step": step, "pending": pending, "scheduler": scheduler.state_dict(),
+            "release": release.state_dict() if release is not None else None}
         path = ckpt.save(out, step, model, optimizer, train_state, _rng_state(rng, device), d, cfg.keep_last)
         state["pending"] = [torch.tensor(p, device=device) for p in pending]
         log(f"[{cfg.recipe}] checkpoint {path}")
@@ -353,11 +362,14 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         batch = sample_batch(train_tokens, cfg.batch_size, cfg.seq_len, rng).to(device)
         loss = lm_loss(step_model, batch, autocast)
         loss.backward()
-        params = [p for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+        if release is None:
+            params = [p for p in model.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
         optimizer.step()
+        if release is not None:
+            grad_norm = release.grad_norm
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()

@@ -281,6 +281,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "states (default: from --recipe)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default="fp32",
                    help="master weight format of --optim coat (bf16_sr: bf16 with stochastic rounding)")
+    g.add_argument("--release-grads", action="store_true",
+                   help="gradient release (--optim coat): each decoder layer is stepped inside backward and its "
+                        "gradients freed, so a full set of gradients never exists; --grad-clip then clips by the "
+                        "previous step's norm (the first step only measures it)")
 
     g = p.add_argument_group("precision and runtime")
     g.add_argument("--recipe", choices=RECIPES, help="coat (default): FP8 GEMMs and saved activations in the "

@@ -70,9 +70,11 @@ def _argv(cfg: TrainConfig) -> list[str]:
 # ---- exact resumption -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "coat"])
+@pytest.mark.parametrize("recipe", ["bf16", "coat", "coat-release"])
 def test_n_steps_resume_n_steps_equals_2n_steps(tmp_path: Path, recipe: str) -> None:
-    straight = train(tiny(tmp_path, "straight", recipe=recipe))
+    # coat-release: gradient release, its carried clipping norm saved in the checkpoint.
+    extra = dict(recipe="coat", release_grads=True) if recipe == "coat-release" else dict(recipe=recipe)
+    straight = train(tiny(tmp_path, "straight", **extra))
     assert straight["finished"] and [s for s, _ in ckpt.checkpoints(tmp_path / "straight")] == [6, 12]
     # The same run, stopped after N steps: its folder as it was then (checkpoint N, metrics up to N).
     half = tmp_path / "half"
