@@ -15,6 +15,8 @@ What one configuration measures (a step = forward with labels -> loss, backward,
   event between consecutive steps and no synchronisation until the end: ``step_ms`` is the median
   event interval, tokens/s = tokens of those steps / their total time, ``spread`` = (max - min) /
   median interval. On a CPU the timed steps are wall-timed one by one;
+- ``COAT_BENCH_GPU_GIB=40`` caps the process at that much GPU memory
+  (``torch.cuda.set_per_process_memory_fraction``), to show what fits a smaller card;
 - ``peak_gib``: ``torch.cuda.max_memory_allocated`` over the timed steps (reset after warm-up);
   ``resident_gib``: ``memory_allocated`` after the last ``zero_grad``. On a CPU both come from a
   tracker of live tensor storages (same meaning: bytes of tensors alive), over one step after warm-up.
@@ -393,6 +395,10 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     res["device"] = torch.cuda.get_device_name(dev) if dev_type == "cuda" else "cpu"
     if dev_type == "cuda":
         res["gpu_memory_gib"] = torch.cuda.get_device_properties(dev).total_memory / GiB
+        cap = os.environ.get("COAT_BENCH_GPU_GIB")  # act as a smaller card: e.g. 40 for a 40 GB GPU
+        if cap:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) * GiB / (res["gpu_memory_gib"] * GiB)), dev)
+            res["gpu_memory_cap_gib"] = float(cap)
     why = unavailable(setup, dev_type, fsdp)
     if why:
         return res | {"status": "skipped", "reason": why}
