@@ -91,7 +91,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     out = p.to_json()
     out.update(recipe_summary=rec.summary, gpu_memory_gib=mem, gpu_memory_source=mem_src,
                max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus),
-               modeled_only=rec.grad_release or rec.fused_loss)
+               # measured on one GPU (benchmarks/RESULTS.md section 6), not yet under FSDP2
+               modeled_only=(rec.grad_release or rec.fused_loss) and args.gpus > 1)
     rates = None
     if args.measure_rates:
         if not here:
@@ -114,7 +115,8 @@ def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
              f"recipe {r['recipe']}: {r['recipe_summary']}",
              f"batch {r['batch']} x {r['seq']} tokens{per}", ""]
     if r["modeled_only"]:
-        lines.append("note: gradient release / fused loss are modeled from their design, not yet measured")
+        lines.append("note: gradient release / the fused loss under FSDP2 are modeled from their design, not yet "
+                     "measured on GPUs")
     other = "start" if r["phase"] == "backward end" else "end"
     lines.append(f"peak memory{per}: {r['peak_gib']:.2f} GiB, at the {r['phase']} "
                  f"(the backward {other} needs {r['other_phase'] / GiB:.2f} GiB)")

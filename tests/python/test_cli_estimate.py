@@ -55,8 +55,10 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
     assert two["gpus"] == 2 and two["peak_gib"] < preset["peak_gib"]
     assert two["parts_gib"]["weights"] == pytest.approx(preset["parts_gib"]["weights"] / 2, abs=0.01)
     assert "FSDP2" in _run(capsys, "--model", "llama3-8b", "--gpus", "2")
-    # a mode that exists only as a plan says so
-    assert "modeled from their design" in _run(capsys, "--model", "llama3-8b", "--recipe", "coat-lean+fused-loss")
+    # a mode measured on one GPU but only modeled under FSDP2 says so there, and only there
+    assert "modeled from their design" in _run(capsys, "--model", "llama3-8b", "--recipe", "coat-lean+release",
+                                               "--gpus", "2")
+    assert "modeled from their design" not in _run(capsys, "--model", "llama3-8b", "--recipe", "coat-lean+release")
 
 
 @pytest.mark.parametrize("argv,flag", [
