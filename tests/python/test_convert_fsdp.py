@@ -11,14 +11,13 @@ transpose of the gathered matrix."""
 
 from __future__ import annotations
 
-import gc
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _dist import free_port, fused_weight_shapes, live_fp8
 
 import coat
 
@@ -37,25 +36,6 @@ def _model():
 def _batches():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, V, (2, T), generator=g) for _ in range(STEPS)]
-
-
-def _weight_shapes(m):
-    shapes = set()
-    for layer in m.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        for ws in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
-            n, k = sum(w.weight.shape[0] for w in ws), ws[0].weight.shape[1]
-            shapes |= {(n, k), (k, n)}
-    return shapes
-
-
-def _live_fp8_shapes():
-    gc.collect()
-    out = set()
-    for o in gc.get_objects():
-        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.dtype in (torch.float8_e4m3fn, torch.uint8):
-            out.add(tuple(o.shape))
-    return out
 
 
 def _shard(model, world):
@@ -85,12 +65,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = _shard(_model(), world)
-        shapes = _weight_shapes(_model())
+        shapes = fused_weight_shapes(_model())
         leaks = []
 
         def check(name):
             def hook(*_):
-                extra = _live_fp8_shapes() & shapes
+                extra = {shape for _, shape in live_fp8()} & shapes
                 if extra:
                     leaks.append((name, sorted(extra)))
             return hook
@@ -141,16 +121,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_converted_model_under_fsdp2(tmp_path):
     out = str(tmp_path / "fsdp.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
     got = torch.load(out)
     assert got["leaks"] == [], got["leaks"]
     assert "cannot be used under FSDP2" in got["refused"]

@@ -7,12 +7,12 @@ another world size where every shard starts on a 128-element group boundary."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _dist import BACKENDS, free_port
 
 import coat.optim as co
 
@@ -72,26 +72,15 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-# gloo on CPU ranks everywhere; NCCL on two GPUs where there are two.
-BACKENDS = [
-    "gloo",
-    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
-        reason="needs two CUDA devices and NCCL")]),
-]
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fsdp2_step_on_local_shards_matches_unsharded(tmp_path, backend):
     out = str(tmp_path / "fsdp.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out, backend), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out, backend), nprocs=2, join=True)
     got = torch.load(out)
     ref_model = _model()
     start = [p.detach().clone() for p in ref_model.parameters()]
@@ -178,7 +167,7 @@ def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: to
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fsdp2_distributed_checkpoint_resumes_bit_identically(tmp_path, dtype, master, backend):
     out = str(tmp_path / "dcp.pt")
-    mp.spawn(_dcp_worker, args=(2, _free_port(), str(tmp_path / "ckpt"), out, dtype, master, backend), nprocs=2,
+    mp.spawn(_dcp_worker, args=(2, free_port(), str(tmp_path / "ckpt"), out, dtype, master, backend), nprocs=2,
              join=True)
     got = torch.load(out)
     assert got["ok_torch"]
@@ -189,7 +178,7 @@ def test_fsdp2_distributed_checkpoint_resumes_bit_identically(tmp_path, dtype, m
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_hsdp_distributed_checkpoint_resumes_bit_identically(tmp_path):
     out = str(tmp_path / "dcp.pt")
-    mp.spawn(_dcp_worker, args=(4, _free_port(), str(tmp_path / "ckpt"), out, torch.bfloat16, "bf16_sr", "gloo",
+    mp.spawn(_dcp_worker, args=(4, free_port(), str(tmp_path / "ckpt"), out, torch.bfloat16, "bf16_sr", "gloo",
                                 (2, 2)), nprocs=4, join=True)
     got = torch.load(out)
     for a, b in zip(got["straight"], got["resumed"]):
@@ -259,9 +248,9 @@ def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype
 def test_fsdp2_checkpoint_loads_at_another_world_size(tmp_path, dtype, master, mesh):
     # Saved by 2 FSDP2 ranks, loaded by 4 (FSDP2 over 4, or HSDP: 2 replicas of 2 shards).
     ckpt = str(tmp_path / "ckpt")
-    mp.spawn(_reshard_worker, args=(2, _free_port(), ckpt, str(tmp_path / "a.pt"), dtype, master, "save", (2,)),
+    mp.spawn(_reshard_worker, args=(2, free_port(), ckpt, str(tmp_path / "a.pt"), dtype, master, "save", (2,)),
              nprocs=2, join=True)
-    mp.spawn(_reshard_worker, args=(4, _free_port(), ckpt, str(tmp_path / "b.pt"), dtype, master, "load", mesh),
+    mp.spawn(_reshard_worker, args=(4, free_port(), ckpt, str(tmp_path / "b.pt"), dtype, master, "load", mesh),
              nprocs=4, join=True)
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert a["state"].keys() == b["state"].keys()
@@ -303,6 +292,6 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ddp_replicas_round_identically(tmp_path):
     out = str(tmp_path / "ddp.pt")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), out), nprocs=2, join=True)
     a, b = torch.load(out)
     assert torch.equal(a, b)  # same grads, same seeds: stochastic rounding must not split the replicas

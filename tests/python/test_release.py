@@ -19,12 +19,12 @@ from __future__ import annotations
 import copy
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _dist import BACKENDS, free_port
 
 import coat
 import coat.optim as co
@@ -359,10 +359,6 @@ def test_optimizer_parameters_outside_the_model_and_hand_set_gradients():
 # ---- FSDP2 on two CPU ranks ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shard(model, world, dev="cpu"):
@@ -446,21 +442,13 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
         dist.destroy_process_group()
 
 
-# gloo on CPU ranks everywhere; NCCL on two GPUs where there are two (FSDP2's reduce-scatter and the
-# hooks it fires run on streams of their own there).
-BACKENDS = [
-    "gloo",
-    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
-        reason="needs two CUDA devices and NCCL")]),
-]
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fsdp2_release_matches_fsdp2_without_it(tmp_path, backend):
     out = str(tmp_path / "fsdp.pt")
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), out, backend), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), out, backend), nprocs=2, join=True)
     got = torch.load(out)
     if backend == "gloo":
         assert "DistributedDataParallel" in got["ddp"]

@@ -4,10 +4,10 @@ memory rule (no FP8 copy of a weight outlives the op that reads it, nothing held
 the opt-in per-step cache and every way a user can change a weight."""
 
 import copy
-import gc
 
 import pytest
 import torch
+from _dist import fused_weight_shapes, live_fp8
 
 import coat
 import coat.optim
@@ -108,36 +108,14 @@ def test_gpu_stacked_matches_cpu(rows, cols, gen):
 # ---- the memory rule ----------------------------------------------------------------------------
 
 
-def _live_fp8():
-    """(id, shape) of every FP8 or uint8 tensor alive now."""
-    gc.collect()
-    out = set()
-    for o in gc.get_objects():
-        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.dtype in (
-            torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8
-        ):
-            out.add((id(o), tuple(o.shape)))
-    return out
-
-
-def _weight_shapes(m):
-    shapes = set()
-    for layer in m.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        for ws in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
-            n, k = sum(w.weight.shape[0] for w in ws), ws[0].weight.shape[1]
-            shapes |= {(n, k), (k, n)}
-    return shapes
-
-
 def test_no_fp8_weight_outlives_its_op(gen):
-    before = _live_fp8()  # what other tests left alive is not this test's business
+    before = live_fp8()  # what other tests left alive is not this test's business
     m = _model()
-    shapes = _weight_shapes(m)
+    shapes = fused_weight_shapes(m)
     ids = torch.randint(0, V, (1, 7), generator=gen)  # 7 tokens: no activation has a weight's shape
 
     def new_shapes():
-        return {shape for key, shape in _live_fp8() - before}
+        return {shape for key, shape in live_fp8() - before}
 
     assert not (new_shapes() & shapes)
     loss = m(input_ids=ids, labels=ids).loss

@@ -1,0 +1,50 @@
+"""Helpers shared by the tests that spawn ranks (torch.distributed on CPU gloo ranks, or NCCL on two
+GPUs where there are two) and by the tests of the FP8 weight lifetime."""
+
+from __future__ import annotations
+
+import gc
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# gloo on CPU ranks everywhere; NCCL on two GPUs where there are two.
+BACKENDS = [
+    "gloo",
+    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+        reason="needs two CUDA devices and NCCL")]),
+]
+
+
+def fused_weight_shapes(model) -> set:
+    """[N, K] and [K, N] of every fused weight of a converted Llama-family model (q/k/v, o,
+    gate/up, down): the shapes an FP8 weight copy would have."""
+    shapes = set()
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        for ws in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
+            n, k = sum(w.weight.shape[0] for w in ws), ws[0].weight.shape[1]
+            shapes |= {(n, k), (k, n)}
+    return shapes
+
+
+def live_fp8() -> set:
+    """(id, shape) of every FP8 or uint8 tensor alive now."""
+    gc.collect()
+    out = set()
+    for o in gc.get_objects():
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.dtype in (
+            torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8
+        ):
+            out.add((id(o), tuple(o.shape)))
+    return out
