@@ -100,6 +100,11 @@ class TrainConfig:
     optim: str | None = None
     master_weights: str = "fp32"
     release_grads: bool = False
+    lora: int = 0  # LoRA rank; 0: full fine-tuning
+    lora_alpha: int = 8
+    lora_dropout: float = 0.0
+    lora_targets: str | None = None  # comma-separated module names; None: PEFT's default for the model type
+    frozen_fp8: bool = False  # keep the frozen (LoRA base) weights only in FP8
     compile: bool = False
     threads: int | None = None
     quiet: bool = False
@@ -264,6 +269,23 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
         raise ConfigError("--device", "cuda requested but torch sees no CUDA device")
     if cfg.optim == "torch" and cfg.master_weights != "fp32":
         raise ConfigError("--master-weights", "only applies to --optim coat (torch.optim.AdamW keeps fp32 weights)")
+    if cfg.lora < 0:
+        raise ConfigError("--lora", f"must be a rank >= 1 (or 0: no LoRA), got {cfg.lora}")
+    if cfg.lora and cfg.init is None:
+        raise ConfigError("--lora", "LoRA fine-tunes a pretrained model: give --init PATH")
+    if not cfg.lora:
+        for name, default in (("lora_alpha", 8), ("lora_dropout", 0.0), ("lora_targets", None), ("frozen_fp8", False)):
+            if getattr(cfg, name) != default:
+                raise ConfigError(flag(name), "only applies with --lora RANK")
+    if cfg.lora_alpha <= 0:
+        raise ConfigError("--lora-alpha", f"must be > 0, got {cfg.lora_alpha}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ConfigError("--lora-dropout", f"must be in [0, 1), got {cfg.lora_dropout}")
+    if cfg.lora_targets is not None and not all(t.strip() for t in cfg.lora_targets.split(",")):
+        raise ConfigError("--lora-targets", f"must be comma-separated module names, got {cfg.lora_targets!r}")
+    if cfg.frozen_fp8 and cfg.activations != "fp8":
+        raise ConfigError("--frozen-fp8", "needs the FP8 layers (--recipe coat or fp8): it keeps the frozen base "
+                                          "weights as FP8 codes those layers read")
     if cfg.release_grads and cfg.optim != "coat":
         raise ConfigError("--release-grads", "needs --optim coat (the step inside backward is coat.optim.AdamW's)")
     if cfg.keep_last < 1:

@@ -91,7 +91,11 @@ def shutdown(d: Dist) -> None:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a Hugging Face Llama-family causal LM (``model.model.layers``)."""
+    """The decoder layers of a Hugging Face Llama-family causal LM (``model.model.layers``; inside a
+    PEFT model, its base model's)."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        model = get_base()
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers: not a Llama-family causal LM")

@@ -4,8 +4,10 @@ checkpoints and clean stops on SIGINT/SIGTERM. Single process or one rank under 
 from __future__ import annotations
 
 import math
+import os
 import platform
 import random
+import shutil
 import signal
 import sys
 import time
@@ -20,7 +22,7 @@ from tqdm import tqdm
 
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import TrainConfig, lr_lambda
+from coat.cli.config import ConfigError, TrainConfig, lr_lambda
 from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, HFTokenizer, eval_batches, sample_batch
 from coat.cli.plot import plot_loss
 from coat.cli.pretrained import InitCheckpoint
@@ -70,6 +72,37 @@ def _coat_adamw() -> type:
     from coat.optim import AdamW
 
     return AdamW
+
+
+def _add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """PEFT LoRA adapters (the base frozen); on the FP8 layers, converted again so that the frozen
+    base can be kept in FP8 (``--frozen-fp8``)."""
+    import peft
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",")] if cfg.lora_targets else None
+    lcfg = peft.LoraConfig(r=cfg.lora, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                           target_modules=targets)
+    try:
+        model = peft.get_peft_model(model, lcfg)
+    except ValueError as e:  # e.g. a target module the model does not have
+        raise ConfigError("--lora-targets", str(e)) from None
+    if cfg.activations == "fp8":
+        import coat
+
+        coat.convert(model, recipe="fp8", frozen_weights="fp8" if cfg.frozen_fp8 else "keep")
+    return model
+
+
+def _save_adapter(model: torch.nn.Module, out: Path, tokenizer: Any | None) -> Path:
+    """``model.save_pretrained`` of a PEFT model (adapter weights and config only), written to a
+    temporary folder and renamed, so ``out`` is whole or absent."""
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -123,6 +156,14 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
     return (total[0] / total[1]).item()
 
 
+def wdt_of(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the trained weights (the first floating-point parameter that trains)."""
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point():
+            return p.dtype
+    return next(model.parameters()).dtype
+
+
 def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> dict[str, Any]:
     """Which parts of the step ran in FP8 and which did not, read from the model and optimizer."""
     layers = dt.decoder_layers(model)
@@ -142,8 +183,14 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    "with Dynamic Range Expansion")
     else:
         other.append("AdamW states (fp32 m and v)")
+    if cfg.lora:
+        base = "frozen base weights (E4M3 codes, one scale per fused group)" if cfg.frozen_fp8 else None
+        if base:
+            fp8.append(base)
+        other.append(f"LoRA adapters (rank {cfg.lora}, computed beside the base GEMMs in their own dtype, "
+                     f"{str(wdt_of(model)).removeprefix('torch.')})")
     other.append(f"embeddings, final norm, LM head, attention math (softmax(QK^T)V), residual stream ({high})")
-    wdt = next(model.parameters()).dtype
+    wdt = wdt_of(model)
     if wdt == torch.float32:
         weights = "weights and gradients (fp32; the weights are their own master copy)"
     elif cfg.master_weights == "bf16_sr":
@@ -280,6 +327,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         import coat
 
         coat.convert(model, recipe="fp8")
+    if cfg.lora:
+        model = _add_lora(model, cfg)
     n_params = sum(p.numel() for p in model.parameters())
     if d.enabled:
         dt.shard(model, d, device)
@@ -420,7 +469,12 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     finished = stopped_by is None and diverged_at is None
     memory = peak_memory(device, d, rss_start, rss_reset)  # of the training, before --save copies the weights
     saved_model = None
-    if finished and cfg.save:
+    if finished and cfg.save and cfg.lora:  # the adapter, as PEFT saves it (plus the tokenizer)
+        if main:
+            saved_model = str(_save_adapter(model, out / "adapter", plan.tokenizer))
+            log(f"[{cfg.recipe}] LoRA adapter saved to {saved_model}")
+        d.barrier()
+    elif finished and cfg.save:
         from coat.cli.pretrained import save_model
 
         full = dt.full_state_dict(model, d)

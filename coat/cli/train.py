@@ -43,6 +43,11 @@ def _check_imports(cfg: TrainConfig) -> None:
             import coat  # noqa: F401
         except ImportError as e:
             raise ConfigError("--activations", f"'fp8' needs coat.convert, which failed to import ({e})") from e
+    if cfg.lora:
+        try:
+            import peft  # noqa: F401
+        except ImportError as e:
+            raise ConfigError("--lora", f"needs peft ({e}): pip install peft") from e
 
 
 def resume_config(cfg: TrainConfig) -> TrainConfig:
@@ -112,6 +117,9 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
             raise ConfigError("--tokenizer", f"--init {cfg.init} brings its own tokenizer; drop --tokenizer")
     cfg = resolve_config(cfg, init.max_positions if init else None)
     validate(cfg, init.max_positions if init else None)
+    if cfg.lora and d.enabled:
+        raise ConfigError("--lora", "LoRA under torchrun (FSDP2 of a PEFT model) is not supported yet; "
+                                    "run it in one process")
     _check_imports(cfg)
     if cfg.data is not None and not Path(cfg.data).exists():
         raise ConfigError("--data", f"path does not exist: {cfg.data}")
@@ -281,6 +289,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "states (default: from --recipe)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default="fp32",
                    help="master weight format of --optim coat (bf16_sr: bf16 with stochastic rounding)")
+    g.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="fine-tune PEFT LoRA adapters of this rank instead of every weight (needs --init); "
+                        "--save then writes the adapter")
+    g.add_argument("--lora-alpha", **n, default=8, help="LoRA alpha (PEFT's default)")
+    g.add_argument("--lora-dropout", **x, default=0.0, help="LoRA dropout (PEFT's default)")
+    g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module names to adapt, e.g. "
+                   "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default: PEFT's for the model type)")
+    g.add_argument("--frozen-fp8", action="store_true", help="with --lora and the FP8 layers: keep the frozen "
+                   "base weights only as FP8 codes (1 byte per parameter instead of 2)")
     g.add_argument("--release-grads", action="store_true",
                    help="gradient release (--optim coat): each decoder layer is stepped inside backward and its "
                         "gradients freed, so a full set of gradients never exists; --grad-clip then clips by the "

@@ -168,3 +168,54 @@ def test_bad_init_folders(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     assert "argument --data: " in _usage_error(
         ["--init", str(ckpt), "--data", str(tmp_path / "ids.npy"), "--out", str(out)], capsys)
     assert not out.exists()
+
+
+# ---- LoRA --------------------------------------------------------------------------------------
+
+
+def test_lora_with_frozen_fp8_base_trains_saves_the_adapter_and_resumes(tmp_path: Path) -> None:
+    import shutil
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    write_jsonl(tmp_path / "ft.jsonl")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2")
+    lora = dict(lora=4, lora_alpha=16, lora_targets="q_proj,v_proj,down_proj", frozen_fp8=True, steps=6,
+                save_every=3, lr=1e-2)
+    straight = train(finetune_config(tmp_path, ckpt, "straight", **lora))
+    assert straight["finished"] and straight["final_val_loss"] < straight["initial_val_loss"]
+    adapter = tmp_path / "straight" / "adapter"
+    assert (adapter / "adapter_config.json").exists() and not (tmp_path / "straight" / "model").exists()
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 16 and set(cfg["target_modules"]) == {"q_proj", "v_proj", "down_proj"}
+    # The adapter loads on the original checkpoint with plain PEFT and moves its logits.
+    base = AutoModelForCausalLM.from_pretrained(ckpt)
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    with torch.no_grad():
+        plain = base(ids).logits
+        tuned = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt), adapter)(ids).logits
+    assert not torch.allclose(plain, tuned)
+    # Resume (the checkpoint holds the FP8 base and the adapters): bit for bit.
+    half = tmp_path / "half"
+    shutil.copytree(tmp_path / "straight", half, ignore=shutil.ignore_patterns("step_00000006", ".lock", "adapter"))
+    (half / "summary.json").unlink()
+    resumed = train(TrainConfig(resume=str(half), quiet=True))
+    assert resumed["finished"] and resumed["final_val_loss"] == straight["final_val_loss"]
+
+
+def test_bad_lora_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_jsonl(tmp_path / "ft.jsonl")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    common = ["--data", str(tmp_path / "ft.jsonl"), "--steps", "2"]
+    assert "--lora: LoRA fine-tunes a pretrained model" in _usage_error(["--lora", "4", *common], capsys)
+    assert "--lora-alpha: only applies with --lora" in _usage_error(["--init", str(ckpt), "--lora-alpha", "4",
+                                                                     *common], capsys)
+    assert "--frozen-fp8: needs the FP8 layers" in _usage_error(["--init", str(ckpt), "--lora", "4", "--recipe",
+                                                                 "bf16", "--frozen-fp8", *common], capsys)
+    assert "--lora: must be a rank >= 1" in _usage_error(["--init", str(ckpt), "--lora", "-1", *common], capsys)
+    assert "--lora-dropout: must be in [0, 1)" in _usage_error(["--init", str(ckpt), "--lora", "4",
+                                                                "--lora-dropout", "1.5", *common], capsys)
+    err = _usage_error(["--init", str(ckpt), "--lora", "4", "--lora-targets", "no_such_proj", "--recipe", "coat",
+                        "--out", str(tmp_path / "bad"), *common], capsys)
+    assert "--lora-targets" in err and "no_such_proj" in err
