@@ -285,7 +285,7 @@ def _fp8_norm_input(width: int, rows: int) -> float:
 
 def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
     """(op, bytes per token) saved by one decoder layer."""
-    h, q, kv, i, nh, hd = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate, shape.heads, shape.head_dim
+    h, q, kv, i, nh = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate, shape.heads
     sdpa = 2 * q + 4 * kv + 2 * q + 4 * nh  # q, k, v, out (bf16), log-sum-exp (fp32 per head)
     if table in ("hf-bf16", "hf-amp"):
         casts = 1 if table == "hf-bf16" else 3  # under autocast each projection casts its input anew

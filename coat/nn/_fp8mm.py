@@ -19,7 +19,6 @@ import torch
 from .._ops import gemm as gops
 from .._ops import quantize as qops
 from .._ops._util import fmt_id
-from .recipe import ACT_DTYPE
 
 _BACKEND = os.environ.get("COAT_LAYER_GEMM", "coat")
 

@@ -11,6 +11,7 @@ plain. PEFT itself is optional: without it only plain ``nn.Linear`` projections 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -19,12 +20,22 @@ from torch import nn
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def _lora_linear_type():
+    # Looked up once: every converted forward asks, and a failed import is not cached by Python
+    # (it searches sys.path again each time).
     try:
         from peft.tuners.lora.layer import Linear
     except ImportError:  # peft not installed: no LoRA layers can exist
         return None
     return Linear
+
+
+@functools.cache
+def _plain_linear_types() -> tuple:
+    from .linear import Fp8Linear  # linear.py imports this module's users: resolved lazily, once
+
+    return (nn.Linear, Fp8Linear)
 
 
 def is_lora(mod: nn.Module) -> bool:
@@ -41,9 +52,7 @@ def base_linear(mod: nn.Module, name: str) -> nn.Linear:
     base = mod.base_layer if is_lora(mod) else mod
     # Exact types: subclasses of nn.Linear (bitsandbytes' Linear4bit/8bitLt, ...) keep weights coat
     # cannot read as a floating-point matrix.
-    from .linear import Fp8Linear
-
-    if type(base) not in (nn.Linear, Fp8Linear):
+    if type(base) not in _plain_linear_types():
         raise ValueError(
             f"coat.convert: {name} is a {_describe(mod)}"
             + (f" around a {_describe(base)}" if base is not mod else "")
@@ -187,13 +196,13 @@ class _LoraGroupFn(torch.autograd.Function):
 def add_deltas(out: torch.Tensor, mods, names, x: torch.Tensor) -> torch.Tensor:
     """``out`` (the fused FP8 output of ``mods``, columns in their order) plus their adapters'
     outputs on input ``x``; projections without an active adapter contribute nothing."""
+    active = [has_delta(m) for m in mods]
+    if not any(active):  # the common case (no adapters): nothing else to look at
+        return out
     for m, n in zip(mods, names):
         check_adapters(m, n)
     widths = [base_linear(m, n).out_features for m, n in zip(mods, names)]
     plain = [_plain_adapter(m) for m in mods]
-    active = [has_delta(m) for m in mods]
-    if not any(active):
-        return out
     if all(p is not None or not act for p, act in zip(plain, active)):  # the grouped path
         present = tuple(p is not None for p in plain)
         ab = [t for p in plain if p is not None for t in p[:2]]

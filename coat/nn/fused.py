@@ -39,6 +39,14 @@ def wgrad_dtype(w: torch.Tensor) -> torch.dtype:
     return w.dtype if w.dtype in _FLOATS else torch.float32
 
 
+def _recompute_bf16_norm(x2: torch.Tensor, norm_w: torch.Tensor, eps: float):
+    """Hugging Face's RMSNorm of the saved input, with a graph for its backward: (y, x, w)."""
+    with torch.enable_grad():
+        xr = x2.detach().requires_grad_()
+        wr = norm_w.detach().requires_grad_()
+        return hf_rms_norm(xr, wr, eps), xr, wr
+
+
 class _NormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, *params):
@@ -100,9 +108,8 @@ class _NormLinearFn(torch.autograd.Function):
                 _, y_t, ys = mm.quantize(y, ACT_DTYPE, True)
                 del y
             elif ctx.mode == "bf16norm":
-                y = hf_rms_norm(saved[0], norm_w, eps)
-                _, y_t, ys = mm.quantize(y.contiguous(), ACT_DTYPE, True)
-                del y
+                norm_graph = _recompute_bf16_norm(saved[0], norm_w, eps)
+                _, y_t, ys = mm.quantize(norm_graph[0].detach().contiguous(), ACT_DTYPE, True)
             else:
                 y_t, ys = saved
             dw = mm.fp8_mm(dq_t, ds, y_t, ys, wgrad_dtype(weights[0]))
@@ -118,11 +125,8 @@ class _NormLinearFn(torch.autograd.Function):
             xq, xs, rstd = saved
             dx, dnw = nops.rmsnorm_bwd(xq, xs, rstd, norm_w, dy)
             dnorm = dnw.to(norm_w.dtype)
-        elif ctx.mode == "bf16norm":
-            with torch.enable_grad():
-                xr = saved[0].detach().requires_grad_()
-                wr = norm_w.detach().requires_grad_()
-                y = hf_rms_norm(xr, wr, eps)
+        elif ctx.mode == "bf16norm":  # the recompute of the dW input, or a fresh one when no weight trains
+            y, xr, wr = norm_graph if need_w else _recompute_bf16_norm(saved[0], norm_w, eps)
             dx, dnorm = torch.autograd.grad(y, (xr, wr), dy.to(y.dtype))
         else:
             dx = dy

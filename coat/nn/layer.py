@@ -4,9 +4,12 @@ stays in its own dtype; residual adds save nothing."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.cache
 def _fsdp_module_type():
     try:
         from torch.distributed.fsdp import FSDPModule

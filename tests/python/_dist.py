@@ -1,10 +1,15 @@
-"""Helpers shared by the tests that spawn ranks (torch.distributed on CPU gloo ranks, or NCCL on two
-GPUs where there are two) and by the tests of the FP8 weight lifetime."""
+"""Helpers shared by the tests that spawn ranks or processes (torch.distributed on CPU gloo ranks, or
+NCCL on two GPUs where there are two; `coat train` runs stopped by signals) and by the tests of the
+FP8 weight lifetime."""
 
 from __future__ import annotations
 
 import gc
+import json
 import socket
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +53,15 @@ def live_fp8() -> set:
         ):
             out.add((id(o), tuple(o.shape)))
     return out
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+    """Waits until a running `coat train` process has logged ``step`` in its metrics file."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
+                                    if line.endswith("}")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout}s")

@@ -11,11 +11,11 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from _dist import wait_for_step
 
 from coat.cli import checkpoint as ckpt
 from coat.cli.config import TrainConfig
@@ -134,17 +134,6 @@ def test_steps_can_be_extended_on_resume(tmp_path: Path) -> None:
 # ---- signals and kills ------------------------------------------------------------------------
 
 
-def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        assert proc.poll() is None, "the run ended before it could be stopped"
-        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
-                                    if line.endswith("}")):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} within {timeout}s")
-
-
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_stops_cleanly_and_the_run_resumes_exactly(tmp_path: Path, sig: int, status: int) -> None:
     # Constant lr and no evaluation until the end: the run's steps do not depend on its total,
@@ -153,7 +142,7 @@ def test_signal_stops_cleanly_and_the_run_resumes_exactly(tmp_path: Path, sig: i
     cfg = tiny(tmp_path, "stopped", steps=100000, **kw)
     proc = subprocess.Popen([sys.executable, "-m", "coat", *_argv(cfg)], env=_env(), stderr=subprocess.PIPE,
                             text=True)
-    _wait_for_step(tmp_path / "stopped" / "metrics.jsonl", 3, proc)
+    wait_for_step(tmp_path / "stopped" / "metrics.jsonl", 3, proc, timeout=120)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == status, err
@@ -201,7 +190,7 @@ def test_a_process_killed_while_saving_leaves_the_last_whole_checkpoint(tmp_path
     assert max(json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()) == 4
 
     resumed = train(TrainConfig(resume=str(folder), quiet=True, cache_dir=str(tmp_path / "cache")))
-    straight = train(tiny(tmp_path, "straight", steps=8, save_every=2, eval_every=4))
+    train(tiny(tmp_path, "straight", steps=8, save_every=2, eval_every=4))
     assert resumed["finished"] and records(folder) == records(tmp_path / "straight")
     assert not (folder / "checkpoints" / ".tmp-step_00000004").exists()  # removed by the next save
     assert_same_state(folder / "checkpoints" / "step_00000008", tmp_path / "straight" / "checkpoints" / "step_00000008")

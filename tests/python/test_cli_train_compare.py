@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
+from _dist import wait_for_step
 
 from coat.cli import checkpoint as ckpt
 from coat.cli.compare import comparison_table
@@ -62,17 +62,6 @@ def test_each_side_of_a_comparison_resolves_to_its_recipe() -> None:
     assert resolve_config(side) == side  # a resolved side resolves to itself
 
 
-def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        assert proc.poll() is None, "the run ended before it could be stopped"
-        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
-                                    if line.endswith("}")):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} within {timeout}s")
-
-
 def test_compare_is_stopped_by_ctrl_c_and_resumed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     top = tmp_path / "cmp"
     argv = ["train", "--device", "cpu", "--model", "tiny", "--steps", "100000", "--batch-size", "4", "--seq-len", "32",
@@ -81,7 +70,7 @@ def test_compare_is_stopped_by_ctrl_c_and_resumed(tmp_path: Path, capsys: pytest
             "--out", str(top), "--quiet"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "coat", *argv], env=env, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(top / "bf16" / "metrics.jsonl", 2, proc)
+    wait_for_step(top / "bf16" / "metrics.jsonl", 2, proc, timeout=180)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends; the parent forwards it to the training child
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, err

@@ -318,7 +318,7 @@ def test_refusals_and_remove():
     with pytest.raises(ValueError, match="buckets\\[0\\] holds a int"):
         co.step_in_backward(opt, buckets=[[3]])
 
-    with co.step_in_backward(opt, model) as release:
+    with co.step_in_backward(opt, model):
         with pytest.raises(RuntimeError, match="already has gradient release"):
             co.step_in_backward(opt, model)
         scaler = torch.amp.GradScaler("cpu")
