@@ -143,6 +143,24 @@ def _(parts, scale, fmt, rowmajor, transpose):
     return _new(qs, _U8, parts[0]), _new(ts, _U8, parts[0])
 
 
+@custom_op("coat::transpose_stacked_codes", mutates_args=())
+def transpose_stacked_codes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The transpose [K, R] of stacked FP8 codes cat(parts, 0) (uint8 [rows_i, K] each), read where
+    the parts lie: one pass, no concatenated copy."""
+    _check_stacked(parts, False, True)
+    _, ts = _stacked_shapes(parts, False, True)
+    q_t = _new(ts, _U8, parts[0])
+    with dev_ctx(parts[0]):
+        _C.transpose_stacked_codes(parts, q_t, stream(parts[0]))
+    return q_t
+
+
+@transpose_stacked_codes.register_fake
+def _(parts):
+    _check_stacked(parts, False, True)
+    return _new(_stacked_shapes(parts, False, True)[1], _U8, parts[0])
+
+
 @custom_op("coat::dequantize_per_tensor", mutates_args=())
 def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor, fmt: int, dtype: torch.dtype) -> torch.Tensor:
     y = _new(q.shape, dtype, q)

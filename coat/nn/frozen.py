@@ -55,7 +55,9 @@ def freeze_to_fp8(layers) -> int:
                 q = q.view(ACT_DTYPE)
                 row = 0
                 for b, w in zip(bases, ws):
-                    codes = q[row:row + w.shape[0]].clone()  # each projection owns its codes
+                    # Each projection's codes are a view of the group's one buffer, so the fused
+                    # forward GEMM reads the group where it lies (``group_codes``: no copy).
+                    codes = q[row:row + w.shape[0]]
                     row += w.shape[0]
                     freed += w.numel() * w.element_size() - codes.numel()
                     b.weight = nn.Parameter(codes, requires_grad=False)
@@ -73,13 +75,33 @@ def dequantize_frozen(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
     return model
 
 
+def _adjacent(weights) -> bool:
+    """Whether the codes lie back to back in one storage (as ``freeze_to_fp8`` stores a group)."""
+    w0 = weights[0]
+    if not all(w.is_contiguous() and w.dim() == 2 and w.shape[1] == w0.shape[1] for w in weights):
+        return False
+    storage = w0.untyped_storage().data_ptr()
+    end = w0.data_ptr() + w0.numel()
+    for w in weights[1:]:
+        if w.untyped_storage().data_ptr() != storage or w.data_ptr() != end:
+            return False
+        end += w.numel()
+    return True
+
+
 def group_codes(weights, scales) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stacked row-major codes of an FP8-frozen group and its (shared) scale."""
-    codes = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
-    return codes, scales[0]
+    """The stacked row-major codes of an FP8-frozen group and its (shared) scale: a view of the
+    group's buffer when its codes lie back to back (no copy), else their concatenation."""
+    if len(weights) == 1:
+        return weights[0], scales[0]
+    if _adjacent(weights):
+        rows = sum(w.shape[0] for w in weights)
+        return weights[0].as_strided((rows, weights[0].shape[1]), (weights[0].shape[1], 1)), scales[0]
+    return torch.cat(weights, 0), scales[0]
 
 
 def group_codes_t(weights) -> torch.Tensor:
-    """The stacked codes transposed [K, N], for the input-gradient GEMM."""
-    codes = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
-    return codes.view(torch.uint8).t().contiguous().view(codes.dtype)
+    """The stacked codes transposed [K, N], for the input-gradient GEMM: one pass of a tiled
+    transpose kernel over the parts where they lie."""
+    parts = [w.contiguous().view(torch.uint8) for w in weights]
+    return qops.transpose_stacked_codes(parts).view(weights[0].dtype)

@@ -164,6 +164,45 @@ void quantize_stacked_py(const std::vector<Array>& parts_, std::optional<Array> 
     ref::quantize_stacked(x, fmt, sc, am, so, qd, qtd);
 }
 
+// parts: 1..4 row blocks [rows_i, cols] of FP8 codes (uint8 views); q_t: [cols, sum rows_i].
+void transpose_stacked_codes_py(const std::vector<Array>& parts_, MutArray q_t_, uintptr_t stream) {
+  static const char* kNames[kMaxStackParts] = {"parts[0]", "parts[1]", "parts[2]", "parts[3]"};
+  COAT_CHECK_ARG(!parts_.empty() && parts_.size() <= static_cast<size_t>(kMaxStackParts),
+                 "parts must hold 1 to " + std::to_string(kMaxStackParts) + " tensors, got " +
+                     std::to_string(parts_.size()));
+  StackedRows x;
+  std::vector<View> views;
+  views.reserve(parts_.size() + 1);
+  int64_t rows = 0;
+  for (size_t i = 0; i < parts_.size(); ++i) {
+    views.push_back(view_of(parts_[i], kNames[i]));
+    const View& p = views.back();
+    COAT_CHECK_ARG(p.shape.size() == 2, std::string(p.name) + " must be 2-D, got shape " + shape_str(p.shape));
+    expect_kind(p, Kind::kUInt8);
+    if (i == 0) x.cols = p.shape[1];
+    COAT_CHECK_ARG(p.shape[1] == x.cols, std::string(p.name) + " has " + std::to_string(p.shape[1]) +
+                                             " columns but parts[0] has " + std::to_string(x.cols));
+    x.data[i] = p.data;
+    x.rows[i] = p.shape[0];
+    rows += p.shape[0];
+  }
+  x.count = static_cast<int>(parts_.size());
+  views.push_back(view_of(q_t_, "q_t"));
+  const View& q_t = views.back();
+  expect_kind(q_t, Kind::kUInt8);
+  COAT_CHECK_ARG(q_t.shape.size() == 2 && q_t.shape[0] == x.cols && q_t.shape[1] == rows,
+                 "q_t must have shape [" + std::to_string(x.cols) + ", " + std::to_string(rows) + "], got " +
+                     shape_str(q_t.shape));
+  std::vector<const View*> all;
+  for (const View& v : views) all.push_back(&v);
+  auto* qt = static_cast<uint8_t*>(q_t.data);
+  for (const View* v : all) same_device({all[0], v});
+  if (all[0]->cuda)
+    COAT_GPU_CALL(transpose_stacked_codes(x, qt, stream_of(stream)));
+  else
+    ref::transpose_stacked_codes(x, qt);
+}
+
 void check_group_args(const View& x, const View& scales, int group, ScaleKind kind) {
   COAT_CHECK_ARG(group == 16 || group == 32 || group == 64 || group == 128,
                  "group_size must be 16, 32, 64 or 128, got " + std::to_string(group));
@@ -265,6 +304,7 @@ void register_quantize(nb::module_& m) {
   m.def("quantize_stacked", &quantize_stacked_py, arg("parts"), arg("scale").none(),
         arg("amax").none(), arg("scale_out").none(), arg("q").none(), arg("q_t").none(),
         arg("fmt"), arg("stream"));
+  m.def("transpose_stacked_codes", &transpose_stacked_codes_py, arg("parts"), arg("q_t"), arg("stream"));
   m.def("dequantize_per_tensor", &dequantize_per_tensor_py, arg("q"), arg("scale"), arg("y"),
         arg("fmt"), arg("stream"));
   m.def("quantize_per_group", &quantize_per_group_py, arg("x"), arg("scales"), arg("q"),

@@ -190,6 +190,46 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
   }
 }
 
+// Byte transpose of stacked codes, tiled as quantize_tensor_t_kernel: one 256-thread block per 64x64
+// tile; each thread loads 16 bytes of one row (its part looked up per row, so tiles may straddle
+// parts) into a shared tile and writes 16 consecutive bytes of one q_t row. Partial or misaligned
+// tiles take a per-element path. Bytes: n read, n written.
+__global__ void __launch_bounds__(256) transpose_codes_kernel(Stack<uint8_t> x, int64_t rows, int64_t cols,
+                                                              bool vec, uint8_t* __restrict__ q_t) {
+  __shared__ __align__(16) uint8_t tile[kTile][kTile + 16];
+  const int64_t tiles_c = ceil_div(cols, kTile);
+  const int64_t tiles = ceil_div(rows, kTile) * tiles_c;
+  const int tid = threadIdx.x;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_c) * kTile, c0 = (t % tiles_c) * kTile;
+    if (vec && r0 + kTile <= rows && c0 + kTile <= cols) {
+      const int rr = tid >> 2, cc = (tid & 3) * 16;
+      *reinterpret_cast<uint4*>(&tile[rr][cc]) = *reinterpret_cast<const uint4*>(x.row(r0 + rr) + c0 + cc);
+      __syncthreads();
+      const int oc = tid >> 2, orr = (tid & 3) * 16;
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        w[j] = tile[orr + 4 * j][oc] | (tile[orr + 4 * j + 1][oc] << 8) | (tile[orr + 4 * j + 2][oc] << 16) |
+               (static_cast<uint32_t>(tile[orr + 4 * j + 3][oc]) << 24);
+      *reinterpret_cast<uint4*>(q_t + (c0 + oc) * rows + r0 + orr) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      for (int i = tid; i < kTile * kTile; i += blockDim.x) {
+        const int rr = i / kTile, cc = i % kTile;
+        const int64_t r = r0 + rr, c = c0 + cc;
+        if (r < rows && c < cols) tile[rr][cc] = x.row(r)[c];
+      }
+      __syncthreads();
+      for (int i = tid; i < kTile * kTile; i += blockDim.x) {
+        const int cc = i / kTile, rr = i % kTile;
+        const int64_t r = r0 + rr, c = c0 + cc;
+        if (r < rows && c < cols) q_t[c * rows + r] = tile[rr][cc];
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // Per-group quantize, G/8 consecutive lanes per group, 8 elements per lane, four 16-byte loads in
 // flight per lane; the group's amax is a shuffle reduction over those lanes. Whole warps iterate
 // together so shuffles never miss a lane.
@@ -446,6 +486,18 @@ void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, f
     using T = std::remove_pointer_t<decltype(tag)>;
     launch_quantize_stacked<T>(x, rows, fmt, scale, amax, scale_out, q, q_t, stream);
   });
+}
+
+void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t, cudaStream_t stream) {
+  const int64_t rows = detail::check_stacked_codes(x, q_t);
+  if (rows * x.cols == 0) return;
+  bool vec = false;
+  const Stack<uint8_t> s = stack_of<uint8_t>(x, &vec);
+  // Whole 16-byte row segments and q_t rows: every part starts 16-byte aligned and holds whole rows.
+  vec = vec && cuda::aligned(q_t, 16) && x.cols % 16 == 0 && rows % 16 == 0;
+  const int64_t tiles = ceil_div(rows, kTile) * ceil_div(x.cols, kTile);
+  transpose_codes_kernel<<<grid_for(tiles, 1, 8), kThreads, 0, stream>>>(s, rows, x.cols, vec, q_t);
+  COAT_CHECK_LAUNCH();
 }
 
 void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t cols, Fp8Format fmt,

@@ -53,6 +53,22 @@ inline int64_t check_stacked(const StackedRows& x, const float* scale, const flo
   return rows;
 }
 
+// Checks stacked codes for transpose_stacked_codes; returns the row count.
+inline int64_t check_stacked_codes(const StackedRows& x, const uint8_t* q_t) {
+  COAT_CHECK_ARG(x.count >= 1 && x.count <= kMaxStackParts,
+                 "a stacked matrix has 1 to " + std::to_string(kMaxStackParts) + " parts, got " +
+                     std::to_string(x.count));
+  COAT_CHECK_ARG(x.cols >= 0, "cols must be >= 0, got " + std::to_string(x.cols));
+  int64_t rows = 0;
+  for (int i = 0; i < x.count; ++i) {
+    COAT_CHECK_ARG(x.rows[i] >= 0, "part " + std::to_string(i) + " has a negative row count");
+    check_ptr(x.data[i], x.rows[i] * x.cols, "part data");
+    rows += x.rows[i];
+  }
+  check_ptr(q_t, rows * x.cols, "q_t");
+  return rows;
+}
+
 inline StackedRows one_part(const void* x, DType dtype, int64_t rows, int64_t cols) {
   StackedRows s;
   s.data[0] = x;

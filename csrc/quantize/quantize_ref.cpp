@@ -65,6 +65,17 @@ void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, f
   });
 }
 
+void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t) {
+  const int64_t rows = detail::check_stacked_codes(x, q_t);
+  int64_t r0 = 0;
+  for (int p = 0; p < x.count; ++p) {
+    const auto* xp = static_cast<const uint8_t*>(x.data[p]);
+    for (int64_t r = 0; r < x.rows[p]; ++r)
+      for (int64_t c = 0; c < x.cols; ++c) q_t[c * rows + r0 + r] = xp[r * x.cols + c];
+    r0 += x.rows[p];
+  }
+}
+
 void quantize_per_tensor(const void* x, DType x_dtype, int64_t rows, int64_t cols, Fp8Format fmt,
                          const float* scale, uint8_t* q, uint8_t* q_t) {
   detail::check_shape(rows, cols);

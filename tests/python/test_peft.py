@@ -216,6 +216,28 @@ def test_frozen_fp8_leaves_trainable_groups_alone_and_dequantizes(gen):
         assert torch.equal(m(input_ids=ids).logits, before)
 
 
+def test_frozen_group_codes_are_read_where_they_lie(gen):
+    from coat.nn import frozen
+
+    m = coat.convert(_lora(_base()), frozen_weights="fp8")
+    attn = m.base_model.model.model.layers[0].self_attn
+    ws = [getattr(attn, n).base_layer.weight for n in ("q_proj", "k_proj", "v_proj")]
+    scales = [getattr(attn, n).base_layer.weight_scale for n in ("q_proj", "k_proj", "v_proj")]
+    codes, _ = frozen.group_codes(ws, scales)
+    # One buffer per group: the fused GEMM's operand is a view of it, not a concatenated copy.
+    assert codes.data_ptr() == ws[0].data_ptr() and torch.equal(codes.view(torch.uint8),
+                                                                torch.cat(ws).view(torch.uint8))
+    assert torch.equal(frozen.group_codes_t(ws).view(torch.uint8), torch.cat(ws).view(torch.uint8).t())
+    ids = torch.randint(0, V, (2, 7), generator=gen)
+    with torch.no_grad():
+        before = m(input_ids=ids).logits
+        # A weight replaced by an equal tensor of its own: no longer adjacent, concatenated instead.
+        k = attn.k_proj.base_layer
+        k.weight = torch.nn.Parameter(k.weight.clone(), requires_grad=False)
+        assert frozen.group_codes([ws[0], k.weight, ws[2]], scales)[0].data_ptr() != ws[0].data_ptr()
+        assert torch.equal(m(input_ids=ids).logits, before)
+
+
 def test_frozen_layers_save_no_weight_gradient_inputs(gen):
     def saved_bytes(m):
         total = []

@@ -253,3 +253,43 @@ def test_inplace_edit_between_forward_and_backward_is_an_error(gen):
 def test_recipe_rejects_bad_weight_cache():
     with pytest.raises(ValueError, match="weight_cache must be True or False"):
         Fp8Recipe(weight_cache="yes")
+
+
+# ---- FP8-frozen groups: the input-gradient layout by one transpose pass -------------------------------------
+
+
+def _codes(rows, cols, gen, device="cpu"):
+    return [torch.randint(0, 256, (r, cols), generator=gen, dtype=torch.uint8).to(device) for r in rows]
+
+
+@pytest.mark.parametrize("rows,cols", [((48, 16, 16), 48), ((7, 1, 5), 33), ((0, 9), 5), ((3,), 1),
+                                       ((2, 2, 2, 2), 17), ((64, 128), 192), ((130, 66, 64), 80)])
+def test_transpose_stacked_codes_is_the_transposed_concatenation(rows, cols, gen):
+    parts = _codes(rows, cols, gen)
+    assert torch.equal(Q.transpose_stacked_codes(parts), torch.cat(parts).t())
+
+
+def test_transpose_stacked_codes_bad_inputs(gen):
+    a = _codes((4,), 8, gen)[0]
+    with pytest.raises(ValueError, match="at least one"):
+        Q.transpose_stacked_codes([])
+    with pytest.raises(ValueError, match=r"parts\[1\] must be 2-D with parts\[0\]'s 8 columns"):
+        Q.transpose_stacked_codes([a, a[:, :4].contiguous()])
+    with pytest.raises(ValueError, match="1 to 4 tensors"):
+        Q.transpose_stacked_codes([a] * 5)
+    with pytest.raises(ValueError, match=r"parts\[0\] must be uint8"):
+        Q.transpose_stacked_codes([a.float()])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols", [((4096, 1024, 1024), 4096), ((11008,), 4096), ((4096,), 11008),
+                                       ((7, 1, 5), 33), ((80, 48), 64), ((130, 66, 64), 80), ((16, 16), 4096)])
+def test_transpose_stacked_codes_gpu_equals_cpu(rows, cols, gen):
+    parts = _codes(rows, cols, gen)
+    want = Q.transpose_stacked_codes(parts)
+    assert torch.equal(Q.transpose_stacked_codes([p.cuda() for p in parts]).cpu(), want)
+    # A part off the 16-byte grid takes the per-element path: same bytes.
+    flat = torch.empty(parts[0].numel() + 1, dtype=torch.uint8, device="cuda")
+    flat[1:] = parts[0].cuda().flatten()
+    odd = [flat[1:].view(parts[0].shape)] + [p.cuda() for p in parts[1:]]
+    assert torch.equal(Q.transpose_stacked_codes(odd).cpu(), want)

@@ -62,6 +62,11 @@ struct StackedRows {
 void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
                       float* scale_out, uint8_t* q, uint8_t* q_t, cudaStream_t stream);
 
+// The transpose q_t [cols, R] of stacked FP8 codes X [R, cols] (x.dtype is ignored: the parts
+// hold one-byte codes), reading each part where it lies: the input-gradient GEMM's layout of an
+// FP8-frozen projection group, made in one pass (no concatenated copy, no strided byte copy).
+void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t, cudaStream_t stream);
+
 // y[i] = q[i] * scale[0], written as out_dtype (rounded to nearest even).
 void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
                            DType out_dtype, cudaStream_t stream);
@@ -106,6 +111,7 @@ void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_
                               Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t);
 void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
                            DType out_dtype);
+void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t);
 void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
                       float* scale_out, uint8_t* q, uint8_t* q_t);
 void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols, int group,
