@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -134,81 +135,114 @@ def _plain_adapter(mod: nn.Module):
     return lora_a.weight, lora_b.weight, float(mod.scaling[a])
 
 
+@functools.cache
+def _mm_out_dtype_ok(device_type: str) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for low-precision inputs here
+    (CUDA in torch >= 2.9): asked once per device type."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result: one GEMM with fp32 accumulation and no rounding of the product
+    to a's dtype (the adapters' gradients are fp32 parameters' gradients)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if _mm_out_dtype_ok(a.device.type):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 class _LoraGroupFn(torch.autograd.Function):
-    """The adapters of a projection group on one input: delta_i = (x A_i^T) B_i^T s_i, computed in
-    the adapters' dtype as PEFT does, returned as one [.., sum N_i] tensor (zeros where a projection
-    has no adapter). Saves x once for the whole group (PEFT's modules each save their own copy of x
-    cast to the adapter dtype: three fp32 copies for q/k/v) and the small [M, r] products."""
+    """The plain LoRA adapters of a projection group added IN PLACE to the group's fused FP8 output
+    ``out`` [.., sum N_i]: out[:, cols_i] += (x (s_i A_i)^T) B_i^T.
+
+    All adapters of the group share one input GEMM: u = x A_s^T with A_s = [s_1 A_1; s_2 A_2; ..]
+    ([sum r_i, K]), then one rank-r GEMM per adapter accumulates into its own columns of ``out``
+    (no delta tensor, no concatenation, no separate add). The GEMMs run in ``out``'s dtype (BF16
+    in mixed precision) with fp32 accumulation; A and B are rounded to it once per call. PEFT
+    computes the adapters of a BF16 model in fp32 (its adapters are fp32 parameters): the
+    difference is the BF16 rounding of x A^T and of the adapter weights, far inside the FP8
+    tolerance of the base GEMM beside them (tested against PEFT's own modules). Gradients of the
+    adapters come out in fp32 from fp32-accumulated GEMMs.
+
+    Saved: x (once for the whole group; PEFT's modules each save their own fp32 copy of it), the
+    small [M, sum r_i] product u, and the rounded adapter weights."""
 
     @staticmethod
-    def forward(ctx, x, meta, *ab):
-        widths, scalings, present = meta
-        x2 = x.reshape(-1, x.shape[-1])
-        outs, us, k = [], [], 0
-        for w, s, has in zip(widths, scalings, present):
-            if not has:
-                outs.append(None)
-                continue
-            a, b = ab[2 * k], ab[2 * k + 1]
-            k += 1
-            u = x2.to(a.dtype) @ a.t()
-            outs.append((u @ b.t()) * s)
-            us.append(u)
-        dt = next(o.dtype for o in outs if o is not None)
-        full = torch.cat([o if o is not None else x2.new_zeros(x2.shape[0], w, dtype=dt)
-                          for o, w in zip(outs, widths)], -1)
-        ctx.save_for_backward(x, *us, *ab)
+    def forward(ctx, x, out, meta, *ab):
+        cols, scalings = meta  # per adapter: (first, last) column of out; its scaling
+        dt = out.dtype
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).to(dt)
+        o2 = out.view(-1, out.shape[-1])
+        a_s = torch.cat([ab[2 * i] * s for i, s in enumerate(scalings)]).to(dt)
+        u = x2 @ a_s.t()
+        bs, r0 = [], 0
+        for i, (c0, c1) in enumerate(cols):
+            b = ab[2 * i + 1].to(dt)
+            r = b.shape[1]
+            o2[:, c0:c1].addmm_(u[:, r0:r0 + r], b.t())
+            bs.append(b)
+            r0 += r
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(x2, u, a_s, *bs)
         ctx.meta = meta
-        return full.reshape(*x.shape[:-1], full.shape[-1])
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return out
 
     @staticmethod
-    def backward(ctx, dfull):
-        widths, scalings, present = ctx.meta
-        n = sum(present)
-        x, us, ab = ctx.saved_tensors[0], ctx.saved_tensors[1:1 + n], ctx.saved_tensors[1 + n:]
-        x2 = x.reshape(-1, x.shape[-1])
-        d2 = dfull.reshape(-1, dfull.shape[-1])
-        dx = None
-        grads = []
-        col, k = 0, 0
-        for w, s, has in zip(widths, scalings, present):
-            if has:
-                a, b = ab[2 * k], ab[2 * k + 1]
-                u = us[k]
-                k += 1
-                dd = d2[:, col:col + w].to(b.dtype) * s
-                db = dd.t() @ u
-                du = dd @ b
-                xa = x2.to(a.dtype)
-                da = du.t() @ xa
-                dxi = du @ a
-                dx = dxi if dx is None else dx + dxi
-                grads += [da if ctx.needs_input_grad[2 + 2 * (k - 1)] else None,
-                          db if ctx.needs_input_grad[3 + 2 * (k - 1)] else None]
-            col += w
-        if dx is not None and ctx.needs_input_grad[0]:
-            dx = dx.to(x.dtype).reshape(x.shape)
-        else:
-            dx = None
-        return (dx, None, *grads)
+    @once_differentiable
+    def backward(ctx, dout):
+        cols, scalings = ctx.meta
+        x2, u, a_s, *bs = ctx.saved_tensors
+        d2 = dout.reshape(-1, dout.shape[-1]).to(u.dtype)
+        grads, dus, r0 = [], [], 0
+        for i, ((c0, c1), b) in enumerate(zip(cols, bs)):
+            r = b.shape[1]
+            dd = d2[:, c0:c1]
+            dus.append(dd @ b)
+            want_b = ctx.needs_input_grad[4 + 2 * i]
+            grads.append(_mm_f32(dd.t(), u[:, r0:r0 + r]) if want_b else None)  # dB_i = dd_i^T u_i
+            r0 += r
+        du = dus[0] if len(dus) == 1 else torch.cat(dus, 1)
+        d_as = _mm_f32(du.t(), x2) if any(ctx.needs_input_grad[3::2]) else None  # d(A_s) = du^T x
+        out_grads, r0 = [], 0
+        for i, s in enumerate(scalings):
+            r = bs[i].shape[1]
+            a_grad = d_as[r0:r0 + r] * s if ctx.needs_input_grad[3 + 2 * i] else None
+            out_grads += [a_grad, grads[i]]
+            r0 += r
+        dx = (du @ a_s).to(ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return (dx, dout, None, *out_grads)
 
 
 def add_deltas(out: torch.Tensor, mods, names, x: torch.Tensor) -> torch.Tensor:
-    """``out`` (the fused FP8 output of ``mods``, columns in their order) plus their adapters'
-    outputs on input ``x``; projections without an active adapter contribute nothing."""
+    """``out`` (the fused FP8 output of ``mods`` as [tokens, sum N_i], columns in their order: the
+    ``flat`` output of ``norm_linear``) plus their adapters' outputs on input ``x`` [..., K],
+    shaped [..., sum N_i]; projections without an active adapter contribute nothing. Plain
+    adapters add into ``out`` in place (``_LoraGroupFn``)."""
+    shape = (*x.shape[:-1], out.shape[-1])
     active = [has_delta(m) for m in mods]
     if not any(active):  # the common case (no adapters): nothing else to look at
-        return out
+        return out.view(shape)
     for m, n in zip(mods, names):
         check_adapters(m, n)
     widths = [base_linear(m, n).out_features for m, n in zip(mods, names)]
     plain = [_plain_adapter(m) for m in mods]
     if all(p is not None or not act for p, act in zip(plain, active)):  # the grouped path
-        present = tuple(p is not None for p in plain)
-        ab = [t for p in plain if p is not None for t in p[:2]]
-        scalings = tuple(p[2] if p is not None else 0.0 for p in plain)
-        delta = _LoraGroupFn.apply(x, (tuple(widths), scalings, present), *ab)
-        return out + delta.to(out.dtype)
+        cols, ab, scalings, c0 = [], [], [], 0
+        for p, w in zip(plain, widths):
+            if p is not None:
+                cols.append((c0, c0 + w))
+                ab += [p[0], p[1]]
+                scalings.append(p[2])
+            c0 += w
+        return _LoraGroupFn.apply(x, out, (tuple(cols), tuple(scalings)), *ab).view(shape)
+    out = out.view(shape)
     deltas = [lora_delta(m, x, n) for m, n in zip(mods, names)]
     if all(d is None for d in deltas):
         return out

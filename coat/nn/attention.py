@@ -103,7 +103,7 @@ class Fp8AttentionMixin:
         weights, biases, scales = [b.weight for b in bases], _bias_list(*bases), A.frozen_scales(bases)
         if A.any_delta(projs):  # LoRA: the adapters need the normed input itself (BF16, beside the FP8 GEMM)
             y = rms_norm(hidden_states, nw, eps, recipe) if nw is not None else hidden_states
-            qkv = A.add_deltas(norm_linear(y, None, 0.0, weights, biases, recipe, scales), projs, _QKV, y)
+            qkv = A.add_deltas(norm_linear(y, None, 0.0, weights, biases, recipe, scales, flat=True), projs, _QKV, y)
         else:
             qkv = norm_linear(hidden_states, nw, eps, weights, biases, recipe, scales)
         cos, sin = position_embeddings
@@ -128,5 +128,5 @@ class Fp8AttentionMixin:
         out = out.reshape(*b_s, -1).contiguous()
         base_o = A.base_linear(self.o_proj, "self_attn.o_proj")
         o = norm_linear(out, None, 0.0, [base_o.weight], [base_o.bias] if base_o.bias is not None else [], recipe,
-                        A.frozen_scales((base_o,)))
+                        A.frozen_scales((base_o,)), flat=True)
         return A.add_deltas(o, (self.o_proj,), ("self_attn.o_proj",), out), attn_weights

@@ -50,7 +50,7 @@ def _recompute_bf16_norm(x2: torch.Tensor, norm_w: torch.Tensor, eps: float):
 class _NormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, *params):
-        recipe, eps, n_w, cdt, cache, frozen_scales = meta
+        recipe, eps, n_w, cdt, cache, frozen_scales, flat = meta
         weights, biases = params[:n_w], params[n_w:]
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
@@ -80,7 +80,7 @@ class _NormLinearFn(torch.autograd.Function):
         ctx.meta = (recipe, eps, n_w, cdt, cache, len(saved))
         ctx.bias_meta = tuple((b.shape[0], b.dtype) for b in biases)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if flat else out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dout):
@@ -142,10 +142,12 @@ def norm_linear(
     biases: list[torch.Tensor],
     recipe: Fp8Recipe,
     frozen_scales: list[torch.Tensor] | None = None,
+    flat: bool = False,
 ) -> torch.Tensor:
     """``[rms_norm(x)] @ cat(weights).T + cat(biases)`` with FP8 GEMMs and the memory plan above.
     ``biases`` is empty or has one entry per weight. ``frozen_scales``: the weights are FP8-frozen
-    codes (``frozen.py``) with these scales."""
+    codes (``frozen.py``) with these scales. ``flat``: return the [tokens, N] output itself, not a
+    view of it shaped like x (LoRA adapters then add into it in place)."""
     if biases and len(biases) != len(weights):
         raise ValueError("biases must be empty or one per weight")
     for w in weights:
@@ -154,5 +156,5 @@ def norm_linear(
         if w.dtype != weights[0].dtype:
             raise ValueError(f"fused weights must share one dtype, got {weights[0].dtype} and {w.dtype}")
     cache = frozen_scales is None and W.use_cache(recipe.weight_cache, weights)
-    meta = (recipe, float(eps), len(weights), compute_dtype(x), cache, frozen_scales)
+    meta = (recipe, float(eps), len(weights), compute_dtype(x), cache, frozen_scales, flat)
     return _NormLinearFn.apply(meta, x, norm_weight, *weights, *biases)

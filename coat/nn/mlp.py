@@ -157,13 +157,14 @@ class Fp8SwiGLUMixin:
         gu_w, gu_b, gu_s = [bg.weight, bu.weight], _bias_list(bg, bu), A.frozen_scales((bg, bu))
         if A.any_delta(gate_up):  # LoRA: the adapters need the normed input itself
             y = rms_norm(x, nw, eps, recipe) if nw is not None else x
-            gu = A.add_deltas(norm_linear(y, None, 0.0, gu_w, gu_b, recipe, gu_s), gate_up, _GATE_UP, y)
+            gu = A.add_deltas(norm_linear(y, None, 0.0, gu_w, gu_b, recipe, gu_s, flat=True), gate_up, _GATE_UP, y)
         else:
             gu = norm_linear(x, nw, eps, gu_w, gu_b, recipe, gu_s)
         d_s = A.frozen_scales((bd,))
         if A.has_delta(self.down_proj):
             h = swiglu(gu, recipe)
-            out = norm_linear(h, None, 0.0, [bd.weight], [bd.bias] if bd.bias is not None else [], recipe, d_s)
+            out = norm_linear(h, None, 0.0, [bd.weight], [bd.bias] if bd.bias is not None else [], recipe, d_s,
+                              flat=True)
             return A.add_deltas(out, (self.down_proj,), ("mlp.down_proj",), h)
         return swiglu_down(gu, bd.weight, bd.bias, recipe, None if d_s is None else d_s[0])
 
