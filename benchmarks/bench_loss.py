@@ -8,13 +8,14 @@ Default shape: Llama-3-8B (hidden 4096, vocabulary 128,256) at batch 8 x 2048 to
   before it (hidden states, weights, labels), so it includes the weight gradient (and, for HF, the
   logits, which a training loop holds in the model's output until backward ends);
 - saved: bytes autograd keeps for backward (saved_tensors_hooks, storages counted once, weights
-  excluded);
+  excluded); the fused path saves nothing: from its forward to its backward it holds its finished
+  gradients (dW, dx) instead, which the peak counts;
 - fwd+bwd ms: median of CUDA-event timings after warm-up (eager calls), and the model TFLOP/s
-  this is (6 x tokens x hidden x vocab useful FLOPs; the fused path spends 8, recomputing the
-  logits in backward);
+  this is (6 x tokens x hidden x vocab FLOPs: three GEMMs, on both paths; the fused one computes
+  its gradients in the forward, so its backward is only a scaling);
 - numerics against HF: loss, dX, d(norm weight), dW, as ||a - b|| / ||b||.
-Variants: the fused path at each ``--chunks`` size with BF16 GEMMs, and at the first size with
-FP8 backward GEMMs (``fp8_backward=True``).
+Variants: the fused path at each ``--chunks`` size (MiB of bf16 logits per chunk) with BF16 GEMMs,
+and at the first size with FP8 gradient GEMMs (``fp8_backward=True``).
 
 ``--accuracy``: no timing; the error of an FP8 LM head (per-tensor E4M3 operands, E5M2 logit
 gradient, coat's FP8 GEMM, exact CPU emulation off the GPU) against fp64, beside BF16's, at
@@ -22,7 +23,7 @@ random init and at a trained-like logit distribution (labels drawn from the mode
 loss ~2-3 nats). This is how the fused loss's precision was chosen (BF16; see coat/nn/loss.py).
 
     python benchmarks/bench_loss.py [--batch 8 --seq 2048 --hidden 4096 --vocab 128256]
-        [--chunks 256,1024] [--autocast] [--reps 10] [--out results.json]
+        [--chunks 512,128] [--autocast] [--reps 10] [--out results.json]
     python benchmarks/bench_loss.py --accuracy [--device cpu]     # ~10 s on a CPU
 """
 
@@ -160,7 +161,7 @@ def bench(args):
     _release()
     variants = [(c, False) for c in args.chunks] + [(args.chunks[0], True)]
     for c, fp8 in variants:
-        name = f"coat fused, chunk {c:g} MiB" + (", FP8 backward GEMMs" if fp8 else "")
+        name = f"coat fused, chunk {c:g} MiB" + (", FP8 gradient GEMMs" if fp8 else "")
         r, res = run_variant(name, lambda xi, c=c, fp8=fp8: fused_step(xi, norm, head, labels, c, fp8),
                              x, params, args.autocast, args.reps)
         if results["hf"] is not None:
@@ -263,7 +264,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--init-std", type=float, default=0.02)
-    ap.add_argument("--chunks", default="256,1024", help="comma-separated chunk_mib values of the fused path")
+    ap.add_argument("--chunks", default="512,128", help="comma-separated chunk_mib values of the fused path")
     ap.add_argument("--autocast", action="store_true", help="fp32 weights under bf16 autocast")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--accuracy", action="store_true", help="FP8 vs BF16 LM head error instead of speed/memory")

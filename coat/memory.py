@@ -216,8 +216,8 @@ class Recipe:
     fsdp_reduce_bytes: int = 2  # FSDP2 reduce-scatter dtype
     grad_release: bool = False  # optimizer step inside backward: one layer's gradients at a time
     fused_loss: bool = False  # LM head + cross-entropy chunked over tokens: no full logits
-    # coat/nn/loss.py's default chunk: fp32 logits of one chunk at most this many MiB.
-    loss_chunk_mib: float = 256.0
+    # coat/nn/loss.py's default chunk: compute-dtype (bf16) logits of one chunk at most this many MiB.
+    loss_chunk_mib: float = 512.0
 
     def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None) -> "Recipe":
         """This recipe with gradient release and/or the fused loss switched on or off (named
@@ -311,14 +311,48 @@ def outside_saved(shape: ModelShape, table: str, fused_loss: bool) -> list[tuple
     """(op, bytes per token) saved outside the decoder layers: token ids, final norm, LM head, loss."""
     h, v = shape.hidden, shape.vocab
     resid = "hf-amp" if table == "hf-amp" else "hf-bf16"  # the final norm stays Hugging Face's
-    if fused_loss:  # coat/nn/loss.py: the final norm's input and one fp32 log-sum-exp per token
-        return [("token ids and labels", 16.0), ("final norm input (fused loss)", (4 if resid == "hf-amp" else 2) * h),
-                ("log-sum-exp (fp32, fused loss)", 4.0)]
+    if fused_loss:  # coat/nn/loss.py saves nothing: its gradients, made in its forward, are in loss_transient
+        return [("token ids", 8.0)]
     return [("token ids and labels", 16.0), ("final RMSNorm", _norm(h, 1, resid)), ("LM head input", 2 * h),
             ("cross-entropy log-probabilities (fp32)", 4 * v)]
 
 
 ACTIVATION_TABLES = ("hf-bf16", "hf-amp", "coat")
+
+
+def fused_loss_transient(shape: ModelShape, tokens: int, chunk_mib: float, x_bytes: int, grad_bytes: int,
+                         device: str = "cuda") -> float:
+    """Bytes coat/nn/loss.py holds at the peak of its forward, which also computes its gradients
+    (its backward only scales them), beyond what the layers saved: the final norm's input
+    (``x_bytes`` per element) and the bf16 hidden-state gradient dY throughout, and the largest of
+
+    - a chunk of token rows, beside the bf16 normed hidden states: its bf16 logits (overwritten with their gradient), the torch
+      ``_ce_grad_``'s fp32 working copy of them, and with several chunks the fp32 [vocab, hidden]
+      accumulator of dW (plus, off CUDA's fp32-output GEMM, fp32 operand slices of up to one
+      chunk's bytes); with one chunk, dW's GEMM output (bf16, then cast to ``grad_bytes``);
+    - the accumulator cast to dW's dtype (both alive; none for fp32 gradients: the accumulator
+      is dW);
+    - the final norm's backward on dY beside dW: autograd on Hugging Face's recomputed RMSNorm,
+      with dx, holds 28 bytes x hidden per token for a bf16 input (30 for fp32), measured on the
+      CPU with live-storage tracking.
+    dW and dx outlive the forward; the backward then scales them in place (nothing new). Under
+    autocast the bf16 copy of an fp32 LM head weight is alive too: ``plan`` counts it with the
+    autocast weight copies."""
+    h, v, t = shape.hidden, shape.vocab, tokens
+    head = shape.head_params or shape.embed_params
+    rows = max(1, min(t, int(chunk_mib * MiB) // (2 * v)))
+    rows = rows // 64 * 64 if 64 <= rows < t else rows
+    chunk = 2.0 * rows * v
+    keep = (x_bytes + 2.0) * h * t
+    if t > rows:
+        slices = 0.0 if device == "cuda" else chunk
+        loop = 2.0 * h * t + 4.0 * head + chunk + max(2.0 * chunk, slices)
+        cast = 4.0 * head + (grad_bytes * head if grad_bytes != 4 else 0.0)
+    else:
+        loop = 2.0 * h * t + chunk + max(2.0 * chunk, 2.0 * head + (grad_bytes * head if grad_bytes != 2 else 0.0))
+        cast = 0.0
+    norm = grad_bytes * head + (28.0 if x_bytes == 2 else 30.0) * h * t
+    return keep + max(loop, cast, norm)
 
 
 # ---- the plan ---------------------------------------------------------------------------------------
@@ -390,15 +424,14 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     per_layer = sum(b for _, b in layer_ops) * t
     outside = sum(b for _, b in outside_saved(s, table, rec.fused_loss)) * t
 
-    # Transients at the start of backward, beyond what is saved.
+    # Transients at the start of backward (the fused loss: at the end of its forward), beyond what is saved.
     v = s.vocab
+    head = s.head_params or s.embed_params
     if rec.fused_loss:
-        # coat/nn/loss.py: a chunk's fp32 logits and their working copies (~1.5x the chunk), the
-        # fp32 hidden-state gradient and the recomputed norm output (~10 bytes x hidden per token).
-        loss_tr = 1.5 * min(rec.loss_chunk_mib * MiB, 4.0 * v * t) + 10.0 * s.hidden * t
+        loss_tr = fused_loss_transient(s, t, rec.loss_chunk_mib, 4 if table == "hf-amp" else 2,
+                                       compute if fsdp else rec.grad_bytes, device)
     else:
         loss_tr = 8.0 * v * t  # cross-entropy backward: gradient of the log-probabilities and of the logits (fp32)
-    head = s.head_params or s.embed_params
     head_grad = (compute if fsdp else rec.grad_bytes) * head  # written before the first layer's backward
     h, i = s.hidden, s.intermediate
     if table == "coat":

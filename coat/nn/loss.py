@@ -1,42 +1,54 @@
-"""Fused final RMSNorm + LM head + cross-entropy, chunked so the [tokens, vocab] logits never exist
-whole (neither in the compute dtype nor in fp32).
+"""Fused final RMSNorm + LM head + cross-entropy, chunked over the tokens so the [tokens, vocab]
+logits never exist whole (neither in the compute dtype nor in fp32), with the gradients computed
+in the forward: three [tokens x vocab x hidden] GEMMs in all, as Hugging Face's path does.
 
-Forward: the token rows are processed in chunks of ``chunk_mib`` MiB of fp32 logits; per chunk the
-logits are one GEMM in the compute dtype (BF16 under autocast or for a BF16 model, as Hugging
-Face's ``lm_head`` produces them), upcast to fp32 for a max-shifted log-sum-exp, and only the
-per-token log-sum-exp (4 bytes per token) survives the chunk.
+Forward, when a gradient is wanted: y = RMSNorm(x) (Hugging Face's arithmetic), cast to the
+compute dtype (BF16 under autocast or for a BF16 model, as Hugging Face's ``lm_head`` computes),
+and the denominator (the count of non-ignored positions, or ``num_items_in_batch``) is known
+before the loop, as a device tensor (no host synchronization): ``inv = 1 / denominator``. Then
+per chunk of token rows:
 
-Backward recomputes the logits, chunked over the VOCABULARY: per slice ``W[v0:v1]`` the tile
-[tokens, slice] is recomputed and turned into ``s * (softmax - onehot)`` with the saved
-log-sum-exp (the scale ``s = grad / denominator`` folded into the exponent's shift as ``log|s|``,
-so no separate scaling pass), cast to the compute dtype, and fed to two GEMMs:
+1. ``logits = y[chunk] @ W^T`` in the compute dtype (GEMM 1);
+2. ``_ce_grad_`` turns the chunk into the per-row fp32 log-sum-exp and target logit, and
+   overwrites the logits in place with their gradient ``inv * (softmax - onehot)`` (zero rows for
+   ignored positions), in the compute dtype;
+3. ``dY[chunk] = dlogits @ W`` (GEMM 2): each row is complete after one GEMM, so dY is kept in
+   the compute dtype, like Hugging Face's;
+4. ``dW += dlogits^T @ y[chunk]`` (GEMM 3). With one chunk, dW is that one GEMM in the weight's
+   dtype (one rounding, as Hugging Face's). With several, it accumulates in an fp32 [vocab,
+   hidden] buffer (on CUDA a bf16 x bf16 -> fp32 GEMM where torch has ``addmm(out_dtype=)``; the
+   CPU and older torch multiply fp32 copies, a vocabulary slice at a time), cast once at the end:
+   no rounding to BF16 per chunk.
 
-- ``dW[v0:v1] = dlogits^T @ y``: each slice of the weight gradient is complete after one GEMM over
-  all tokens, so dW is never accumulated across chunks (one rounding to the compute dtype, as in
-  Hugging Face's single GEMM) and no fp32 [vocab, hidden] buffer exists;
-- ``dY += dlogits @ W[v0:v1]``: the hidden-state gradient accumulates over the slices in an fp32
-  [tokens, hidden] buffer.
+After the loop the final norm's backward runs on dY (recomputed with autograd on the saved
+input), and the finished gradients dx, d(norm weight) and dW (already divided by the denominator)
+are kept for backward, which only scales them by the incoming gradient, in place. Without any
+gradient wanted (``torch.no_grad``, evaluation, every input frozen) the forward computes the loss
+alone: one GEMM per chunk, no gradient buffers. Inputs that are frozen get no gradient work (a
+frozen LM head: no dW GEMM; a frozen trunk and norm: no dY GEMM).
 
-Transient memory: a forward chunk is ``chunk_mib`` of fp32 logits plus half that in the compute
-dtype; a backward tile the same, plus [tokens, hidden] tensors (recomputed y, its signed copy,
-the fp32 dY, one GEMM output: about 10 bytes x tokens x hidden) and the weight gradient itself.
-Under autocast the forward also holds the compute-dtype copy of the LM head weight (as Hugging
-Face's autocast does); the backward casts one vocabulary slice at a time.
+Memory, beyond the inputs: the gradients (dW: the weight's size, dx: the input's) live from the
+forward to the backward, as the logits' gradient path would have made them. During the forward:
+dY ([tokens, hidden] in the compute dtype), one chunk of compute-dtype logits (``chunk_mib``),
+and with several chunks the fp32 dW accumulator, 4 bytes x vocab x hidden (2 GiB for Llama-3-8B,
+1 GiB with the BF16 dW beside it while it is cast at the end; for fp32 weights under autocast
+the accumulator is dW itself). The torch implementation of ``_ce_grad_`` adds an fp32 working
+copy of the chunk (twice its bytes in BF16), and the CPU's fp32 dW path up to one chunk's bytes
+more. Under autocast the compute-dtype copy of the LM head weight exists during the forward (as
+in Hugging Face's autocast). Nothing is saved through autograd's saved tensors: never the
+logits, never the hidden states; a second backward through the same graph (``retain_graph``)
+is refused, since the gradients are handed over once.
 
-Saved for backward: the final norm's INPUT in its own dtype (the last decoder layer's output, one
-[tokens, hidden] tensor), the norm and LM head weights (references), the labels and the fp32
-log-sum-exp per token. Never the logits, never the normed hidden states (recomputed: a cheap
-elementwise pass). The norm keeps Hugging Face's LlamaRMSNorm arithmetic, so the loss of an fp32
-model agrees with Hugging Face's to fp32 rounding.
-
-Precision: the LM head GEMMs run in the compute dtype (BF16 in mixed precision) by default.
-Measured against fp64 (``benchmarks/bench_loss.py --accuracy``, 256 tokens, hidden 256, vocab
-8192): per-tensor E4M3 operands in the forward GEMM move the loss by 0.4-0.5 % on trained-like
-logit distributions (1e-5 at random init), past the 0.1 % budget for the loss, where BF16 moves
-it by 0.02 %; so the forward stays BF16. FP8 backward GEMMs (E5M2 dlogits, E4M3 y and W) leave
-the loss untouched and put 5-6 % relative error on dW and dX (BF16: 0.7-0.8 %), within the error
-of the FP8 decoder layers' gradients (7-15 %): ``fp8_backward=True`` turns them on (off by
-default until training runs show the head takes it).
+Precision: the LM head GEMMs run in the compute dtype (BF16 in mixed precision) by default; the
+log-sum-exp, the target logit and softmax minus one-hot in fp32 per chunk, cast once to the
+compute dtype. Measured against fp64 (``benchmarks/bench_loss.py --accuracy``, 256 tokens,
+hidden 256, vocab 8192): per-tensor E4M3 operands in the forward GEMM move the loss by 0.4-0.5 %
+on trained-like logit distributions (1e-5 at random init), past the 0.1 % budget for the loss,
+where BF16 moves it by 0.02 %; so the forward stays BF16. FP8 gradient GEMMs (E5M2 dlogits with
+one scale per chunk, E4M3 y per chunk and W per tensor) leave the loss untouched and put 5-6 %
+relative error on dW and dX (BF16: 0.7-0.8 %), within the error of the FP8 decoder layers'
+gradients (7-15 %): ``fp8_backward=True`` turns them on (off by default until training runs
+show the head takes it).
 
 Semantics are Hugging Face's ``ForCausalLMLoss``: labels are shifted left by one (the last
 position has no target) unless ``shift_labels`` is given, ``ignore_index`` positions contribute
@@ -51,8 +63,6 @@ Face's own path: logits and loss, at its memory cost).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -66,19 +76,22 @@ from .recipe import ACT_DTYPE, GRAD_DTYPE
 
 __all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss", "install_fused_loss", "FusedCausalLMLossMixin"]
 
-#: Default bound on one chunk of fp32 logits. The transient of a chunk is about 1.5x this (the
-#: compute-dtype logits and their fp32 upcast); smaller chunks mean more, smaller GEMMs and more
-#: passes over the fp32 hidden-state gradient in backward.
-DEFAULT_CHUNK_MIB = 256
-_VOCAB_ALIGN = 128  # vocabulary slices in backward: multiples of this (GEMM-friendly widths)
-_ROW_ALIGN = 64  # token rows of a forward chunk: multiples of this
+#: Default bound on one chunk of compute-dtype logits (the tensor the chunk's three GEMMs read or
+#: write; it is overwritten in place with its gradient). 512 MiB is 2048 token rows at Llama-3's
+#: vocabulary of 128,256 in BF16 (8192 rows at 32,000): the dW GEMM of a chunk has K = rows, and
+#: with several chunks it reads and writes the fp32 accumulator (8 bytes per output element), so
+#: it does rows / 4 FLOP per byte of accumulator traffic, above the ~250 FLOP/byte at which an
+#: H100/H200 stops being bandwidth-bound only from ~1000 rows; 2048 leaves a factor of two, and
+#: 16k tokens take 8 chunks. Smaller chunks trade speed for transient memory.
+DEFAULT_CHUNK_MIB = 512
+_ROW_ALIGN = 64  # token rows of a chunk: multiples of this (GEMM-friendly K for the dW GEMM)
 _E4M3 = fmt_id(ACT_DTYPE)
 
 
-def _chunk_rows(total: int, row_len: int, chunk_bytes: int, align: int) -> int:
-    """How many rows of ``row_len`` fp32 elements fit ``chunk_bytes`` (at least one), rounded
-    down to a multiple of ``align`` when that many fit."""
-    rows = chunk_bytes // (4 * max(row_len, 1))
+def _chunk_rows(total: int, row_bytes: int, chunk_bytes: int, align: int) -> int:
+    """How many rows of ``row_bytes`` fit ``chunk_bytes`` (at least one), rounded down to a
+    multiple of ``align`` when that many fit."""
+    rows = chunk_bytes // max(row_bytes, 1)
     if rows >= align:
         rows = rows // align * align
     return max(1, min(rows, total))
@@ -100,108 +113,221 @@ def _check_labels_in_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int
         torch._assert_async(~bad.any(), msg)
 
 
+# ---- the per-chunk cross-entropy ----------------------------------------------------------------
+
+
+def _ce_grad_(logits: torch.Tensor, safe_labels: torch.Tensor, valid: torch.Tensor,
+              inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of one chunk and its gradient, in place. The one contract a fused kernel
+    (``coat._ops``, for CUDA tensors) has to meet to replace this torch implementation:
+
+    - ``logits``: [R, V], contiguous, bfloat16 / float16 / float32 (the compute dtype; float64
+      on the CPU path, worked in fp64); read,
+      then OVERWRITTEN with ``g[r, j] = inv * (softmax(logits[r])[j] - (j == safe_labels[r]))``
+      where ``valid[r]``, and ``0`` in every column where not; the gradient is formed in fp32 and
+      rounded once to ``logits.dtype`` (round to nearest even).
+    - ``safe_labels``: [R] int64 in ``[0, V)`` (ignored rows carry 0: the caller replaced
+      ``ignore_index``). ``valid``: [R] bool, False for ignored rows. ``inv``: 0-dim float32 on the
+      same device, ``1 / denominator`` (inf when the denominator is 0; ignored rows stay 0).
+    - returns ``(lse, target)``, both [R] float32: ``lse[r] = m + log(sum_j exp(logits[r, j] - m))``
+      with ``m`` the row's max, computed from the logits as given (upcast to fp32), and
+      ``target[r] = logits[r, safe_labels[r]]`` upcast; for ignored rows both are computed the same
+      way (the caller masks them).
+    No host synchronization; R may be 1 and V any size (no alignment assumed)."""
+    idx = safe_labels[:, None]
+    target = logits.gather(1, idx).squeeze(1).float()
+    m = logits.amax(1, keepdim=True)
+    # One fp32 working copy (fp64 logits: in place): shifted by the row max (exact in the logits'
+    # dtype), exponentiated, scaled to inv * softmax, the one-hot subtracted, rounded once into the
+    # chunk.
+    work = torch.promote_types(logits.dtype, torch.float32)
+    p = logits.sub_(m) if logits.dtype == work else logits - m.to(work)
+    p.exp_()
+    s = p.sum(1)
+    lse = (m.squeeze(1).to(work) + s.log()).float()
+    p.mul_(torch.where(valid, inv / s, 0.0)[:, None])
+    p.scatter_add_(1, idx, torch.where(valid, -inv, 0.0).to(work)[:, None])
+    if p is not logits:
+        logits.copy_(p)
+    return lse, target
+
+
+def _lse_target(logits: torch.Tensor, safe_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss-only half of ``_ce_grad_`` (no gradient wanted): the same ``(lse, target)``, fp32
+    [R]; ``logits`` is scratch (may be overwritten)."""
+    target = logits.gather(1, safe_labels[:, None]).squeeze(1).float()
+    m = logits.amax(1, keepdim=True)
+    work = torch.promote_types(logits.dtype, torch.float32)
+    e = logits.sub_(m) if logits.dtype == work else logits - m.to(work)
+    return (m.squeeze(1).to(work) + e.exp_().sum(1).log()).float(), target
+
+
+# ---- the weight gradient's fp32 accumulation ----------------------------------------------------
+
+_F32_OUT: dict = {}  # device type -> "addmm" | "mm" | "none": what this torch's out_dtype GEMMs take
+
+
+def _f32_out_mode(device: torch.device) -> str:
+    """Whether this torch multiplies bf16/fp16 into an fp32 output on ``device``, probed once per
+    process: "addmm" (accumulates into fp32: torch >= 2.10 on CUDA), "mm" (fp32 output of a new
+    tensor: torch 2.9 on CUDA), "none" (the CPU, older torch: fp32 copies of the operands)."""
+    key = device.type
+    if key not in _F32_OUT:
+        mode = "none"
+        if key == "cuda":
+            a = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
+            c = torch.zeros(16, 16, dtype=torch.float32, device=device)
+            for name, call in (("addmm", lambda: torch.addmm(c, a, a, out_dtype=torch.float32, out=c)),
+                               ("mm", lambda: torch.mm(a, a, out_dtype=torch.float32))):
+                try:
+                    call()
+                except torch.OutOfMemoryError:
+                    raise
+                except (RuntimeError, TypeError, NotImplementedError):
+                    continue
+                mode = name
+                break
+        _F32_OUT[key] = mode
+    return _F32_OUT[key]
+
+
+def _add_wgrad_(acc: torch.Tensor, dl: torch.Tensor, y: torch.Tensor, slice_bytes: int) -> None:
+    """acc += dl^T @ y: acc [V, H] fp32, dl [R, V] and y [R, H] in the compute dtype; the product
+    is accumulated in fp32, never rounded to the compute dtype. Paths without an fp32-output GEMM
+    go one vocabulary slice at a time, so their fp32 temporaries stay within ``slice_bytes``."""
+    if dl.dtype == torch.float32:
+        acc.addmm_(dl.t(), y)
+        return
+    mode = _f32_out_mode(acc.device)
+    if mode == "addmm":
+        torch.addmm(acc, dl.t(), y, out_dtype=torch.float32, out=acc)
+        return
+    v, r = acc.shape[0], dl.shape[0]
+    # "mm": an fp32 [slice, H] product per slice; "none": an fp32 copy [R, slice] of the slice.
+    cols = _chunk_rows(v, 4 * (acc.shape[1] if mode == "mm" else r), slice_bytes, 128)
+    yf = y if mode == "mm" else y.float()
+    for v0 in range(0, v, cols):
+        if mode == "mm":
+            acc[v0:v0 + cols] += torch.mm(dl[:, v0:v0 + cols].t(), yf, out_dtype=torch.float32)
+        else:
+            acc[v0:v0 + cols].addmm_(dl[:, v0:v0 + cols].float().t(), yf)
+
+
+def _add_wgrad_fp8_(acc: torch.Tensor, dq_t, ds, y_t, ys, slice_bytes: int) -> None:
+    """acc += (dq_t * ds) @ (y_t * ys)^T for FP8 row-major dq_t [V, R] and y_t [H, R]: fp32
+    outputs of one vocabulary slice at a time, within ``slice_bytes``."""
+    v, h = acc.shape
+    cols = _chunk_rows(v, 4 * h, slice_bytes, 128)
+    for v0 in range(0, v, cols):
+        acc[v0:v0 + cols] += mm.fp8_mm(dq_t[v0:v0 + cols], ds, y_t, ys, torch.float32)
+
+
+# ---- the autograd function ----------------------------------------------------------------------
+
+
 class _NormHeadCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, weight, labels, num_items):
-        eps, ignore_index, chunk_bytes, cdt, _ = meta
+        eps, ignore_index, chunk_bytes, cdt, fp8, grad_on = meta
+        # Inside forward grad mode is always off and needs_input_grad ignores an outer no_grad:
+        # the caller's grad mode arrives in meta.
+        need_x, need_nw, need_w = (grad_on and bool(n) for n in ctx.needs_input_grad[1:4])
+        need_dy = need_x or need_nw
         t, v = x.shape[0], weight.shape[0]
-        with _no_autocast(x.device):
-            y = hf_rms_norm(x, norm_w, eps) if norm_w is not None else x
-            yc, wc = y.to(cdt), weight.to(cdt)
-            del y
+        dev = x.device
+        dx = dnw = dw = None
+        with _no_autocast(dev):
+            yc = (hf_rms_norm(x, norm_w, eps) if norm_w is not None else x).to(cdt)
+            wc = weight.to(cdt)
             valid = labels != ignore_index
             safe = torch.where(valid, labels, 0)
-            lse = torch.empty(t, dtype=torch.float32, device=x.device)
-            target = torch.empty(t, dtype=torch.float32, device=x.device)
-            rows = _chunk_rows(t, v, chunk_bytes, _ROW_ALIGN)
+            denom = valid.sum().float() if num_items is None else num_items.to(dev, torch.float32)
+            inv = 1.0 / denom
+            lse = torch.empty(t, dtype=torch.float32, device=dev)
+            target = torch.empty(t, dtype=torch.float32, device=dev)
+            rows = _chunk_rows(t, v * cdt.itemsize, chunk_bytes, _ROW_ALIGN)
+            several = t > rows
+            wdt = wgrad_dtype(weight)
+            acc = None
+            if need_w and several:  # fp32 accumulator; for an fp32 weight it is dW itself
+                acc = torch.zeros(weight.shape, dtype=torch.float32, device=dev)
+            dy = torch.empty(x.shape, dtype=cdt, device=dev) if need_dy else None
+            w_t = w_scale = None
+            if fp8 and need_dy:  # E4M3 W^T [H, V] for every chunk's dY GEMM, made once
+                w_scale = _e4m3_scale(weight)
+                w_t = qops.quantize_stacked([weight.contiguous()], w_scale, _E4M3, False, True)[1].view(ACT_DTYPE)
             for t0 in range(0, t, rows):
                 t1 = min(t0 + rows, t)
                 logits = yc[t0:t1] @ wc.t()  # [rows, V] in the compute dtype, as HF's lm_head
-                target[t0:t1] = logits.gather(1, safe[t0:t1, None]).squeeze(1)
-                m = logits.amax(1, keepdim=True).float()
-                e = logits - m  # fp32 by type promotion: one pass reads the chunk, writes fp32
-                del logits
-                e.exp_()
-                lse[t0:t1] = m.squeeze(1) + e.sum(1).log()
-                del e
-            total = torch.where(valid, lse - target, 0.0).sum()
-            denom = valid.sum().float() if num_items is None else num_items.to(x.device, torch.float32)
-            loss = total / denom
-        ctx.save_for_backward(x, norm_w, weight, labels, lse, denom)
-        ctx.meta = meta
-        return loss
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        eps, ignore_index, chunk_bytes, cdt, fp8 = ctx.meta
-        x, norm_w, weight, labels, lse, denom = ctx.saved_tensors
-        need_x, need_nw, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        need_dy = need_x or need_nw
-        t, v = x.shape[0], weight.shape[0]
-        dx = dnw = dw = None
-        with _no_autocast(x.device):
-            with torch.no_grad():
-                yc = (hf_rms_norm(x, norm_w, eps) if norm_w is not None else x).to(cdt)
-            # s * (softmax - onehot) with s = grad / denom: |s| rides in the exp's shift, its
-            # sign multiplies y (for dW) and the fp32 dY once, so each tile takes one pass.
-            s = grad.float() / denom
-            mag, sign = s.abs(), torch.sign(s)
-            valid = labels != ignore_index
-            shift = torch.where(valid, lse - mag.log(), math.inf)  # ignored rows: exp(-inf) = 0
-            hot = torch.where(valid, -mag, 0.0)
-            safe = torch.where(valid, labels, 0)
-            y_signed = yc * sign.to(cdt) if need_w else None
-            if fp8 and need_w:  # E4M3 y^T for every slice's dW GEMM, made once
-                _, y_t, ys = mm.quantize(y_signed, ACT_DTYPE, True)
-                y_signed = None
-            w_scale = _e4m3_scale(weight) if fp8 and need_dy else None
-            dw = torch.empty_like(weight) if need_w else None
-            dy = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_dy else None
-            cols = _chunk_rows(v, t, chunk_bytes, _VOCAB_ALIGN)
-            for v0 in range(0, v, cols):
-                v1 = min(v0 + cols, v)
-                w_slice = weight[v0:v1]
-                wc = w_slice.to(cdt)  # under autocast: a bf16 copy of this slice only
-                logits = yc @ wc.t()  # [T, slice], recomputed in the compute dtype
-                p = logits - shift[:, None]  # fp32
-                del logits
-                p.exp_()
-                inside = (safe >= v0) & (safe < v1)
-                p.scatter_add_(1, (safe - v0).clamp_(0, v1 - v0 - 1)[:, None],
-                               torch.where(inside, hot, 0.0).to(p.dtype)[:, None])
-                dl = p.to(cdt)
-                del p
+                if not (need_dy or need_w):
+                    lse[t0:t1], target[t0:t1] = _lse_target(logits, safe[t0:t1])
+                    continue
+                lse[t0:t1], target[t0:t1] = _ce_grad_(logits, safe[t0:t1], valid[t0:t1], inv)
+                dl, y_chunk = logits, yc[t0:t1]
                 if not fp8:
-                    if need_w:
-                        dw[v0:v1] = dl.t() @ y_signed
                     if need_dy:
-                        dy += dl @ wc
-                else:  # E5M2 dlogits with one scale per slice, as the FP8 layers quantize dY
+                        torch.mm(dl, wc, out=dy[t0:t1])
+                    if need_w:
+                        if acc is None:
+                            dw = (dl.t() @ y_chunk).to(wdt)
+                        else:
+                            _add_wgrad_(acc, dl, y_chunk, chunk_bytes)
+                else:  # E5M2 dlogits with one scale per chunk, as the FP8 layers quantize dY
                     dq, dq_t, ds = mm.quantize(dl, GRAD_DTYPE, need_w)
-                    if need_w:
-                        dw[v0:v1] = mm.fp8_mm(dq_t, ds, y_t, ys, wgrad_dtype(weight))
                     if need_dy:
-                        w_t = qops.quantize_stacked([w_slice.contiguous()], w_scale, _E4M3, False, True)[1]
-                        dy += mm.fp8_mm(dq, ds, w_t.view(ACT_DTYPE), w_scale, torch.float32)
+                        dy[t0:t1] = mm.fp8_mm(dq, ds, w_t, w_scale, cdt)
+                    if need_w:
+                        _, y_t, ys = mm.quantize(y_chunk, ACT_DTYPE, True)
+                        if acc is None:
+                            dw = mm.fp8_mm(dq_t, ds, y_t, ys, wdt)
+                        else:
+                            _add_wgrad_fp8_(acc, dq_t, ds, y_t, ys, chunk_bytes)
                     del dq, dq_t
-                del dl, wc
-            del yc, y_signed
+                del logits, dl
+            del yc, wc, w_t
+            total = torch.where(valid, lse - target, 0.0).sum()
+            loss = total / denom
+            if need_w:
+                if acc is not None:
+                    dw = acc if acc.dtype == wdt else acc.to(wdt)
+                    del acc
+                elif dw is None:  # no tokens at all
+                    dw = torch.zeros_like(weight, dtype=wdt)
             if need_dy:
-                dy *= sign
                 if norm_w is None:
                     dx = dy.to(x.dtype)
                 else:
-                    with torch.enable_grad():
+                    # The recomputed norm's graph lives only for the next line: identity hooks keep
+                    # it from the caller's saved-tensor hooks (offloading, memory accounting).
+                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                         xr = x.detach().requires_grad_(need_x)
                         wr = norm_w.detach().requires_grad_(need_nw)
                         yr = hf_rms_norm(xr, wr, eps)
                     wanted = [tt for tt, n in ((xr, need_x), (wr, need_nw)) if n]
                     got = list(torch.autograd.grad(yr, wanted, dy.to(yr.dtype)))
-                    del yr, dy
+                    del yr
                     dx = got.pop(0) if need_x else None
                     dnw = got.pop(0) if need_nw else None
-        return None, dx, dnw, dw, None, None
+                del dy
+        # Finished gradients, handed to backward as plain attributes (not saved tensors: they are
+        # no activations, and backward scales them in place and gives them away).
+        ctx.grads = (dx, dnw, dw)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError("fused_lm_head_loss: this loss's backward already ran; its gradients are computed "
+                               "in the forward and handed over once (retain_graph / a second backward through "
+                               "the same loss is not supported: compute the loss again)")
+        ctx.grads = None
+        return (None, *(None if g is None else g.mul_(grad) for g in grads), None, None)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _e4m3_scale(w: torch.Tensor) -> torch.Tensor:
@@ -236,7 +362,11 @@ def fused_lm_head_loss(
     Face does), or None with ``shift_labels`` (already aligned with ``hidden``). Returns the fp32
     scalar loss: the mean over non-ignored positions, or their sum / ``num_items_in_batch``.
     The GEMMs run in the autocast dtype when autocast is on, else in ``hidden``'s dtype;
-    ``fp8_backward`` runs the two backward GEMMs (dX, dW) in FP8 instead (the loss is unchanged).
+    ``fp8_backward`` runs the two gradient GEMMs (dX, dW) in FP8 instead (the loss is unchanged).
+    The gradients are computed in this call when grad mode is on and an input requires them (see
+    the module docstring); under ``torch.no_grad`` only the loss is.
+    ``chunk_mib``: the most MiB of compute-dtype logits one chunk of token rows holds (at least
+    one row); the torch fallback of the per-chunk softmax adds an fp32 working copy of it.
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         got = getattr(hidden, "dtype", type(hidden))
@@ -289,7 +419,8 @@ def fused_lm_head_loss(
     x2 = hidden.reshape(-1, h)
     lab = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     _check_labels_in_range(lab, lab != ignore_index, lm_head_weight.shape[0], ignore_index)
-    meta = (float(eps), ignore_index, int(chunk_mib * 2**20), compute_dtype(hidden), fp8_backward)
+    meta = (float(eps), ignore_index, int(chunk_mib * 2**20), compute_dtype(hidden), fp8_backward,
+            torch.is_grad_enabled())
     return _NormHeadCrossEntropyFn.apply(meta, x2, norm_weight, lm_head_weight, lab, num_items_in_batch)
 
 
@@ -435,7 +566,8 @@ def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB
     ``lm_head``), a custom ``loss_function`` or forward hooks on ``lm_head`` take Hugging Face's
     path, and so does every call after ``model.coat_fused_loss = False``. Installing twice only
     updates the settings.
-    ``fp8_backward``: the LM head's two backward GEMMs in FP8 (see ``fused_lm_head_loss``)."""
+    ``chunk_mib`` and ``fp8_backward``: see ``fused_lm_head_loss`` (the LM head's two gradient GEMMs
+    in FP8)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(chunk_mib, (int, float)) or isinstance(chunk_mib, bool) or not chunk_mib > 0:
