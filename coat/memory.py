@@ -11,8 +11,9 @@ holds, and when (``peak`` = what ``torch.cuda.max_memory_allocated`` reports):
 - between steps (*resident*): weights, master copy, optimizer states;
 - at the start of backward: resident + every saved activation of every layer + what the loss keeps
   (HF's cross-entropy keeps fp32 log-probabilities) + autocast's bf16 weight copies (AMP) + the
-  largest transient of that moment (the loss backward, or the last layer's backward with the LM
-  head's gradient already written);
+  largest transient of that moment (HF's loss backward, or the end of coat's fused loss forward,
+  which computes the loss's gradients, or the last layer's backward with the LM head's gradient
+  already written);
 - at the end of backward / in the optimizer step: resident + every gradient.
 Backward trades saved activations for gradients layer by layer, so memory moves linearly between
 those two ends and the peak is the larger of them (plus the transients above).
