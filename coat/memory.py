@@ -327,8 +327,9 @@ def fused_loss_transient(shape: ModelShape, tokens: int, chunk_mib: float, x_byt
     (its backward only scales them), beyond what the layers saved: the final norm's input
     (``x_bytes`` per element) and the bf16 hidden-state gradient dY throughout, and the largest of
 
-    - a chunk of token rows, beside the bf16 normed hidden states: its bf16 logits (overwritten with their gradient), the torch
-      ``_ce_grad_``'s fp32 working copy of them, and with several chunks the fp32 [vocab, hidden]
+    - a chunk of token rows, beside the bf16 normed hidden states: its bf16 logits (overwritten
+      in place with their gradient by the core's cross-entropy kernel: no working copy), and with
+      several chunks the fp32 [vocab, hidden]
       accumulator of dW (plus, off CUDA's fp32-output GEMM, fp32 operand slices of up to one
       chunk's bytes); with one chunk, dW's GEMM output (bf16, then cast to ``grad_bytes``);
     - the accumulator cast to dW's dtype (both alive; none for fp32 gradients: the accumulator
@@ -347,10 +348,10 @@ def fused_loss_transient(shape: ModelShape, tokens: int, chunk_mib: float, x_byt
     keep = (x_bytes + 2.0) * h * t
     if t > rows:
         slices = 0.0 if device == "cuda" else chunk
-        loop = 2.0 * h * t + 4.0 * head + chunk + max(2.0 * chunk, slices)
+        loop = 2.0 * h * t + 4.0 * head + chunk + slices
         cast = 4.0 * head + (grad_bytes * head if grad_bytes != 4 else 0.0)
     else:
-        loop = 2.0 * h * t + chunk + max(2.0 * chunk, 2.0 * head + (grad_bytes * head if grad_bytes != 2 else 0.0))
+        loop = 2.0 * h * t + chunk + 2.0 * head + (grad_bytes * head if grad_bytes != 2 else 0.0)
         cast = 0.0
     norm = grad_bytes * head + (28.0 if x_bytes == 2 else 30.0) * h * t
     return keep + max(loop, cast, norm)

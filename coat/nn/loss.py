@@ -67,6 +67,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .._ops import loss as lops
 from .._ops import quantize as qops
 from .._ops._util import fmt_id
 from . import _fp8mm as mm
@@ -116,10 +117,12 @@ def _check_labels_in_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int
 # ---- the per-chunk cross-entropy ----------------------------------------------------------------
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _ce_grad_(logits: torch.Tensor, safe_labels: torch.Tensor, valid: torch.Tensor,
               inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of one chunk and its gradient, in place. The one contract a fused kernel
-    (``coat._ops``, for CUDA tensors) has to meet to replace this torch implementation:
+    """Cross-entropy of one chunk and its gradient, in place:
 
     - ``logits``: [R, V], contiguous, bfloat16 / float16 / float32 (the compute dtype; float64
       on the CPU path, worked in fp64); read,
@@ -131,9 +134,15 @@ def _ce_grad_(logits: torch.Tensor, safe_labels: torch.Tensor, valid: torch.Tens
       same device, ``1 / denominator`` (inf when the denominator is 0; ignored rows stay 0).
     - returns ``(lse, target)``, both [R] float32: ``lse[r] = m + log(sum_j exp(logits[r, j] - m))``
       with ``m`` the row's max, computed from the logits as given (upcast to fp32), and
-      ``target[r] = logits[r, safe_labels[r]]`` upcast; for ignored rows both are computed the same
-      way (the caller masks them).
-    No host synchronization; R may be 1 and V any size (no alignment assumed)."""
+      ``target[r] = logits[r, safe_labels[r]]`` upcast (0 for ignored rows: the caller masks them).
+    No host synchronization; R may be 1 and V any size (no alignment assumed).
+
+    fp32/bf16/fp16 run the core's ``cross_entropy_rows`` (``csrc/include/coat/loss.h``: one CUDA
+    kernel that reads the chunk twice and writes it once, or its CPU reference); float64 runs the
+    same arithmetic in torch ops."""
+    if logits.dtype in _KERNEL_DTYPES:  # the core's kernel (CUDA) or its CPU reference
+        return lops.cross_entropy_rows_(logits, torch.where(valid, safe_labels, -1), inv.to(torch.float32))
+    # float64 (CPU models only): the same arithmetic in torch.
     idx = safe_labels[:, None]
     target = logits.gather(1, idx).squeeze(1).float()
     m = logits.amax(1, keepdim=True)
@@ -155,6 +164,8 @@ def _ce_grad_(logits: torch.Tensor, safe_labels: torch.Tensor, valid: torch.Tens
 def _lse_target(logits: torch.Tensor, safe_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss-only half of ``_ce_grad_`` (no gradient wanted): the same ``(lse, target)``, fp32
     [R]; ``logits`` is scratch (may be overwritten)."""
+    if logits.dtype in _KERNEL_DTYPES:
+        return lops.cross_entropy_rows_(logits, safe_labels, None)
     target = logits.gather(1, safe_labels[:, None]).squeeze(1).float()
     m = logits.amax(1, keepdim=True)
     work = torch.promote_types(logits.dtype, torch.float32)

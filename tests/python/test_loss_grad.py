@@ -100,7 +100,7 @@ def test_ce_grad_against_torch(dtype, gen):
         lse, tgt = L._ce_grad_(chunk, safe, valid, inv)
         assert lse.dtype == tgt.dtype == torch.float32 and chunk.dtype == dtype
         assert torch.allclose(lse.double(), lse_ref, rtol=0, atol=1e-5), (r, v)
-        assert torch.equal(tgt.double(), tgt_ref)  # exact: an upcast of the given logit
+        assert torch.equal(tgt.double()[valid], tgt_ref[valid])  # exact: an upcast of the given logit
         assert torch.equal(chunk[~valid], torch.zeros_like(chunk[~valid]))
         # the fp32 gradient (a few fp32 roundings: relative, and absolute inv * 2^-20 where the
         # one-hot cancels softmax ~ 1), rounded once to the logits' dtype (half an ulp relative)
@@ -108,7 +108,7 @@ def test_ce_grad_against_torch(dtype, gen):
         assert torch.allclose(chunk.double(), g_ref, rtol=rtol, atol=inv.item() * 2**-20), (r, v)
         # the loss-only half agrees
         lse2, tgt2 = L._lse_target(logits.clone(), safe)
-        assert torch.equal(lse2, lse) and torch.equal(tgt2, tgt)
+        assert torch.equal(lse2, lse) and torch.equal(tgt2[valid], tgt[valid])
     # no valid row and inv = inf (the mean over nothing): zeros, not NaN
     logits = torch.randn(4, 9, generator=gen)
     L._ce_grad_(logits, torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.bool), torch.tensor(float("inf")))
@@ -193,3 +193,57 @@ def test_gpu_several_chunks_accumulate_in_fp32():
     with torch.no_grad():
         assert torch.equal(fused_lm_head_loss(x, w, None, shift_labels=lab, norm_weight=nw, chunk_mib=8.0),
                            many[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,vocab", [(1, 3), (7, 1001), (33, 130), (64, 32000), (5, 128256), (3, 8)])
+def test_cross_entropy_kernel_gpu_matches_cpu_reference(dtype, rows, vocab, gen):
+    """The CUDA kernel of the core's cross_entropy_rows against its CPU reference: lse to fp32
+    rounding, the target exactly, the gradient within one rounding of its dtype; ignored rows
+    zero; a misaligned chunk (scalar path) gives the same result."""
+    from coat._ops import loss as lops
+
+    x = (torch.randn(rows, vocab, generator=gen) * 6).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    labels[::4] = -1
+    inv = torch.tensor([1 / 7.0])
+    ref = x.clone()
+    lse_c, tgt_c = lops.cross_entropy_rows_(ref, labels, inv)
+    for misaligned in (False, True):
+        if misaligned:
+            flat = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")
+            flat[1:] = x.flatten().cuda()
+            g = flat[1:].view(rows, vocab)
+        else:
+            g = x.cuda()
+        lse, tgt = lops.cross_entropy_rows_(g, labels.cuda(), inv.cuda())
+        assert torch.allclose(lse.cpu(), lse_c, rtol=2e-6, atol=2e-6)
+        assert torch.equal(tgt.cpu(), tgt_c)
+        ulp = {torch.float32: 2**-22, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+        assert torch.allclose(g.cpu().float(), ref.float(), rtol=ulp, atol=inv.item() * 2**-20)
+        assert torch.equal(g[labels.cuda() < 0].cpu(), torch.zeros_like(ref[labels < 0]))
+    # loss only (no inv): the logits stay as they were
+    y = x.cuda()
+    lse2, _ = lops.cross_entropy_rows_(y, labels.cuda(), None)
+    assert torch.equal(y.cpu(), x) and torch.allclose(lse2.cpu(), lse_c, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.gpu
+def test_cross_entropy_kernel_special_values():
+    from coat._ops import loss as lops
+
+    x = torch.zeros(3, 40)
+    x[0, 5] = float("nan")
+    x[1] = float("-inf")
+    x[1, 3] = 2.0  # one finite logit: softmax is one-hot there
+    x[2, 7] = 1e4  # huge logit: no overflow
+    labels = torch.tensor([1, 3, 7])
+    inv = torch.tensor([1.0])
+    ref = x.clone()
+    lse_c, _ = lops.cross_entropy_rows_(ref, labels, inv)
+    g = x.cuda()
+    lse, _ = lops.cross_entropy_rows_(g, labels.cuda(), inv.cuda())
+    assert torch.isnan(lse[0]) and torch.isnan(lse_c[0])
+    assert lse[1].item() == lse_c[1].item() == 2.0 and abs(lse[2].item() - 1e4) < 1e-2
+    assert torch.equal(g[1:].cpu(), ref[1:]) and torch.all(g[1:].abs() <= 1)
