@@ -220,8 +220,10 @@ def test_cross_entropy_kernel_gpu_matches_cpu_reference(dtype, rows, vocab, gen)
         lse, tgt = lops.cross_entropy_rows_(g, labels.cuda(), inv.cuda())
         assert torch.allclose(lse.cpu(), lse_c, rtol=2e-6, atol=2e-6)
         assert torch.equal(tgt.cpu(), tgt_c)
-        ulp = {torch.float32: 2**-22, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
-        assert torch.allclose(g.cpu().float(), ref.float(), rtol=ulp, atol=inv.item() * 2**-20)
+        # exp2 of (x log2 e - lse2): lse2 ~ 20 carries an fp32 ulp of ~2e-6 between host and device
+        # libm, relative in every gradient entry; bf16/fp16 may round the other way once
+        rtol = {torch.float32: 2**-16, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+        assert torch.allclose(g.cpu().float(), ref.float(), rtol=rtol, atol=inv.item() * 2**-20)
         assert torch.equal(g[labels.cuda() < 0].cpu(), torch.zeros_like(ref[labels < 0]))
     # loss only (no inv): the logits stay as they were
     y = x.cuda()
