@@ -244,7 +244,7 @@ def test_clipping_by_previous_norm_and_scheduler(first):
     model = _llama()
     opt = _opt(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    release = co.step_in_backward(opt, model, max_grad_norm=max_norm, first_iteration=first)
+    release = co.step_in_backward(opt, model, max_grad_norm=max_norm, first_iteration=first, norm_estimate="previous")
     got = []
     for ids in batches:
         _loss(model, ids).backward()
@@ -255,6 +255,75 @@ def test_clipping_by_previous_norm_and_scheduler(first):
     assert all(torch.equal(a, b) for a, b in zip(got, norms))  # the norm clip_grad_norm_ computes, exactly
     assert release.stats["skipped_iterations"] == (first == "skip")
     _same(ref, model, ref_opt, opt)
+
+
+def _clipped_reference(batches, max_norm, scale_of):
+    """The ordinary step, clipping iteration t by grad_scale = scale_of(t, current norm, previous norm)."""
+    ref = _llama()
+    opt = _opt(ref)
+    prev, norms = None, []
+    for t, ids in enumerate(batches):
+        _loss(ref, ids).backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for g in opt.param_groups for p in g["params"]])
+        opt.grad_scale = scale_of(t, norm, prev)
+        opt.step()
+        opt.zero_grad()
+        norms.append(norm)
+        prev = norm
+    return ref, norms
+
+
+def test_running_estimate_with_one_bucket_clips_by_the_current_norm():
+    # One bucket: when it launches every gradient of the iteration is in the estimate, so it is the
+    # exact current norm, as clip_grad_norm_ would clip the ordinary step (up to the rounding of the
+    # estimate's sums); iteration 0 has no previous norm and steps unclipped.
+    batches, max_norm = _batches(4), 0.5
+    ref, norms = _clipped_reference(batches, max_norm,
+                                    lambda t, n, prev: None if t == 0 else co.release.clip_scale(n, max_norm))
+    assert all(n > max_norm for n in norms)
+    model = _llama()
+    opt = _opt(model)
+    release = co.step_in_backward(opt, buckets=[model], max_grad_norm=max_norm, first_iteration="unclipped")
+    assert release.norm_estimate == "running"
+    got = []
+    for ids in batches:
+        _loss(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        got.append(release.grad_norm)
+    torch.testing.assert_close(torch.stack(got), torch.stack(norms), rtol=1e-5, atol=0)
+    # The scales agree to fp32 rounding; AdamW maps that to at most a small fraction of one
+    # step (lr = 1e-2) in a few elements.
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-4)
+
+
+def test_running_estimate_clips_a_spike_in_its_own_bucket():
+    # Iteration 1's loss is 1000x iteration 0's. "previous" launches it with iteration 0's scale (the
+    # spike passes nearly unclipped into AdamW's second moment); "running" scales every bucket by
+    # at least that bucket's own norm, and the last bucket by the iteration's exact norm.
+    batches = _batches(2)
+    scales = {}
+    for est in ("running", "previous"):
+        model = _llama()
+        opt = _opt(model)
+        release = co.step_in_backward(opt, model, max_grad_norm=1.0, first_iteration="unclipped", norm_estimate=est)
+        seen = []
+        launch = opt._launch
+        opt._launch = lambda key, items, *rest: (seen.append((rest[-3], [g.norm() for _, _, g, _ in items])),
+                                                 launch(key, items, *rest))[1]
+        for t, ids in enumerate(batches):
+            seen.clear()
+            (_loss(model, ids) * (1000.0 if t else 1.0)).backward()
+            opt.step()
+            opt.zero_grad()
+        scales[est] = (list(seen), release.grad_norm)
+    run, norm1 = scales["running"]
+    for scale, norms in run:  # every bucket's clipped gradients have norm <= max_grad_norm
+        assert float(torch.stack(norms).norm() / scale) <= 1.0 + 1e-5
+    assert abs(float(run[-1][0]) - float(norm1)) <= 1e-5 * float(norm1)  # the last bucket: the exact norm
+    prev = scales["previous"][0]
+    assert all(float(s) < 0.01 * float(norm1) for s, _ in prev)  # iteration 0's scale, far below the spike
 
 
 def test_measured_norm_and_tensor_lr():
@@ -296,6 +365,10 @@ def test_state_dict_resume_is_bit_identical():
         rrelease.load_state_dict({})
     with pytest.raises(ValueError, match="one-element tensor"):
         rrelease.load_state_dict({"grad_norm": torch.ones(2)})
+    with pytest.raises(ValueError, match="param_norms"):
+        rrelease.load_state_dict({"grad_norm": torch.ones(1), "param_norms": torch.ones(2, 2)})
+    with pytest.raises(ValueError, match="norm_estimate"):
+        co.step_in_backward(co.AdamW(resumed.parameters()), resumed, norm_estimate="exact")
 
 
 def test_refusals_and_remove():
