@@ -347,7 +347,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     tokens_per_step = cfg.batch_size * cfg.seq_len * d.world
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: measure the norm, never clip
     release = None
-    if cfg.release_grads:  # each layer stepped inside backward; clipping by the previous step's norm
+    if cfg.release_grads:  # each layer stepped inside backward; clipping by a running norm estimate
         import coat.optim
 
         release = coat.optim.step_in_backward(optimizer, model, max_grad_norm=max_norm)

@@ -300,8 +300,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "base weights only as FP8 codes (1 byte per parameter instead of 2)")
     g.add_argument("--release-grads", action="store_true",
                    help="gradient release (--optim coat): each decoder layer is stepped inside backward and its "
-                        "gradients freed, so a full set of gradients never exists; --grad-clip then clips by the "
-                        "previous step's norm (the first step only measures it)")
+                        "gradients freed, so a full set of gradients never exists; --grad-clip then clips each layer by a "
+                        "running estimate of the step's norm (this step's layers so far + the previous step's for "
+                        "the rest; the first step only measures it)")
 
     g = p.add_argument_group("precision and runtime")
     g.add_argument("--recipe", choices=RECIPES, help="coat (default): FP8 GEMMs and saved activations in the "
