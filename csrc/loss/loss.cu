@@ -34,6 +34,16 @@ __device__ __forceinline__ void merge(Acc& a, float m, float s, bool nan) {
   }
 }
 
+// Every lane of the warp ends with the warp's merged (max, sum, nan).
+__device__ __forceinline__ void warp_merge(Acc& a) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m = __shfl_xor_sync(0xffffffffu, a.m, o), s = __shfl_xor_sync(0xffffffffu, a.s, o);
+    const bool n = __shfl_xor_sync(0xffffffffu, static_cast<int>(a.nan), o) != 0;
+    merge(a, m, s, n);
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void add(Acc& a, const float (&v)[N]) {
   float cm = kNegInf;
@@ -77,12 +87,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(T* logits, int6
       add(a, v);
     }
     // Block reduction of (m, s, nan): warps by shuffles, then warp 0 over the warps' results.
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float m = __shfl_xor_sync(0xffffffffu, a.m, o), s = __shfl_xor_sync(0xffffffffu, a.s, o);
-      const bool n = __shfl_xor_sync(0xffffffffu, static_cast<int>(a.nan), o) != 0;
-      merge(a, m, s, n);
-    }
+    warp_merge(a);
     if (lane == 0) {
       sm_m[warp] = a.m;
       sm_s[warp] = a.s;
@@ -96,12 +101,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(T* logits, int6
         b.s = sm_s[lane];
         b.nan = sm_nan[lane] != 0;
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float m = __shfl_xor_sync(0xffffffffu, b.m, o), s = __shfl_xor_sync(0xffffffffu, b.s, o);
-        const bool n = __shfl_xor_sync(0xffffffffu, static_cast<int>(b.nan), o) != 0;
-        merge(b, m, s, n);
-      }
+      warp_merge(b);
       if (lane == 0) {
         const float lse2 = b.nan ? NAN : b.m + log2f(b.s);
         row_lse2 = lse2;

@@ -133,6 +133,19 @@ __global__ void quantize_tensor_kernel(Stack<T> x, int64_t n, bool vec, Fp8Forma
 // to a shared tile, then writes 16 consecutive bytes of one q_t row. Partial or misaligned tiles
 // take a per-element path. Bytes: n * sizeof(T) read, n (q_t) or 2n (q and q_t) written.
 constexpr int kTile = 64;
+
+// The transpose of a full 64x64 byte tile from shared memory: thread tid writes 16 consecutive bytes
+// of output row tid / 4 (out points at the tile's first byte in q_t, whose rows are ld bytes apart).
+__device__ __forceinline__ void store_tile_t(const uint8_t (&tile)[kTile][kTile + 16], int tid, uint8_t* out,
+                                             int64_t ld) {
+  const int cc = tid >> 2, rr = (tid & 3) * 16;
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = tile[rr + 4 * j][cc] | (tile[rr + 4 * j + 1][cc] << 8) | (tile[rr + 4 * j + 2][cc] << 16) |
+           (static_cast<uint32_t>(tile[rr + 4 * j + 3][cc]) << 24);
+  *reinterpret_cast<uint4*>(out + cc * ld + rr) = make_uint4(w[0], w[1], w[2], w[3]);
+}
 template <typename T>
 __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
     Stack<T> x, int64_t rows, int64_t cols, bool vec, Fp8Format fmt, const float* scale,
@@ -162,13 +175,7 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
         *reinterpret_cast<uint2*>(&tile[rr][cc]) = codes;
       }
       __syncthreads();
-      const int cc = tid >> 2, rr = (tid & 3) * 16;
-      uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        w[j] = tile[rr + 4 * j][cc] | (tile[rr + 4 * j + 1][cc] << 8) |
-               (tile[rr + 4 * j + 2][cc] << 16) | (static_cast<uint32_t>(tile[rr + 4 * j + 3][cc]) << 24);
-      *reinterpret_cast<uint4*>(q_t + (c0 + cc) * rows + r0 + rr) = make_uint4(w[0], w[1], w[2], w[3]);
+      store_tile_t(tile, tid, q_t + c0 * rows + r0, rows);
     } else {
       for (int i = tid; i < kTile * kTile; i += blockDim.x) {
         const int rr = i / kTile, cc = i % kTile;
@@ -206,13 +213,7 @@ __global__ void __launch_bounds__(256) transpose_codes_kernel(Stack<uint8_t> x, 
       const int rr = tid >> 2, cc = (tid & 3) * 16;
       *reinterpret_cast<uint4*>(&tile[rr][cc]) = *reinterpret_cast<const uint4*>(x.row(r0 + rr) + c0 + cc);
       __syncthreads();
-      const int oc = tid >> 2, orr = (tid & 3) * 16;
-      uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        w[j] = tile[orr + 4 * j][oc] | (tile[orr + 4 * j + 1][oc] << 8) | (tile[orr + 4 * j + 2][oc] << 16) |
-               (static_cast<uint32_t>(tile[orr + 4 * j + 3][oc]) << 24);
-      *reinterpret_cast<uint4*>(q_t + (c0 + oc) * rows + r0 + orr) = make_uint4(w[0], w[1], w[2], w[3]);
+      store_tile_t(tile, tid, q_t + c0 * rows + r0, rows);
     } else {
       for (int i = tid; i < kTile * kTile; i += blockDim.x) {
         const int rr = i / kTile, cc = i % kTile;

@@ -32,9 +32,8 @@ inline void check_dre(int64_t n, float log2_range) {
                  "log2_range must be in (0, 64), got " + std::to_string(log2_range));
 }
 
-// Checks a stacked matrix and its outputs before anything is written; returns its row count.
-inline int64_t check_stacked(const StackedRows& x, const float* scale, const float* amax,
-                             const float* scale_out, const uint8_t* q, const uint8_t* q_t) {
+// Checks the parts of a stacked matrix; returns its row count.
+inline int64_t check_stacked_parts(const StackedRows& x) {
   COAT_CHECK_ARG(x.count >= 1 && x.count <= kMaxStackParts,
                  "a stacked matrix has 1 to " + std::to_string(kMaxStackParts) + " parts, got " +
                      std::to_string(x.count));
@@ -45,6 +44,13 @@ inline int64_t check_stacked(const StackedRows& x, const float* scale, const flo
     check_ptr(x.data[i], x.rows[i] * x.cols, "part data");
     rows += x.rows[i];
   }
+  return rows;
+}
+
+// Checks a stacked matrix and its outputs before anything is written; returns its row count.
+inline int64_t check_stacked(const StackedRows& x, const float* scale, const float* amax,
+                             const float* scale_out, const uint8_t* q, const uint8_t* q_t) {
+  const int64_t rows = check_stacked_parts(x);
   COAT_CHECK_ARG(q != nullptr || q_t != nullptr || rows * x.cols == 0, "q and q_t must not both be null");
   if (amax != nullptr)
     COAT_CHECK_ARG(scale_out != nullptr, "scale_out must not be null when amax is computed");
@@ -55,16 +61,7 @@ inline int64_t check_stacked(const StackedRows& x, const float* scale, const flo
 
 // Checks stacked codes for transpose_stacked_codes; returns the row count.
 inline int64_t check_stacked_codes(const StackedRows& x, const uint8_t* q_t) {
-  COAT_CHECK_ARG(x.count >= 1 && x.count <= kMaxStackParts,
-                 "a stacked matrix has 1 to " + std::to_string(kMaxStackParts) + " parts, got " +
-                     std::to_string(x.count));
-  COAT_CHECK_ARG(x.cols >= 0, "cols must be >= 0, got " + std::to_string(x.cols));
-  int64_t rows = 0;
-  for (int i = 0; i < x.count; ++i) {
-    COAT_CHECK_ARG(x.rows[i] >= 0, "part " + std::to_string(i) + " has a negative row count");
-    check_ptr(x.data[i], x.rows[i] * x.cols, "part data");
-    rows += x.rows[i];
-  }
+  const int64_t rows = check_stacked_parts(x);
   check_ptr(q_t, rows * x.cols, "q_t");
   return rows;
 }

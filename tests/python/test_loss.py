@@ -515,16 +515,22 @@ def test_fsdp2_cpu_ranks(tmp_path):
 # ---- GPU -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-def test_gpu_bf16_agrees_and_saves_memory():
-    t, h, v = 4096, 1024, 32000
+def gpu_head_inputs(t: int, h: int, v: int, ignored: slice):
+    """bf16 hidden states, norm weight, LM head weight and labels (``ignored`` set to -100) on CUDA."""
     dev = "cuda"
     g = torch.Generator(dev).manual_seed(0)
     x = torch.randn(t, h, device=dev, generator=g).bfloat16()
     nw = (torch.rand(h, device=dev, generator=g) + 0.5).bfloat16()
     w = (torch.randn(v, h, device=dev, generator=g) * 0.05).bfloat16()
     lab = torch.randint(0, v, (t,), device=dev, generator=g)
-    lab[: t // 8] = -100
+    lab[ignored] = -100
+    return x, nw, w, lab
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_agrees_and_saves_memory():
+    t, h, v = 4096, 1024, 32000
+    x, nw, w, lab = gpu_head_inputs(t, h, v, slice(0, t // 8))
 
     def run(fused, fp8=False):
         xs, nws, ws = (a.clone().requires_grad_() for a in (x, nw, w))

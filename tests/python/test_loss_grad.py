@@ -7,6 +7,7 @@ chunks on CUDA's fp32-output GEMM, BF16 and FP8 gradient GEMMs."""
 import pytest
 import torch
 from _emu import rel
+from test_loss import gpu_head_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from coat.nn import loss as L
@@ -173,13 +174,7 @@ def test_gpu_several_chunks_accumulate_in_fp32():
     torch has, probed once), in bf16 and with FP8 gradient GEMMs; and the no-grad loss is the
     training one."""
     t, h, v = 2048, 512, 50257  # a vocabulary that is no multiple of 16
-    dev = "cuda"
-    g = torch.Generator(dev).manual_seed(0)
-    x = torch.randn(t, h, device=dev, generator=g).bfloat16()
-    nw = (torch.rand(h, device=dev, generator=g) + 0.5).bfloat16()
-    w = (torch.randn(v, h, device=dev, generator=g) * 0.05).bfloat16()
-    lab = torch.randint(0, v, (t,), device=dev, generator=g)
-    lab[::5] = -100
+    x, nw, w, lab = gpu_head_inputs(t, h, v, slice(None, None, 5))
     one_mib = t * v * 2 / 2**20 + 1
     for fp8 in (False, True):
         one = _run_head(x, nw, w, lab, one_mib, fp8_backward=fp8)
