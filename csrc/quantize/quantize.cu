@@ -127,11 +127,7 @@ __global__ void quantize_tensor_kernel(Stack<T> x, int64_t n, bool vec, Fp8Forma
   for (int64_t i = chunks * 8 + tid; i < n; i += stride) q[i] = encode_fp8(Elem<T>::load(*x.elem(i)) * inv, fmt);
 }
 
-// Per-tensor quantize writing q [rows, cols] (if not null) and q_t [cols, rows]. One 256-thread
-// block per 64x64 tile: each thread loads two 8-element chunks (16 B each) of two rows (each row
-// looked up in its own part, so tiles may straddle parts), writes their codes to q (8 B stores) and
-// to a shared tile, then writes 16 consecutive bytes of one q_t row. Partial or misaligned tiles
-// take a per-element path. Bytes: n * sizeof(T) read, n (q_t) or 2n (q and q_t) written.
+// Tiles of the transposing kernels: 64 x 64 bytes of codes in shared memory (rows padded by 16).
 constexpr int kTile = 64;
 
 // The transpose of a full 64x64 byte tile from shared memory: thread tid writes 16 consecutive bytes
@@ -146,6 +142,22 @@ __device__ __forceinline__ void store_tile_t(const uint8_t (&tile)[kTile][kTile 
            (static_cast<uint32_t>(tile[rr + 4 * j + 3][cc]) << 24);
   *reinterpret_cast<uint4*>(out + cc * ld + rr) = make_uint4(w[0], w[1], w[2], w[3]);
 }
+
+// The same for a tile cut by the matrix edges (or misaligned), one byte per thread and step.
+__device__ __forceinline__ void store_tile_t_partial(const uint8_t (&tile)[kTile][kTile + 16], int tid, int64_t r0,
+                                                     int64_t c0, int64_t rows, int64_t cols, uint8_t* q_t) {
+  for (int i = tid; i < kTile * kTile; i += blockDim.x) {
+    const int cc = i / kTile, rr = i % kTile;
+    const int64_t r = r0 + rr, c = c0 + cc;
+    if (r < rows && c < cols) q_t[c * rows + r] = tile[rr][cc];
+  }
+}
+
+// Per-tensor quantize writing q [rows, cols] (if not null) and q_t [cols, rows]. One 256-thread
+// block per 64x64 tile: each thread loads two 8-element chunks (16 B each) of two rows (each row
+// looked up in its own part, so tiles may straddle parts), writes their codes to q (8 B stores) and
+// to a shared tile, then writes 16 consecutive bytes of one q_t row. Partial or misaligned tiles
+// take a per-element path. Bytes: n * sizeof(T) read, n (q_t) or 2n (q and q_t) written.
 template <typename T>
 __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
     Stack<T> x, int64_t rows, int64_t cols, bool vec, Fp8Format fmt, const float* scale,
@@ -187,11 +199,7 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
         }
       }
       __syncthreads();
-      for (int i = tid; i < kTile * kTile; i += blockDim.x) {
-        const int cc = i / kTile, rr = i % kTile;
-        const int64_t r = r0 + rr, c = c0 + cc;
-        if (r < rows && c < cols) q_t[c * rows + r] = tile[rr][cc];
-      }
+      store_tile_t_partial(tile, tid, r0, c0, rows, cols, q_t);
     }
     __syncthreads();
   }
@@ -221,11 +229,7 @@ __global__ void __launch_bounds__(256) transpose_codes_kernel(Stack<uint8_t> x, 
         if (r < rows && c < cols) tile[rr][cc] = x.row(r)[c];
       }
       __syncthreads();
-      for (int i = tid; i < kTile * kTile; i += blockDim.x) {
-        const int cc = i / kTile, rr = i % kTile;
-        const int64_t r = r0 + rr, c = c0 + cc;
-        if (r < rows && c < cols) q_t[c * rows + r] = tile[rr][cc];
-      }
+      store_tile_t_partial(tile, tid, r0, c0, rows, cols, q_t);
     }
     __syncthreads();
   }
