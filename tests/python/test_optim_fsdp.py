@@ -238,6 +238,9 @@ def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype
         params = [p.full_tensor().detach().cpu() for p in model.parameters()]
         if rank == 0:
             torch.save({"state": saved, "params": params}, out)
+        # No rank tears its gloo pairs down while another is still in a collective (a loaded CI
+        # host once aborted a rank here: "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
