@@ -136,11 +136,11 @@ def _plain_adapter(mod: nn.Module):
 
 
 @functools.cache
-def _mm_out_dtype_ok(device_type: str) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for low-precision inputs here
-    (CUDA in torch >= 2.9): asked once per device type."""
+def _mm_out_dtype_ok(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for ``dtype`` inputs here (CUDA
+    in torch >= 2.9): asked once per device type and dtype."""
     try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, TypeError, NotImplementedError):
         return False
@@ -151,7 +151,7 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     to a's dtype (the adapters' gradients are fp32 parameters' gradients)."""
     if a.dtype == torch.float32:
         return a @ b
-    if _mm_out_dtype_ok(a.device.type):
+    if _mm_out_dtype_ok(a.device.type, a.dtype):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
