@@ -12,6 +12,11 @@ Per-channel or 128x128-block scales would need GEMM kernels that scale inside th
 the input gradient (the channel scales of W lie along its reduction dimension there); measured,
 the per-tensor codes stay within the FP8 tolerance stated by the conversion tests.
 
+The codes of a group live in one buffer (each projection's weight a view of its rows), which the
+fused forward GEMM reads as it lies. Moving the model afterwards (``model.to(device)``) gives each
+weight its own storage: still correct, but every forward then concatenates the group; convert
+after moving the model.
+
 A group is stored in FP8 only when every member is frozen (requires_grad False); a group with a
 trainable member stays as it is. The state dict then holds the codes and scales (plain
 transformers cannot load it: save adapters with ``save_pretrained`` of the PEFT model, or call
