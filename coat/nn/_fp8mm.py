@@ -12,6 +12,7 @@ order.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -71,3 +72,37 @@ def fp8_mm(a, sa, b, sb, out_dtype: torch.dtype, fast_accum: bool = False) -> to
         out = out if np_ == n else out[:, :n].contiguous()
         return out if dt == out_dtype else out.to(out_dtype)
     return ((a.float() * sa) @ (b.float() * sb).t()).to(out_dtype)
+
+
+@functools.cache
+def f32_out_gemm(device_type: str, dtype: torch.dtype) -> str:
+    """What this torch offers for ``dtype`` (bf16/fp16) operands with an fp32 result on a device
+    type, probed once: "addmm" (``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)``
+    accumulates into fp32: CUDA, torch >= 2.10), "mm" (``torch.mm(a, b, out_dtype=torch.float32)``:
+    CUDA, torch 2.9) or "none" (the CPU, older torch: callers upcast the operands). A probe that
+    raises means the form is not there; that is the answer, not an error."""
+    if device_type != "cuda":
+        return "none"
+    a = torch.zeros(16, 16, dtype=dtype, device=device_type)
+    c = torch.zeros(16, 16, dtype=torch.float32, device=device_type)
+    for name, call in (("addmm", lambda: torch.addmm(c, a, a, out_dtype=torch.float32, out=c)),
+                       ("mm", lambda: torch.mm(a, a, out_dtype=torch.float32))):
+        try:
+            call()
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, NotImplementedError):
+            continue
+        return name
+    return "none"
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result: for bf16/fp16 operands one GEMM with fp32 accumulation whose
+    product is never rounded to their dtype (upcast operands where torch has no such GEMM)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if f32_out_gemm(a.device.type, a.dtype) != "none":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ._fp8mm import mm_f32
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -135,27 +137,6 @@ def _plain_adapter(mod: nn.Module):
     return lora_a.weight, lora_b.weight, float(mod.scaling[a])
 
 
-@functools.cache
-def _mm_out_dtype_ok(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for ``dtype`` inputs here (CUDA
-    in torch >= 2.9): asked once per device type and dtype."""
-    try:
-        a = torch.ones(2, 2, dtype=dtype, device=device_type)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result: one GEMM with fp32 accumulation and no rounding of the product
-    to a's dtype (the adapters' gradients are fp32 parameters' gradients)."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if _mm_out_dtype_ok(a.device.type, a.dtype):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
 class _LoraGroupFn(torch.autograd.Function):
     """The plain LoRA adapters of a projection group added IN PLACE to the group's fused FP8 output
     ``out`` [.., sum N_i]: out[:, cols_i] += (x (s_i A_i)^T) B_i^T.
@@ -206,10 +187,10 @@ class _LoraGroupFn(torch.autograd.Function):
             dd = d2[:, c0:c1]
             dus.append(dd @ b)
             want_b = ctx.needs_input_grad[4 + 2 * i]
-            grads.append(_mm_f32(dd.t(), u[:, r0:r0 + r]) if want_b else None)  # dB_i = dd_i^T u_i
+            grads.append(mm_f32(dd.t(), u[:, r0:r0 + r]) if want_b else None)  # dB_i = dd_i^T u_i
             r0 += r
         du = dus[0] if len(dus) == 1 else torch.cat(dus, 1)
-        d_as = _mm_f32(du.t(), x2) if any(ctx.needs_input_grad[3::2]) else None  # d(A_s) = du^T x
+        d_as = mm_f32(du.t(), x2) if any(ctx.needs_input_grad[3::2]) else None  # d(A_s) = du^T x
         out_grads, r0 = [], 0
         for i, s in enumerate(scalings):
             r = bs[i].shape[1]

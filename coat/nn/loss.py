@@ -175,32 +175,6 @@ def _lse_target(logits: torch.Tensor, safe_labels: torch.Tensor) -> tuple[torch.
 
 # ---- the weight gradient's fp32 accumulation ----------------------------------------------------
 
-_F32_OUT: dict = {}  # device type -> "addmm" | "mm" | "none": what this torch's out_dtype GEMMs take
-
-
-def _f32_out_mode(device: torch.device) -> str:
-    """Whether this torch multiplies bf16/fp16 into an fp32 output on ``device``, probed once per
-    process: "addmm" (accumulates into fp32: torch >= 2.10 on CUDA), "mm" (fp32 output of a new
-    tensor: torch 2.9 on CUDA), "none" (the CPU, older torch: fp32 copies of the operands)."""
-    key = device.type
-    if key not in _F32_OUT:
-        mode = "none"
-        if key == "cuda":
-            a = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
-            c = torch.zeros(16, 16, dtype=torch.float32, device=device)
-            for name, call in (("addmm", lambda: torch.addmm(c, a, a, out_dtype=torch.float32, out=c)),
-                               ("mm", lambda: torch.mm(a, a, out_dtype=torch.float32))):
-                try:
-                    call()
-                except torch.OutOfMemoryError:
-                    raise
-                except (RuntimeError, TypeError, NotImplementedError):
-                    continue
-                mode = name
-                break
-        _F32_OUT[key] = mode
-    return _F32_OUT[key]
-
 
 def _add_wgrad_(acc: torch.Tensor, dl: torch.Tensor, y: torch.Tensor, slice_bytes: int) -> None:
     """acc += dl^T @ y: acc [V, H] fp32, dl [R, V] and y [R, H] in the compute dtype; the product
@@ -209,7 +183,7 @@ def _add_wgrad_(acc: torch.Tensor, dl: torch.Tensor, y: torch.Tensor, slice_byte
     if dl.dtype == torch.float32:
         acc.addmm_(dl.t(), y)
         return
-    mode = _f32_out_mode(acc.device)
+    mode = mm.f32_out_gemm(acc.device.type, dl.dtype)
     if mode == "addmm":
         torch.addmm(acc, dl.t(), y, out_dtype=torch.float32, out=acc)
         return

@@ -383,11 +383,14 @@ class GradRelease:
         (and, as clip_grad_norm_ does, the buckets after it); the last bucket of a backward clips
         by the exact norm of the iteration."""
         dev = self._prev_total_sq.device
-        zero = torch.zeros((), dtype=torch.float32, device=dev)
         cur = torch.stack([n.to(dev) for _, n in fresh]).square().sum()
-        prev = torch.stack([self._prev_norms.get(i, zero).to(dev) for i, _ in fresh]).square().sum()
         self._done_cur_sq = cur if self._done_cur_sq is None else self._done_cur_sq + cur
-        self._done_prev_sq = prev if self._done_prev_sq is None else self._done_prev_sq + prev
+        known = [self._prev_norms[i].to(dev) for i, _ in fresh if i in self._prev_norms]
+        if known:  # parameters without a previous norm (new in this iteration) add nothing to P
+            prev = torch.stack(known).square().sum()
+            self._done_prev_sq = prev if self._done_prev_sq is None else self._done_prev_sq + prev
+        if self._done_prev_sq is None:
+            self._done_prev_sq = torch.zeros((), dtype=torch.float32, device=dev)
         # The parameters still to come: their previous squared norms, scaled by how this iteration's
         # released gradients compare with the same parameters' previous ones (norms drift together:
         # early in training they fall by ~10% per step, and an unscaled previous norm over-clips).
