@@ -3,10 +3,11 @@
 from . import _C, functional
 from .convert import convert
 from .fp8.tensor import DreTensor, Fp8Tensor
+from .graphs import CudaGraphStep
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "functional", "Fp8Tensor", "DreTensor", "built_with_cuda", "__version__"]
+__all__ = ["convert", "CudaGraphStep", "functional", "Fp8Tensor", "DreTensor", "built_with_cuda", "__version__"]
 
 
 def built_with_cuda() -> bool:

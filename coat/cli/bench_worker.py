@@ -65,9 +65,16 @@ class Setup:
     needs: tuple[str, ...] = ()  # modules that must import; else the setup is skipped
     cuda_only: bool = False
     fsdp: bool = True  # runs under --fsdp
+    graphed: bool = False  # the step is a coat.CudaGraphStep (its capture is part of the peak)
 
 
-def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast) -> StepFn:
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast, graphed: bool = False) -> StepFn:
+    if graphed:  # warm-up eager steps, then the captured step (coat.CudaGraphStep), in the bench's warm-up
+        import coat
+
+        graph = coat.CudaGraphStep(model, opt, warmup_steps=1)
+        return lambda ids: graph(input_ids=ids, labels=ids, use_cache=False)
+
     def step(ids: torch.Tensor) -> None:
         with autocast:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -107,9 +114,10 @@ def _prep_bf16(model, ctx):
     return _train_step(model, _torch_adamw(model, ctx), nullcontext())
 
 
-def _prep_coat(master: str, release: bool = False, fused_loss: bool = True):
+def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, graphed: bool = False):
     # coat.convert's defaults (FP8 layers, fused LM head + loss); ``release``: the optimizer steps
-    # inside backward (coat.optim.step_in_backward); ``fused_loss=False``: Hugging Face's loss path.
+    # inside backward (coat.optim.step_in_backward); ``fused_loss=False``: Hugging Face's loss path;
+    # ``graphed``: the step replayed from CUDA graphs (coat.CudaGraphStep).
     def prepare(model, ctx):
         import coat
         import coat.optim
@@ -120,7 +128,7 @@ def _prep_coat(master: str, release: bool = False, fused_loss: bool = True):
         opt = coat.optim.AdamW(model.parameters(), lr=ctx.lr, master_weights=master)
         if release:
             coat.optim.step_in_backward(opt, model)
-        return _train_step(model, opt, nullcontext())
+        return _train_step(model, opt, nullcontext(), graphed)
 
     return prepare
 
@@ -149,7 +157,7 @@ def _prep_torchao(model, ctx):
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _prep_lora(on_coat: bool):
+def _prep_lora(on_coat: bool, graphed: bool = False):
     # Issue 17: rank-16 LoRA on every linear layer of the decoder (PEFT's defaults otherwise), the
     # base frozen; torch fused AdamW over the adapters. coat: FP8 GEMMs with the frozen base kept
     # only in FP8 (coat.convert(..., frozen_weights="fp8")), adapters in BF16 beside them.
@@ -163,8 +171,9 @@ def _prep_lora(on_coat: bool):
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
         if on_coat:
             coat.convert(model, recipe="coat", frozen_weights="fp8")
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ctx.lr, fused=True)
-        return _train_step(model, opt, nullcontext())
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ctx.lr, fused=True,
+                                capturable=graphed)
+        return _train_step(model, opt, nullcontext(), graphed)
 
     return prepare
 
@@ -181,6 +190,8 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           "coat+release", torch.bfloat16, _prep_coat("fp32", release=True)),
     Setup("coat-lean-release", "coat-lean with the optimizer step inside backward", "coat-lean+release",
           torch.bfloat16, _prep_coat("bf16_sr", release=True)),
+    Setup("coat-lean-graph", "coat-lean, the step replayed from CUDA graphs (coat.CudaGraphStep)", "coat-lean",
+          torch.bfloat16, _prep_coat("bf16_sr", graphed=True), cuda_only=True, fsdp=False, graphed=True),
     Setup("coat-lean-hfloss", "coat-lean with Hugging Face's loss path (convert(fused_loss=False))",
           "coat-lean+hf-loss", torch.bfloat16, _prep_coat("bf16_sr", fused_loss=False)),
     Setup("torchao", "peer: torchao float8 training + per-layer torch.compile + AdamW8bit(bf16_stochastic_round)",
@@ -189,6 +200,8 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           torch.bfloat16, _prep_lora(False), needs=("peft",), fsdp=False),
     Setup("lora-coat", "coat.convert + PEFT LoRA r=16 on all decoder linears, base frozen in FP8, torch fused AdamW",
           None, torch.bfloat16, _prep_lora(True), needs=("peft",), fsdp=False),
+    Setup("lora-coat-graph", "lora-coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", None,
+          torch.bfloat16, _prep_lora(True, graphed=True), needs=("peft",), cuda_only=True, fsdp=False, graphed=True),
 )}
 
 
@@ -277,8 +290,11 @@ def _sync(dev: torch.device) -> None:
 
 
 def measure(step: StepFn, ids: torch.Tensor, warmup: int, steps: int, dev: torch.device,
-            model: torch.nn.Module, deadline: float | None = None, track_cpu: bool = True) -> dict[str, Any]:
-    """Warm-up, then timed steps; memory as described in the module docstring. ``track_cpu=False``
+            model: torch.nn.Module, deadline: float | None = None, track_cpu: bool = True,
+            graphed: bool = False) -> dict[str, Any]:
+    """Warm-up, then timed steps; memory as described in the module docstring. ``graphed``: the
+    warm-up captures CUDA graphs, whose replays allocate nothing, so the peak is not reset after it
+    (it then covers the eager warm-up steps and the capture). ``track_cpu=False``
     (FSDP2 on CPU ranks: it frees gathered weights by resizing storages, which no op reports) leaves
     the CPU memory figures out."""
     out: dict[str, Any] = {}
@@ -296,10 +312,13 @@ def measure(step: StepFn, ids: torch.Tensor, warmup: int, steps: int, dev: torch
         out["peak_gib"] = tracker.peak / GiB
         out["resident_gib"] = tracker.current / GiB
     else:
+        _sync(dev)
+        torch.cuda.reset_peak_memory_stats(dev)  # not the model's build and conversion
         for _ in range(warmup):
             step(ids)
         _sync(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        if not graphed:
+            torch.cuda.reset_peak_memory_stats(dev)
     out["warmup_s"] = time.perf_counter() - t0
     if dev.type == "cuda":
         out.update(_measure_cuda(step, ids, steps, dev, deadline))
@@ -352,6 +371,7 @@ def _measure_cuda(step: StepFn, ids: torch.Tensor, steps: int, dev: torch.device
     total = events[0].elapsed_time(events[-1])
     med = statistics.median(gpu)
     out.update(peak_gib=torch.cuda.max_memory_allocated(dev) / GiB, resident_gib=torch.cuda.memory_allocated(dev) / GiB,
+               reserved_gib=torch.cuda.max_memory_reserved(dev) / GiB,
                step_ms=med, step_ms_all=[round(x, 3) for x in gpu], spread=(max(gpu) - min(gpu)) / med,
                host_ms=statistics.median(host), cpu_ms=statistics.median(cpu),
                tokens_per_s=ids.numel() * len(gpu) / total * 1e3, timed_steps=len(gpu))
@@ -412,7 +432,8 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         g = torch.Generator(device=dev).manual_seed(1234 + rank)
         ids = torch.randint(0, shape.vocab, (cfg["batch"], cfg["seq"]), device=dev, generator=g)
         phase = "steps"
-        res.update(measure(step, ids, cfg["warmup"], cfg["steps"], dev, model, cfg.get("deadline"), track_cpu=not fsdp))
+        res.update(measure(step, ids, cfg["warmup"], cfg["steps"], dev, model, cfg.get("deadline"), track_cpu=not fsdp,
+                           graphed=setup.graphed))
         res["status"] = "ok"
         if fsdp:  # every rank's peak, so rank 0 alone can report the group
             import torch.distributed as dist

@@ -1,0 +1,248 @@
+"""A whole training step (forward, backward, optimizer step) replayed from CUDA graphs.
+
+Why: at small batches an eager step is host-bound. A Llama-2-7B step at batch 1 issues a few
+thousand kernels; Python, autograd and the dispatcher spend about as long issuing them as the GPU
+spends running them (benchmarks/RESULTS.md). Captured once, the step is two graph launches.
+
+    step = coat.CudaGraphStep(model, optimizer)   # loss: model(**batch).loss
+    for batch in loader:
+        loss = step(**batch)                      # one optimizer step
+
+What a call does, eager or replayed: the gradients start fresh (as after
+``zero_grad(set_to_none=True)``), ``loss_fn(model, **batch)`` runs forward, ``loss.backward()``,
+optionally ``clip_grad_norm_(max_grad_norm)``, then ``optimizer.step()``; ``.grad`` holds this
+step's gradients afterwards and the returned loss is a tensor of its own. On CUDA the first
+``warmup_steps`` calls run eagerly on a side stream (they create optimizer states, cuBLAS plans and
+every lazily made buffer); the next call captures the forward + backward and the optimizer step as
+two graphs and runs them; later calls copy the batch into the captured inputs and replay. On the
+CPU every call runs eagerly, with the same checks.
+
+What the replay cannot see, and what is done about it (a stale graph would train silently wrong):
+- Batch shapes, dtypes and devices, and non-tensor arguments, are fixed by the first call; another
+  one raises ``ValueError`` naming the argument (pad batches to one shape).
+- A parameter or buffer given new storage (``p.data = t``, ``model.to(...)``), a changed
+  ``requires_grad`` or ``model.train()``/``eval()`` state: the step is captured again.
+- Changed float hyperparameters (an LR scheduler writing ``group["lr"]``): the optimizer graph is
+  captured again (cheap). An ``lr`` tensor changed in place needs no capture.
+- In-place edits of parameters (``load_state_dict``, ``with torch.no_grad(): p.mul_(...)``) are
+  read by the replay as by an eager step.
+
+Refused: coat's gradient release (its optimizer runs in Python hooks inside backward), FSDP2
+(DTensor) parameters, and torch optimizers built without ``capturable=True``. Gradient
+accumulation is not a graph step: each call is one optimizer step. The graphs' memory pool holds
+the step's activations between calls (their peak, as the eager step's allocator cache would).
+Use ``torch.autocast(..., cache_enabled=False)`` inside ``loss_fn`` if it autocasts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["CudaGraphStep"]
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def _hf_loss(model: nn.Module, **batch: Any) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {str(v.dtype).replace('torch.', '')} tensor of shape {list(v.shape)} on {v.device}"
+    return repr(v)
+
+
+class CudaGraphStep:
+    """One training step per call, replayed from CUDA graphs after ``warmup_steps`` eager calls.
+
+    Args:
+        model: the module ``loss_fn`` trains.
+        optimizer: its optimizer (``coat.optim.AdamW``, or a torch optimizer with
+            ``capturable=True``).
+        loss_fn: ``loss_fn(model, **batch)`` -> a scalar loss; default ``model(**batch).loss``
+            (Hugging Face models given ``labels``).
+        warmup_steps: eager steps before the capture (>= 1).
+        max_grad_norm: clip the gradients' total norm to this before the step (None: no clipping).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Optional[LossFn] = None, *,
+                 warmup_steps: int = 3, max_grad_norm: Optional[float] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(model, **batch)")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an int >= 1 (eager steps create the optimizer states and "
+                             f"cuBLAS plans a capture needs), got {warmup_steps!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if getattr(optimizer, "_release", None) is not None:
+            raise ValueError("CudaGraphStep: the optimizer steps inside backward (coat.optim.step_in_backward), "
+                             "through Python hooks a graph cannot replay; use an ordinary optimizer step")
+        if any(_is_dtensor(p) for p in model.parameters()):
+            raise ValueError("CudaGraphStep: model has DTensor parameters (FSDP2); their all-gathers and "
+                             "hooks are not captured: run the step eagerly")
+        if type(optimizer).__module__.startswith("torch.optim"):
+            for i, g in enumerate(optimizer.param_groups):
+                if "capturable" in g and not g["capturable"]:
+                    raise ValueError(f"CudaGraphStep: optimizer.param_groups[{i}] has capturable=False; build "
+                                     f"{type(optimizer).__name__}(..., capturable=True) so its step runs in a graph")
+        self.model, self.optimizer = model, optimizer
+        self.loss_fn = loss_fn or _hf_loss
+        self.warmup_steps, self.max_grad_norm = warmup_steps, max_grad_norm
+        self.calls = 0  #: steps taken through this object
+        self.captures = 0  #: how often the forward + backward was captured (diagnostics, tests)
+        self._signature: Optional[list] = None
+        self._static: dict[str, Any] = {}
+        self._fwd: Optional[torch.cuda.CUDAGraph] = None
+        self._opt: Optional[torch.cuda.CUDAGraph] = None
+        self._loss: Optional[torch.Tensor] = None
+        self._grads: list = []
+        self._model_key: Any = None
+        self._hyper_key: Any = None
+        self._side: Optional[torch.cuda.Stream] = None
+
+    # ---- what a capture depends on ----------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _model_state(self) -> tuple:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return (self.model.training, tuple((t.data_ptr(), t.requires_grad) for t in tensors))
+
+    def _hyper_state(self) -> list:
+        return [[(k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor)]
+                for g in self.optimizer.param_groups]
+
+    def _check_batch(self, batch: dict[str, Any]) -> None:
+        sig = sorted((k, (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else ("value", v))
+                     for k, v in batch.items())
+        if self._signature is None:
+            dev = next(iter(self.model.parameters()), None)
+            for k, v in batch.items():
+                if isinstance(v, torch.Tensor) and dev is not None and v.device != dev.device:
+                    raise ValueError(f"{k} is on {v.device} but the model is on {dev.device}; move the batch there")
+            self._signature = sig
+            return
+        if sig == self._signature:
+            return
+        old, new = dict(self._signature), dict(sig)
+        for k in sorted(set(old) | set(new)):
+            if old.get(k) != new.get(k):
+                was = "absent" if k not in old else _describe_sig(old[k])
+                now = "absent" if k not in new else _describe(batch[k])
+                raise ValueError(f"CudaGraphStep: {k} is {now}, but the step was built for {was}; a CUDA graph "
+                                 "replays fixed shapes and arguments (pad batches to one shape, or use one "
+                                 "CudaGraphStep per shape)")
+
+    # ---- eager and captured steps -----------------------------------------------------------
+
+    def _forward_backward(self, batch: dict[str, Any]) -> torch.Tensor:
+        loss = self.loss_fn(self.model, **batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
+        loss.backward()
+        if self.max_grad_norm is not None:
+            params = [p for p in self._params() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=params[0].is_cuda if params else None)
+        return loss.detach()
+
+    def _eager(self, batch: dict[str, Any]) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._forward_backward(batch)
+        self.optimizer.step()
+        return loss
+
+    def _capture(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Captures forward + backward and the optimizer step, and takes this call's step with them."""
+        self._fwd = self._opt = self._loss = None
+        self._grads = []
+        self.optimizer.zero_grad(set_to_none=True)
+        self._static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the eager steps' cached blocks go back, for the graphs' own pool
+        fwd = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(fwd):
+                loss = self._forward_backward(self._static)
+        except Exception as e:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError(f"CudaGraphStep: capturing forward + backward failed ({e}); something in the step "
+                               "synchronizes with the host or allocates host memory: run it eagerly") from e
+        self._fwd, self._loss = fwd, loss
+        self._grads = [(p, p.grad) for p in self._params() if p.grad is not None]
+        fwd.replay()  # this call's gradients
+        self.optimizer.step()  # eagerly: every lazily made buffer of the step now exists
+        self._capture_optimizer()
+        self._model_key = self._model_state()
+        self.captures += 1
+        return loss.clone()
+
+    def _capture_optimizer(self) -> None:
+        assert self._fwd is not None
+        self._opt = None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._fwd.pool()):
+                self.optimizer.step()
+        except Exception as e:
+            raise RuntimeError(f"CudaGraphStep: capturing {type(self.optimizer).__name__}.step() failed ({e}); "
+                               "run the step eagerly") from e
+        self._opt = graph
+        self._hyper_key = self._hyper_state()
+
+    def _replay(self, batch: dict[str, Any]) -> torch.Tensor:
+        if self._fwd is None or self._model_state() != self._model_key:
+            return self._capture(batch)
+        if self._hyper_state() != self._hyper_key:
+            self._capture_optimizer()
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor):
+                self._static[k].copy_(v)
+        self._fwd.replay()
+        self._opt.replay()
+        for p, g in self._grads:  # a zero_grad() between calls must not orphan the captured buffers
+            if p.grad is not g:
+                p.grad = g
+        return self._loss.clone()
+
+    def __call__(self, **batch: Any) -> torch.Tensor:
+        """One optimizer step on ``batch`` (keyword arguments of ``loss_fn``); returns the loss."""
+        self._check_batch(batch)
+        p = next(iter(self.model.parameters()), None)
+        if p is None or not p.is_cuda:
+            loss = self._eager(batch)
+        elif self.calls < self.warmup_steps:
+            # On a side stream, as torch.cuda.graph's documentation asks of warm-up iterations.
+            if self._side is None:
+                self._side = torch.cuda.Stream(p.device)
+            self._side.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(self._side):
+                loss = self._eager(batch)
+            torch.cuda.current_stream(p.device).wait_stream(self._side)
+        else:
+            loss = self._replay(batch)
+        self.calls += 1
+        return loss
+
+
+def _describe_sig(entry: tuple) -> str:
+    if entry and entry[0] == "value":
+        return repr(entry[1])
+    shape, dtype, device = entry
+    return f"a {str(dtype).replace('torch.', '')} tensor of shape {list(shape)} on {device}"

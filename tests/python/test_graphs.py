@@ -1,0 +1,196 @@
+"""coat.CudaGraphStep: a replayed step trains exactly as the eager step (coat's AdamW, LoRA on a
+frozen FP8 base with torch's capturable AdamW), and whatever a replay cannot see is caught: new
+batch shapes (an error), new parameter storage and model mode (a new capture), changed float
+hyperparameters (the optimizer graph captured again), a zero_grad between calls. On the CPU the
+same object runs eager steps with the same checks."""
+
+import pytest
+import torch
+import transformers as tf
+
+import coat
+import coat.optim
+
+V = 256
+peft = pytest.importorskip("peft")
+
+
+def _model(device, seed=0):
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"  # deterministic backward (SDPA's kernels may use atomics)
+    return tf.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+
+
+def _batches(device, n, shape=(2, 32)):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, V, shape, generator=g).to(device) for _ in range(n)]
+
+
+def _eager_run(model, opt, batches, sched=None):
+    losses = []
+    for ids in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.detach().float().item())
+    return losses
+
+
+def _graph_run(model, opt, batches, sched=None, **kw):
+    step = coat.CudaGraphStep(model, opt, **kw)
+    losses = []
+    for ids in batches:
+        losses.append(step(input_ids=ids, labels=ids, use_cache=False).float().item())
+        if sched is not None:
+            sched.step()
+    return step, losses
+
+
+def _coat_pair(device):
+    a, b = coat.convert(_model(device)), coat.convert(_model(device))
+    oa = coat.optim.AdamW(a.parameters(), lr=1e-3, master_weights="bf16_sr")
+    ob = coat.optim.AdamW(b.parameters(), lr=1e-3, master_weights="bf16_sr")
+    return a, oa, b, ob
+
+
+def _same_params(a, b):
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+# ---- on the GPU: replay == eager ------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_graph_step_equals_eager_coat_optimizer():
+    a, oa, b, ob = _coat_pair("cuda")
+    batches = _batches("cuda", 6)
+    ref = _eager_run(a, oa, batches)
+    step, got = _graph_run(b, ob, batches, warmup_steps=2)
+    assert step.captures == 1
+    assert got == ref
+    _same_params(a, b)
+    # .grad holds the last step's gradients, as after an eager step without zero_grad
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.gpu
+def test_graph_step_equals_eager_lora_on_frozen_fp8():
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def build():
+        m = coat.convert(_model("cuda"))
+        torch.manual_seed(3)
+        m = peft.get_peft_model(m, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets,
+                                                   init_lora_weights=False))
+        m = coat.convert(m, frozen_weights="fp8")
+        return m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, fused=True,
+                                    capturable=True)
+
+    (a, oa), (b, ob) = build(), build()
+    batches = _batches("cuda", 5)
+    ref = _eager_run(a, oa, batches)
+    _, got = _graph_run(b, ob, batches, warmup_steps=1)
+    assert got == ref
+    _same_params(a, b)
+
+
+@pytest.mark.gpu
+def test_graph_step_follows_lr_scheduler_and_new_parameter_storage():
+    a, oa, b, ob = _coat_pair("cuda")
+    sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=0.5)
+    sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=0.5)
+    batches = _batches("cuda", 5)
+    ref = _eager_run(a, oa, batches, sa)
+    step, got = _graph_run(b, ob, batches, sb, warmup_steps=1)
+    assert got == ref  # each new lr re-captured the optimizer graph, not the forward + backward
+    assert step.captures == 1
+    _same_params(a, b)
+
+    # p.data = t gives a parameter new storage: the graph would read the old one; it is captured anew.
+    with torch.no_grad():
+        for m in (a, b):
+            w = m.model.layers[0].mlp.down_proj.weight
+            w.data = w.data * 0.5
+    more = _batches("cuda", 2, (2, 32))
+    ref = _eager_run(a, oa, more)
+    got = [step(input_ids=ids, labels=ids, use_cache=False).float().item() for ids in more]
+    assert step.captures == 2
+    assert got == ref
+    _same_params(a, b)
+
+
+@pytest.mark.gpu
+def test_graph_step_keeps_gradients_through_zero_grad_and_refuses_new_shapes():
+    a, oa, b, ob = _coat_pair("cuda")
+    batches = _batches("cuda", 5)
+    ref = _eager_run(a, oa, batches)
+    step = coat.CudaGraphStep(b, ob, warmup_steps=1)
+    got = []
+    for ids in batches:
+        got.append(step(input_ids=ids, labels=ids, use_cache=False).float().item())
+        ob.zero_grad(set_to_none=True)  # the captured gradient buffers must survive this
+    assert got == ref
+    _same_params(a, b)
+    assert all(p.grad is None for p in b.parameters())
+    wrong = torch.randint(0, V, (2, 16), device="cuda")
+    with pytest.raises(ValueError, match=r"input_ids is a int64 tensor of shape \[2, 16\].*\[2, 32\]"):
+        step(input_ids=wrong, labels=wrong, use_cache=False)
+    with pytest.raises(ValueError, match="use_cache"):
+        step(input_ids=batches[0], labels=batches[0], use_cache=True)
+
+
+# ---- anywhere: argument checks and the eager path --------------------------------------------------
+
+def test_graph_step_on_cpu_runs_eager_steps_with_the_same_checks():
+    a, oa, b, ob = _coat_pair("cpu")
+    batches = _batches("cpu", 3, (2, 16))
+    ref = _eager_run(a, oa, batches)
+    step, got = _graph_run(b, ob, batches)
+    assert got == ref
+    _same_params(a, b)
+    assert step.captures == 0 and step.calls == 3
+    with pytest.raises(ValueError, match="labels is absent"):
+        step(input_ids=batches[0])
+
+
+def test_graph_step_refuses_what_it_cannot_replay():
+    m = _model("cpu")
+    with pytest.raises(ValueError, match=r"capturable=True"):
+        coat.CudaGraphStep(m, torch.optim.AdamW(m.parameters()))
+    opt = coat.optim.AdamW(m.parameters())
+    with pytest.raises(ValueError, match="warmup_steps"):
+        coat.CudaGraphStep(m, opt, warmup_steps=0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        coat.CudaGraphStep(m, opt, max_grad_norm=0.0)
+    with pytest.raises(TypeError, match="optimizer"):
+        coat.CudaGraphStep(m, "adamw")
+    rel = coat.optim.AdamW(m.parameters())
+    coat.optim.step_in_backward(rel, m)
+    with pytest.raises(ValueError, match="step_in_backward"):
+        coat.CudaGraphStep(m, rel)
+    step = coat.CudaGraphStep(m, opt, loss_fn=lambda model, **b: model(**b).logits)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="scalar tensor"):
+        step(input_ids=ids)
+
+
+def test_graph_step_clips_like_clip_grad_norm():
+    a, oa, b, ob = _coat_pair("cpu")
+    batches = _batches("cpu", 2, (2, 16))
+    for ids in batches:
+        oa.zero_grad(set_to_none=True)
+        a(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(a.parameters(), 0.01)
+        oa.step()
+    step = coat.CudaGraphStep(b, ob, max_grad_norm=0.01)
+    for ids in batches:
+        step(input_ids=ids, labels=ids)
+    _same_params(a, b)
