@@ -183,7 +183,9 @@ class CudaGraphStep:
         except Exception as e:
             self.optimizer.zero_grad(set_to_none=True)
             raise RuntimeError(f"CudaGraphStep: capturing forward + backward failed ({e}); something in the step "
-                               "synchronizes with the host or allocates host memory: run it eagerly") from e
+                               "synchronizes with the host or copies from pageable host memory (Hugging Face's "
+                               "eager attention builds its mask so: use attn_implementation='sdpa'), or run the "
+                               "step eagerly") from e
         self._fwd, self._loss = fwd, loss
         self._grads = [(p, p.grad) for p in self._params() if p.grad is not None]
         fwd.replay()  # this call's gradients

@@ -190,6 +190,8 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           "coat+release", torch.bfloat16, _prep_coat("fp32", release=True)),
     Setup("coat-lean-release", "coat-lean with the optimizer step inside backward", "coat-lean+release",
           torch.bfloat16, _prep_coat("bf16_sr", release=True)),
+    Setup("coat-graph", "coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", "coat", torch.bfloat16,
+          _prep_coat("fp32", graphed=True), cuda_only=True, fsdp=False, graphed=True),
     Setup("coat-lean-graph", "coat-lean, the step replayed from CUDA graphs (coat.CudaGraphStep)", "coat-lean",
           torch.bfloat16, _prep_coat("bf16_sr", graphed=True), cuda_only=True, fsdp=False, graphed=True),
     Setup("coat-lean-hfloss", "coat-lean with Hugging Face's loss path (convert(fused_loss=False))",

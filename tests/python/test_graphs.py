@@ -7,6 +7,7 @@ same object runs eager steps with the same checks."""
 import pytest
 import torch
 import transformers as tf
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import coat
 import coat.optim
@@ -15,11 +16,19 @@ V = 256
 peft = pytest.importorskip("peft")
 
 
+@pytest.fixture(autouse=True)
+def _math_attention():
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
+
+
 def _model(device, seed=0):
     torch.manual_seed(seed)
     cfg = tf.LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"  # deterministic backward (SDPA's kernels may use atomics)
+    # SDPA (Hugging Face's eager attention builds its mask on the host, which no graph can replay),
+    # on its math backend: the fused kernels' backward may accumulate with atomics (not bit-exact).
+    cfg._attn_implementation = "sdpa"
     return tf.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
 
 
