@@ -2,7 +2,11 @@
 
 Why: at small batches an eager step is host-bound. A Llama-2-7B step at batch 1 issues a few
 thousand kernels; Python, autograd and the dispatcher spend about as long issuing them as the GPU
-spends running them (benchmarks/RESULTS.md). Captured once, the step is two graph launches.
+spends running them. Captured once, the step is two graph launches. When to use it (H100,
+benchmarks/RESULTS.md section 7): LoRA on an FP8 base at batch 1-2, where the eager step is
+host-bound, runs 1.9-2.1x faster; a step that is GPU-bound already (full training at batch 1,
+LoRA at batch 4 and up) gains nothing, and at batch 4 replays ran 15% slower than eager steps: the
+attention kernels (cuDNN and flash SDPA alike) ran slower inside the replayed step.
 
     step = coat.CudaGraphStep(model, optimizer)   # loss: model(**batch).loss
     for batch in loader:

