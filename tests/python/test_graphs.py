@@ -59,15 +59,23 @@ def _coat_pair(device):
     return a, oa, b, ob
 
 
-def _same_params(a, b):
-    # Close, not equal: captured and eager kernels may differ in accumulation order (torch's math
-    # SDPA backend does; on the H100 the default backends matched bit for bit). A stale graph (old
-    # weights, an old lr) is off by whole updates, far outside this.
+def _snapshot(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def _same_params(a, b, init):
+    """b's parameters took a's updates since ``init``: within 5% of the update's norm. Not equal:
+    captured and eager kernels may differ in accumulation order (torch's math SDPA backend and
+    cuBLAS's split-K choices do), and Adam's first steps turn a tiny gradient difference on an
+    element near zero into a sign flip of a whole lr-sized update. A stale graph (old weights, an
+    old lr) is off by whole updates."""
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # a frozen FP8 base: never written
             assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), n
-        else:
-            torch.testing.assert_close(p, q, rtol=8e-3, atol=1e-5, msg=n)  # 2 bf16 ulps
+            continue
+        step = (p.float() - init[n].float()).norm()
+        diff = (p.float() - q.float()).norm()
+        assert diff <= 0.05 * step or (step == 0 and diff == 0), f"{n}: {diff:.3g} off an update of {step:.3g}"
 
 
 def _same_losses(got, ref):
@@ -79,12 +87,13 @@ def _same_losses(got, ref):
 @pytest.mark.gpu
 def test_graph_step_equals_eager_coat_optimizer():
     a, oa, b, ob = _coat_pair("cuda")
+    init = _snapshot(b)
     batches = _batches("cuda", 6)
     ref = _eager_run(a, oa, batches)
     step, got = _graph_run(b, ob, batches, warmup_steps=2)
     assert step.captures == 1
     _same_losses(got, ref)
-    _same_params(a, b)
+    _same_params(a, b, init)
     # .grad holds the last step's gradients, as after an eager step without zero_grad
     for p, q in zip(a.parameters(), b.parameters()):
         assert (p.grad is None) == (q.grad is None)
@@ -106,11 +115,12 @@ def test_graph_step_equals_eager_lora_on_frozen_fp8():
                                     capturable=True)
 
     (a, oa), (b, ob) = build(), build()
+    init = _snapshot(b)
     batches = _batches("cuda", 5)
     ref = _eager_run(a, oa, batches)
     _, got = _graph_run(b, ob, batches, warmup_steps=1)
     _same_losses(got, ref)
-    _same_params(a, b)
+    _same_params(a, b, init)
 
 
 @pytest.mark.gpu
@@ -118,29 +128,32 @@ def test_graph_step_follows_lr_scheduler_and_new_parameter_storage():
     a, oa, b, ob = _coat_pair("cuda")
     sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=0.5)
     sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=0.5)
+    init = _snapshot(b)
     batches = _batches("cuda", 5)
     ref = _eager_run(a, oa, batches, sa)
     step, got = _graph_run(b, ob, batches, sb, warmup_steps=1)
     _same_losses(got, ref)  # each new lr re-captured the optimizer graph, not the forward + backward
     assert step.captures == 1
-    _same_params(a, b)
+    _same_params(a, b, init)
 
     # p.data = t gives a parameter new storage: the graph would read the old one; it is captured anew.
     with torch.no_grad():
         for m in (a, b):
             w = m.model.layers[0].mlp.down_proj.weight
             w.data = w.data * 0.5
+    init = _snapshot(b)
     more = _batches("cuda", 2, (2, 32))
     ref = _eager_run(a, oa, more)
     got = [step(input_ids=ids, labels=ids, use_cache=False).float().item() for ids in more]
     assert step.captures == 2
     _same_losses(got, ref)
-    _same_params(a, b)
+    _same_params(a, b, init)
 
 
 @pytest.mark.gpu
 def test_graph_step_keeps_gradients_through_zero_grad_and_refuses_new_shapes():
     a, oa, b, ob = _coat_pair("cuda")
+    init = _snapshot(b)
     batches = _batches("cuda", 5)
     ref = _eager_run(a, oa, batches)
     step = coat.CudaGraphStep(b, ob, warmup_steps=1)
@@ -149,7 +162,7 @@ def test_graph_step_keeps_gradients_through_zero_grad_and_refuses_new_shapes():
         got.append(step(input_ids=ids, labels=ids, use_cache=False).float().item())
         ob.zero_grad(set_to_none=True)  # the captured gradient buffers must survive this
     _same_losses(got, ref)
-    _same_params(a, b)
+    _same_params(a, b, init)
     assert all(p.grad is None for p in b.parameters())
     wrong = torch.randint(0, V, (2, 16), device="cuda")
     with pytest.raises(ValueError, match=r"input_ids is a int64 tensor of shape \[2, 16\].*\[2, 32\]"):
@@ -162,11 +175,12 @@ def test_graph_step_keeps_gradients_through_zero_grad_and_refuses_new_shapes():
 
 def test_graph_step_on_cpu_runs_eager_steps_with_the_same_checks():
     a, oa, b, ob = _coat_pair("cpu")
+    init = _snapshot(b)
     batches = _batches("cpu", 3, (2, 16))
     ref = _eager_run(a, oa, batches)
     step, got = _graph_run(b, ob, batches)
     _same_losses(got, ref)
-    _same_params(a, b)
+    _same_params(a, b, init)
     assert step.captures == 0 and step.calls == 3
     with pytest.raises(ValueError, match="labels is absent"):
         step(input_ids=batches[0])
@@ -195,6 +209,7 @@ def test_graph_step_refuses_what_it_cannot_replay():
 
 def test_graph_step_clips_like_clip_grad_norm():
     a, oa, b, ob = _coat_pair("cpu")
+    init = _snapshot(b)
     batches = _batches("cpu", 2, (2, 16))
     for ids in batches:
         oa.zero_grad(set_to_none=True)
@@ -204,4 +219,4 @@ def test_graph_step_clips_like_clip_grad_norm():
     step = coat.CudaGraphStep(b, ob, max_grad_norm=0.01)
     for ids in batches:
         step(input_ids=ids, labels=ids)
-    _same_params(a, b)
+    _same_params(a, b, init)
