@@ -14,8 +14,9 @@ attention kernels (cuDNN and flash SDPA alike) ran slower inside the replayed st
 
 What a call does, eager or replayed: the gradients start fresh (as after
 ``zero_grad(set_to_none=True)``), ``loss_fn(model, **batch)`` runs forward, ``loss.backward()``,
-optionally ``clip_grad_norm_(max_grad_norm)``, then ``optimizer.step()``; ``.grad`` holds this
-step's gradients afterwards and the returned loss is a tensor of its own. On CUDA the first
+optionally ``clip_grad_norm_(max_grad_norm)`` (the total norm before clipping is then in
+``step.grad_norm``), then ``optimizer.step()``; ``.grad`` holds this step's gradients afterwards
+and the returned loss is a tensor of its own. On CUDA the first
 ``warmup_steps`` calls run eagerly on a side stream (they create optimizer states, cuBLAS plans and
 every lazily made buffer); the next call captures the forward + backward and the optimizer step as
 two graphs and runs them; later calls copy the batch into the captured inputs and replay. On the
@@ -78,7 +79,8 @@ class CudaGraphStep:
         loss_fn: ``loss_fn(model, **batch)`` -> a scalar loss; default ``model(**batch).loss``
             (Hugging Face models given ``labels``).
         warmup_steps: eager steps before the capture (>= 1).
-        max_grad_norm: clip the gradients' total norm to this before the step (None: no clipping).
+        max_grad_norm: clip the gradients' total norm to this before the step (None: no clipping;
+            ``math.inf``: measure the norm into ``grad_norm`` without clipping).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Optional[LossFn] = None, *,
@@ -115,6 +117,9 @@ class CudaGraphStep:
         self._fwd: Optional[torch.cuda.CUDAGraph] = None
         self._opt: Optional[torch.cuda.CUDAGraph] = None
         self._loss: Optional[torch.Tensor] = None
+        self._norm: Optional[torch.Tensor] = None
+        #: the gradients' total norm of the last step, before clipping (with ``max_grad_norm``)
+        self.grad_norm: Optional[torch.Tensor] = None
         self._grads: list = []
         self._model_key: Any = None
         self._hyper_key: Any = None
@@ -156,25 +161,28 @@ class CudaGraphStep:
 
     # ---- eager and captured steps -----------------------------------------------------------
 
-    def _forward_backward(self, batch: dict[str, Any]) -> torch.Tensor:
+    def _forward_backward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         loss = self.loss_fn(self.model, **batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
         loss.backward()
+        norm = None
         if self.max_grad_norm is not None:
             params = [p for p in self._params() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=params[0].is_cuda if params else None)
-        return loss.detach()
+            foreach = params[0].is_cuda if params else None
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=foreach)
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, foreach=foreach)
+        return loss.detach(), norm
 
     def _eager(self, batch: dict[str, Any]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(batch)
+        loss, self.grad_norm = self._forward_backward(batch)
         self.optimizer.step()
         return loss
 
     def _capture(self, batch: dict[str, Any]) -> torch.Tensor:
         """Captures forward + backward and the optimizer step, and takes this call's step with them."""
-        self._fwd = self._opt = self._loss = None
+        self._fwd = self._opt = self._loss = self._norm = None
         self._grads = []
         self.optimizer.zero_grad(set_to_none=True)
         self._static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -183,20 +191,21 @@ class CudaGraphStep:
         fwd = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(fwd):
-                loss = self._forward_backward(self._static)
+                loss, norm = self._forward_backward(self._static)
         except Exception as e:
             self.optimizer.zero_grad(set_to_none=True)
             raise RuntimeError(f"CudaGraphStep: capturing forward + backward failed ({e}); something in the step "
                                "synchronizes with the host or copies from pageable host memory (Hugging Face's "
                                "eager attention builds its mask so: use attn_implementation='sdpa'), or run the "
                                "step eagerly") from e
-        self._fwd, self._loss = fwd, loss
+        self._fwd, self._loss, self._norm = fwd, loss, norm
         self._grads = [(p, p.grad) for p in self._params() if p.grad is not None]
         fwd.replay()  # this call's gradients
         self.optimizer.step()  # eagerly: every lazily made buffer of the step now exists
         self._capture_optimizer()
         self._model_key = self._model_state()
         self.captures += 1
+        self.grad_norm = None if norm is None else norm.clone()
         return loss.clone()
 
     def _capture_optimizer(self) -> None:
@@ -225,6 +234,7 @@ class CudaGraphStep:
         for p, g in self._grads:  # a zero_grad() between calls must not orphan the captured buffers
             if p.grad is not g:
                 p.grad = g
+        self.grad_norm = None if self._norm is None else self._norm.clone()
         return self._loss.clone()
 
     def __call__(self, **batch: Any) -> torch.Tensor:

@@ -106,6 +106,7 @@ class TrainConfig:
     lora_targets: str | None = None  # comma-separated module names; None: PEFT's default for the model type
     frozen_fp8: bool = False  # keep the frozen (LoRA base) weights only in FP8
     compile: bool = False
+    cuda_graph: bool = False  # each step replayed from CUDA graphs (coat.CudaGraphStep)
     threads: int | None = None
     quiet: bool = False
 
@@ -288,6 +289,13 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
                                           "weights as FP8 codes those layers read")
     if cfg.release_grads and cfg.optim != "coat":
         raise ConfigError("--release-grads", "needs --optim coat (the step inside backward is coat.optim.AdamW's)")
+    if cfg.cuda_graph:
+        for name in ("release_grads", "compile"):
+            if getattr(cfg, name):
+                raise ConfigError("--cuda-graph", f"cannot be combined with {flag(name)} (a graph replays a fixed "
+                                                  "step; that flag runs Python hooks or compiled code in it)")
+        if cfg.device == "cpu":
+            raise ConfigError("--cuda-graph", "needs a CUDA device (--device cuda or auto on a GPU machine)")
     if cfg.keep_last < 1:
         raise ConfigError("--keep-last", f"must be >= 1, got {cfg.keep_last}")
 

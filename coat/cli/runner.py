@@ -115,7 +115,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     if cfg.optim == "coat":
         return _coat_adamw()(groups, master_weights=cfg.master_weights, **kwargs)
-    return torch.optim.AdamW(groups, fused=params[0].is_cuda, **kwargs)
+    # capturable: a CUDA graph replays the step (--cuda-graph), reading its step count on the device
+    return torch.optim.AdamW(groups, fused=params[0].is_cuda, capturable=cfg.cuda_graph, **kwargs)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -335,7 +336,9 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step_model = torch.compile(model) if cfg.compile else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
+    # A graph replays the casts it captured: autocast's cache of cast weights would go stale.
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not cfg.cuda_graph) \
+        if cfg.dtype == "bf16" else nullcontext()
     precision = describe_precision(model, optimizer, cfg)
 
     # Each rank samples windows from its own contiguous shard of the training tokens.
@@ -351,6 +354,14 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         import coat.optim
 
         release = coat.optim.step_in_backward(optimizer, model, max_grad_norm=max_norm)
+    graph_step = None
+    if cfg.cuda_graph:
+        import coat
+
+        if device.type != "cuda" or d.enabled:
+            raise ConfigError("--cuda-graph", "runs on one CUDA device (not on the CPU, not under torchrun)")
+        graph_step = coat.CudaGraphStep(model, optimizer, lambda m, batch: lm_loss(m, batch, autocast),
+                                        max_grad_norm=max_norm)
     paths = {"metrics": out / "metrics.jsonl", "config": out / "config.json", "plot": out / "loss.png",
              "summary": out / "summary.json"}
 
@@ -409,17 +420,21 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     seg_time, t_mark = 0.0, time.perf_counter()
     for step in range(first_step, cfg.steps + 1):
         batch = sample_batch(train_tokens, cfg.batch_size, cfg.seq_len, rng).to(device)
-        loss = lm_loss(step_model, batch, autocast)
-        loss.backward()
-        if release is None:
-            params = [p for p in model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
-        optimizer.step()
-        if release is not None:
-            grad_norm = release.grad_norm
-        optimizer.zero_grad(set_to_none=True)
+        if graph_step is not None:  # the same step: fresh gradients, clipped by their norm, AdamW
+            loss = graph_step(batch=batch)
+            grad_norm = graph_step.grad_norm
+        else:
+            loss = lm_loss(step_model, batch, autocast)
+            loss.backward()
+            if release is None:
+                params = [p for p in model.parameters() if p.grad is not None]
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm)
+            optimizer.step()
+            if release is not None:
+                grad_norm = release.grad_norm
+            optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         state["pending"].append(torch.stack([loss.detach().float(), grad_norm.detach().float()]))

@@ -316,6 +316,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="autocast dtype (auto: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda when available")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--cuda-graph", action="store_true", help="capture each training step (forward, backward, "
+                   "clipping, optimizer step) in CUDA graphs after 3 eager steps and replay it "
+                   "(coat.CudaGraphStep): much less host time per step, for small batches where the GPU waits "
+                   "on Python; one GPU, no --release-grads / --compile")
     g.add_argument("--threads", **n, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
     g.add_argument("--seed", **n, default=0, help="seeds model init and batch sampling")
 
