@@ -340,6 +340,7 @@ def merge_json(path: Path, records: list[dict[str, Any]]) -> None:
 def plot(records: list[dict[str, Any]], png: Path) -> list[Path]:
     """One PNG per (device, model, world): peak memory (measured, and the estimate dashed) and
     tokens/s against batch, one colour per setup; out-of-memory batches marked with x."""
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -357,14 +358,15 @@ def plot(records: list[dict[str, Any]], png: Path) -> list[Path]:
         top = max([(r.get("peak_gib") or 0) * k for r in rs] + [(r.get("gpu_memory_gib") or 0) * k for r in rs])
         for i, s in enumerate(setups):
             ok = sorted((r for r in rs if r["setup"] == s and r["status"] == "ok"), key=lambda r: r["batch"])
-            c = f"C{i}"
+            c = f"C{i}" if len(setups) <= 10 else colormaps["tab20"](i % 20)  # distinct beyond 10 setups
+            style = "s-" if s.endswith("-graph") else "o-"  # CUDA-graph steps: square markers
             if ok:
                 b = [r["batch"] for r in ok]
                 if ok[0].get("peak_gib") is not None:
-                    ax_m.plot(b, [r["peak_gib"] * k for r in ok], "o-", color=c, label=s)
+                    ax_m.plot(b, [r["peak_gib"] * k for r in ok], style, color=c, label=s)
                 if ok[0].get("estimate_gib") is not None:
                     ax_m.plot(b, [r["estimate_gib"] * k for r in ok], "--", color=c, alpha=0.6)
-                ax_t.plot(b, [r["tokens_per_s"] for r in ok], "o-", color=c, label=s)
+                ax_t.plot(b, [r["tokens_per_s"] for r in ok], style, color=c, label=s)
             for r in rs:
                 if r["setup"] == s and r["status"] == "oom":
                     ax_m.plot([r["batch"]], [top], "x", color=c, markersize=9)
