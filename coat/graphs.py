@@ -26,7 +26,8 @@ What the replay cannot see, and what is done about it (a stale graph would train
 - Batch shapes, dtypes and devices, and non-tensor arguments, are fixed by the first call; another
   one raises ``ValueError`` naming the argument (pad batches to one shape).
 - A parameter or buffer given new storage (``p.data = t``, ``model.to(...)``), a changed
-  ``requires_grad`` or ``model.train()``/``eval()`` state: the step is captured again.
+  ``requires_grad`` or ``model.train()``/``eval()`` state, new optimizer states
+  (``optimizer.load_state_dict``) or parameters: the step is captured again.
 - Changed float hyperparameters (an LR scheduler writing ``group["lr"]``): the optimizer graph is
   captured again (cheap). An ``lr`` tensor changed in place needs no capture.
 - In-place edits of parameters (``load_state_dict``, ``with torch.no_grad(): p.mul_(...)``) are
@@ -131,8 +132,11 @@ class CudaGraphStep:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _model_state(self) -> tuple:
+        """What both graphs read by address: parameters, buffers and the optimizer's states
+        (``load_state_dict`` replaces them), and which parameters the optimizer steps."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        return (self.model.training, tuple((t.data_ptr(), t.requires_grad) for t in tensors))
+        return (self.model.training, tuple((t.data_ptr(), t.requires_grad) for t in tensors),
+                id(self.optimizer.state), tuple(id(p) for p in self._params()))
 
     def _hyper_state(self) -> list:
         return [[(k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor)]

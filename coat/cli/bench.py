@@ -484,6 +484,7 @@ def run_here(opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     if peaks:
         rec["peak_gib"] = max(peaks)
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its group down while a peer is still busy
         dist.destroy_process_group()
     add_ratios([rec])
     return rec

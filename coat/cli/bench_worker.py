@@ -479,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(3)
+        dist.barrier()  # no rank tears its group down while a peer still writes its result
         dist.destroy_process_group()
     return 0 if ok else 3
 

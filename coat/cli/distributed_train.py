@@ -84,8 +84,14 @@ def init(d: Dist, device_type: str) -> Dist:
     return d
 
 
-def shutdown(d: Dist) -> None:
+def shutdown(d: Dist, clean: bool = True) -> None:
+    """Leaves the process group. ``clean`` (this rank finished its work): first wait for every rank
+    to finish, since a gloo rank that tears its pairs down while a peer is still busy (the main
+    rank writing the summary) can abort that peer ("terminate called without an active
+    exception"). After an error no rank waits: its peers may never arrive."""
     if d.initialized and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
         d.initialized = False
 

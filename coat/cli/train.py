@@ -350,8 +350,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # The process group's backend follows the device type, decided the same way on every rank.
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         init(d, device)
+    clean = False
     try:
         result = train(cfg, d)
+        clean = True
     except ConfigError as e:
         if d.is_main:
             parser.error(str(e))
@@ -361,6 +363,6 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 130
     finally:
         if d.enabled:
-            shutdown(d)
+            shutdown(d, clean)
     return exit_code(result)
 

@@ -16,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 
+# Every spawned worker ends its work with dist.barrier() and only then destroys its process group:
+# a gloo rank that tears its pairs down while a peer is still busy (rank 0 writing the result, or
+# in a collective) aborted that peer on loaded CI hosts ("terminate called without an active
+# exception", SIGABRT). The barrier is the last line of the worker's try block, not in its
+# finally: after an exception on one rank, a barrier would wait out gloo's 30-minute timeout.
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

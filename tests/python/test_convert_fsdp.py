@@ -117,6 +117,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save({"losses": torch.stack(losses), "resumed": torch.stack(resumed), "grads": grads,
                         "leaks": leaks, "refused": refused}, out)
+        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
     finally:
         dist.destroy_process_group()
 

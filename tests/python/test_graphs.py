@@ -42,13 +42,14 @@ def _eager_run(model, opt, batches, sched=None):
     return losses
 
 
-def _graph_run(model, opt, batches, sched=None, **kw):
+def _graph_run(model, opt, batches, after=None, **kw):
+    """Steps through a CudaGraphStep; ``after()`` runs after each call (a scheduler, a zero_grad)."""
     step = coat.CudaGraphStep(model, opt, **kw)
     losses = []
     for ids in batches:
         losses.append(step(input_ids=ids, labels=ids, use_cache=False).float().item())
-        if sched is not None:
-            sched.step()
+        if after is not None:
+            after()
     return step, losses
 
 
@@ -131,7 +132,7 @@ def test_graph_step_follows_lr_scheduler_and_new_parameter_storage():
     init = _snapshot(b)
     batches = _batches("cuda", 5)
     ref = _eager_run(a, oa, batches, sa)
-    step, got = _graph_run(b, ob, batches, sb, warmup_steps=1)
+    step, got = _graph_run(b, ob, batches, sb.step, warmup_steps=1)
     _same_losses(got, ref)  # each new lr re-captured the optimizer graph, not the forward + backward
     assert step.captures == 1
     _same_params(a, b, init)
@@ -149,6 +150,16 @@ def test_graph_step_follows_lr_scheduler_and_new_parameter_storage():
     _same_losses(got, ref)
     _same_params(a, b, init)
 
+    # load_state_dict gives the optimizer new state tensors: the step graph would update the old ones.
+    oa.load_state_dict(oa.state_dict())
+    ob.load_state_dict(ob.state_dict())
+    init = _snapshot(b)
+    ref = _eager_run(a, oa, more)
+    got = [step(input_ids=ids, labels=ids, use_cache=False).float().item() for ids in more]
+    assert step.captures == 3
+    _same_losses(got, ref)
+    _same_params(a, b, init)
+
 
 @pytest.mark.gpu
 def test_graph_step_keeps_gradients_through_zero_grad_and_refuses_new_shapes():
@@ -156,11 +167,8 @@ def test_graph_step_keeps_gradients_through_zero_grad_and_refuses_new_shapes():
     init = _snapshot(b)
     batches = _batches("cuda", 5)
     ref = _eager_run(a, oa, batches)
-    step = coat.CudaGraphStep(b, ob, warmup_steps=1)
-    got = []
-    for ids in batches:
-        got.append(step(input_ids=ids, labels=ids, use_cache=False).float().item())
-        ob.zero_grad(set_to_none=True)  # the captured gradient buffers must survive this
+    # The captured gradient buffers must survive a zero_grad between calls.
+    step, got = _graph_run(b, ob, batches, lambda: ob.zero_grad(set_to_none=True), warmup_steps=1)
     _same_losses(got, ref)
     _same_params(a, b, init)
     assert all(p.grad is None for p in b.parameters())

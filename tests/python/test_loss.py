@@ -486,6 +486,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         grads = [{n: p.grad.full_tensor() for n, p in model.named_parameters()} for model in (ref, m)]
         if rank == 0:
             torch.save({"losses": [x.detach() for x in losses], "grads": grads}, out)
+        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
     finally:
         dist.destroy_process_group()
 

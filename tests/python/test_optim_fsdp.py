@@ -68,6 +68,7 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
         full = [p.full_tensor().detach().cpu() for p in model.parameters()]
         if rank == 0:
             torch.save({"params": full, "shards": shards}, out)
+        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
     finally:
         dist.destroy_process_group()
 
@@ -157,6 +158,7 @@ def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: to
         ok_torch = all(type(st["exp_avg"]).__name__ == "DTensor" for st in torch_sd["state"].values())
         if rank == 0:
             torch.save({"straight": straight, "resumed": resumed, "ok_torch": ok_torch}, out)
+        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
     finally:
         dist.destroy_process_group()
 
@@ -238,9 +240,7 @@ def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype
         params = [p.full_tensor().detach().cpu() for p in model.parameters()]
         if rank == 0:
             torch.save({"state": saved, "params": params}, out)
-        # No rank tears its gloo pairs down while another is still in a collective (a loaded CI
-        # host once aborted a rank here: "terminate called without an active exception").
-        dist.barrier()
+        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
     finally:
         dist.destroy_process_group()
 
@@ -288,6 +288,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.all_gather(gathered, flat)
         if rank == 0:
             torch.save(gathered, out)
+        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
     finally:
         dist.destroy_process_group()
 

@@ -511,6 +511,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
                 result["ddp"] = str(e)
         if rank == 0:
             torch.save(result, out)
+        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
     finally:
         dist.destroy_process_group()
 
