@@ -178,6 +178,34 @@ def _prep_lora(on_coat: bool, graphed: bool = False):
     return prepare
 
 
+def _prep_qlora(model, ctx):
+    # The QLoRA recipe (Dettmers et al.; PEFT's documented path): every decoder linear as a
+    # bitsandbytes 4-bit NF4 layer with double quantization and bf16 compute, then
+    # peft.prepare_model_for_kbit_training (it keeps the remaining non-quantized weights in fp32)
+    # and rank-16 LoRA on every decoder linear; torch fused AdamW over the adapters.
+    import bitsandbytes as bnb
+    import peft
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if type(lin) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
+                                             quant_type="nf4")
+                if lin.bias is not None:
+                    q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
+                setattr(parent, name, q.to(ctx.device))  # quantizes the weight on the GPU
+                del lin
+    torch.cuda.empty_cache()
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ctx.lr, fused=True)
+    return _train_step(model, opt, nullcontext())
+
+
 SETUPS: dict[str, Setup] = {s.name: s for s in (
     Setup("amp", "fp32 weights, bf16 autocast, torch fused AdamW (FSDP2: MixedPrecisionPolicy bf16/fp32)", "amp",
           torch.float32, _prep_amp),
@@ -202,6 +230,8 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           torch.bfloat16, _prep_lora(False), needs=("peft",), fsdp=False),
     Setup("lora-coat", "coat.convert + PEFT LoRA r=16 on all decoder linears, base frozen in FP8, torch fused AdamW",
           None, torch.bfloat16, _prep_lora(True), needs=("peft",), fsdp=False),
+    Setup("qlora", "PEFT QLoRA: bitsandbytes 4-bit NF4 decoder linears + LoRA r=16 on all of them, torch fused AdamW",
+          None, torch.bfloat16, _prep_qlora, needs=("peft", "bitsandbytes"), cuda_only=True, fsdp=False),
     Setup("lora-coat-graph", "lora-coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", None,
           torch.bfloat16, _prep_lora(True, graphed=True), needs=("peft",), cuda_only=True, fsdp=False, graphed=True),
 )}
