@@ -402,8 +402,10 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
                    help="presets (" + ", ".join(memory.PRESETS) + "), config.json files or checkpoint folders "
                    "(default: llama2-7b on a GPU, tiny on a CPU)")
     g.add_argument("--recipe", "--setups", dest="setups", nargs="+", metavar="S",
-                   help="setups: amp, bf16, coat, coat-lean, torchao (peer; needs torchao and a GPU), or all "
-                   "(default: " + " ".join(DEFAULT_SETUPS) + ")")
+                   help="setups: amp, bf16, coat, coat-lean; variants coat-release, coat-lean-release, "
+                   "coat-lean-hfloss, and coat-graph, coat-lean-graph (the step replayed from CUDA graphs); peers "
+                   "torchao (needs torchao and a GPU); LoRA: lora-bf16 (PEFT), lora-coat, lora-coat-graph, qlora "
+                   "(PEFT + bitsandbytes 4-bit); or all (default: " + " ".join(DEFAULT_SETUPS) + ")")
     g.add_argument("--batch", "--batches", dest="batches", nargs="+", metavar="B",
                    help="batches (sequences per GPU), e.g. 1 2 4 or 1,2,4; 'auto': 1, 2, 4, ... to --max-batch "
                    "(default: auto); each setup stops at its first out-of-memory")

@@ -231,3 +231,12 @@ def test_gpu_sweep_estimates_within_10pct(tmp_path):
         assert r["status"] == "ok" and r["device"] == torch.cuda.get_device_name(0)
         assert abs(r["estimate_gib"] / r["peak_gib"] - 1) <= 0.10, r
         assert r["vs_amp"] and r["vs_bf16"] and r["step_ms"] > 0 and r["host_ms"] > 0
+
+
+def test_help_names_every_setup(capsys) -> None:
+    from coat.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also inside names
+    assert [s for s in bench_worker.SETUPS if s not in text] == []
