@@ -123,6 +123,7 @@ class CudaGraphStep:
         self.grad_norm: Optional[torch.Tensor] = None
         self._grads: list = []
         self._model_key: Any = None
+        self._opt_objects: tuple = (None, [])  # the optimizer's state dict and parameters at capture
         self._hyper_key: Any = None
         self._side: Optional[torch.cuda.Stream] = None
 
@@ -132,11 +133,19 @@ class CudaGraphStep:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _model_state(self) -> tuple:
-        """What both graphs read by address: parameters, buffers and the optimizer's states
-        (``load_state_dict`` replaces them), and which parameters the optimizer steps."""
+        """What the graphs read by address, laid out as they read it: parameters and buffers (a
+        new tensor at a recycled address still changes shape, stride or dtype, or is the same)."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        return (self.model.training, tuple((t.data_ptr(), t.requires_grad) for t in tensors),
-                id(self.optimizer.state), tuple(id(p) for p in self._params()))
+        return (self.model.training,
+                tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad) for t in tensors))
+
+    def _same_optimizer(self) -> bool:
+        """Whether the optimizer still holds the state dict and parameters of the capture, by
+        identity (``load_state_dict`` replaces the states; the capture keeps the old objects
+        alive, so no new one can take their address)."""
+        params = self._params()
+        return (self.optimizer.state is self._opt_objects[0] and len(params) == len(self._opt_objects[1])
+                and all(p is q for p, q in zip(params, self._opt_objects[1])))
 
     def _hyper_state(self) -> list:
         return [[(k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor)]
@@ -208,6 +217,7 @@ class CudaGraphStep:
         self.optimizer.step()  # eagerly: every lazily made buffer of the step now exists
         self._capture_optimizer()
         self._model_key = self._model_state()
+        self._opt_objects = (self.optimizer.state, self._params())
         self.captures += 1
         self.grad_norm = None if norm is None else norm.clone()
         return loss.clone()
@@ -226,7 +236,7 @@ class CudaGraphStep:
         self._hyper_key = self._hyper_state()
 
     def _replay(self, batch: dict[str, Any]) -> torch.Tensor:
-        if self._fwd is None or self._model_state() != self._model_key:
+        if self._fwd is None or self._model_state() != self._model_key or not self._same_optimizer():
             return self._capture(batch)
         if self._hyper_state() != self._hyper_key:
             self._capture_optimizer()

@@ -228,3 +228,30 @@ def test_graph_step_clips_like_clip_grad_norm():
     for ids in batches:
         step(input_ids=ids, labels=ids)
     _same_params(a, b, init)
+
+
+def test_graph_step_sees_what_makes_a_capture_stale():
+    """The detectors the replay consults (their replays are tested on the GPU above): new storage,
+    shape or mode of a parameter, new optimizer states or parameters, a changed float lr."""
+    m = _model("cpu")
+    opt = coat.optim.AdamW(m.parameters(), lr=1e-3)
+    step = coat.CudaGraphStep(m, opt)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    step(input_ids=ids, labels=ids)
+    key, hyper = step._model_state(), step._hyper_state()
+    step._opt_objects = (opt.state, step._params())  # as a capture records them
+    assert step._same_optimizer() and step._model_state() == key
+    w = m.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        w.mul_(0.5)  # in place: the replay reads it where it lies
+    assert step._model_state() == key
+    w.data = w.data.clone()
+    assert step._model_state() != key
+    key = step._model_state()
+    m.eval()
+    assert step._model_state() != key
+    m.train()
+    opt.param_groups[0]["lr"] = 5e-4
+    assert step._hyper_state() != hyper
+    opt.load_state_dict(opt.state_dict())
+    assert not step._same_optimizer()
