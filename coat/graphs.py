@@ -64,10 +64,17 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _describe(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"a {str(v.dtype).replace('torch.', '')} tensor of shape {list(v.shape)} on {v.device}"
-    return repr(v)
+def _signature_of(v: Any) -> tuple:
+    """What a capture fixes of one argument: a tensor's shape, dtype and device, else the value."""
+    return (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else ("value", v)
+
+
+def _describe(entry: tuple) -> str:
+    """An argument's signature in words, for errors."""
+    if entry and entry[0] == "value":
+        return repr(entry[1])
+    shape, dtype, device = entry
+    return f"a {str(dtype).replace('torch.', '')} tensor of shape {list(shape)} on {device}"
 
 
 class CudaGraphStep:
@@ -152,8 +159,7 @@ class CudaGraphStep:
                 for g in self.optimizer.param_groups]
 
     def _check_batch(self, batch: dict[str, Any]) -> None:
-        sig = sorted((k, (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else ("value", v))
-                     for k, v in batch.items())
+        sig = sorted((k, _signature_of(v)) for k, v in batch.items())
         if self._signature is None:
             dev = next(iter(self.model.parameters()), None)
             for k, v in batch.items():
@@ -166,8 +172,8 @@ class CudaGraphStep:
         old, new = dict(self._signature), dict(sig)
         for k in sorted(set(old) | set(new)):
             if old.get(k) != new.get(k):
-                was = "absent" if k not in old else _describe_sig(old[k])
-                now = "absent" if k not in new else _describe(batch[k])
+                was = "absent" if k not in old else _describe(old[k])
+                now = "absent" if k not in new else _describe(new[k])
                 raise ValueError(f"CudaGraphStep: {k} is {now}, but the step was built for {was}; a CUDA graph "
                                  "replays fixed shapes and arguments (pad batches to one shape, or use one "
                                  "CudaGraphStep per shape)")
@@ -177,7 +183,7 @@ class CudaGraphStep:
     def _forward_backward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         loss = self.loss_fn(self.model, **batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
+            raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(_signature_of(loss))}")
         loss.backward()
         norm = None
         if self.max_grad_norm is not None:
@@ -270,9 +276,3 @@ class CudaGraphStep:
         self.calls += 1
         return loss
 
-
-def _describe_sig(entry: tuple) -> str:
-    if entry and entry[0] == "value":
-        return repr(entry[1])
-    shape, dtype, device = entry
-    return f"a {str(dtype).replace('torch.', '')} tensor of shape {list(shape)} on {device}"

@@ -198,7 +198,6 @@ def _prep_qlora(model, ctx):
                 if lin.bias is not None:
                     q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
                 setattr(parent, name, q.to(ctx.device))  # quantizes the weight on the GPU
-                del lin
     torch.cuda.empty_cache()
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
