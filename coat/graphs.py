@@ -275,4 +275,3 @@ class CudaGraphStep:
             loss = self._replay(batch)
         self.calls += 1
         return loss
-
