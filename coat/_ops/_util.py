@@ -31,6 +31,17 @@ def fmt_id(dtype: torch.dtype, arg: str = "fp8_dtype") -> int:
     return CORE_ID[format_of_dtype(dtype, arg)]
 
 
+_DTYPE_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def dtype_id(dtype: torch.dtype, arg: str = "dtype") -> int:
+    """The core's id of a float dtype it writes (float32, bfloat16, float16)."""
+    i = _DTYPE_ID.get(dtype)
+    if i is None:
+        raise ValueError(f"{arg} must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    return i
+
+
 def dev_ctx(t: torch.Tensor):
     """Makes t's device current for the call (the core launches on the current device); a no-op
     in the common case where it already is."""

@@ -51,8 +51,6 @@ def _workspace(device: int, stream: int) -> torch.Tensor:
     return ws
 
 
-# Whether each CUDA device runs FP8 natively (then no scratch is ever needed): asked once.
-_native_fp8: dict[int, bool] = {}
 _FMT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 
 
@@ -108,28 +106,15 @@ def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _run(a, b, scale_a, scale_b, bias, out_dtype, out_scale, want_amax, fast_accum=False):
-    m, k = a.shape
-    n = b.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    amax = torch.empty(1, dtype=torch.float32, device=a.device) if want_amax else None
-    ws = scratch = None
+    """(out, amax or None); the core checks the arguments (ValueError), the binding makes the outputs."""
     st = _stream(a)
-    force = _force_bf16
+    ws = None
     if a.is_cuda:
         a, b, bias = _aligned(a), _aligned(b), _aligned(bias)
-        dev = a.get_device()
-        ws = _workspace(dev, st)
-        native = _native_fp8.get(dev)
-        if native is None:
-            native = _native_fp8[dev] = bool(_C.gemm_fp8_native(dev))
-        if force or not native:
-            nbytes = _C.gemm_fp8_scratch_bytes(dev, m, n, k, _OUT[out_dtype], force)
-            if nbytes:
-                scratch = torch.empty(nbytes, dtype=torch.uint8, device=a.device)
+        ws = _workspace(a.get_device(), st)
     with _dev_ctx(a):
-        _C.gemm_fp8(a, _FMT[a.dtype], scale_a, b, _FMT[b.dtype], scale_b, bias, out, out_scale, amax, ws, scratch,
-                    force, fast_accum, st)
-    return out, amax
+        return _C.gemm_fp8(a, _FMT[a.dtype], scale_a, b, _FMT[b.dtype], scale_b, bias, _OUT[out_dtype], out_scale,
+                           want_amax, ws, _force_bf16, fast_accum, st)
 
 
 def _checked_run(check, *args):

@@ -17,12 +17,8 @@ def cross_entropy_rows_(logits: torch.Tensor, labels: torch.Tensor,
     """(lse, target), fp32 [rows], of logits [rows, vocab] (fp32/bf16/fp16, contiguous); labels
     [rows] int64, negative for an ignored row. With ``inv`` (a one-element fp32 tensor) the logits
     are overwritten with ``inv * (softmax - onehot)`` (0 on ignored rows)."""
-    rows = logits.shape[0] if logits.dim() else 0
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    target = torch.empty(rows, dtype=torch.float32, device=logits.device)
     with dev_ctx(logits):
-        _C.cross_entropy_rows(logits, labels, inv, lse, target, stream(logits))
-    return lse, target
+        return _C.cross_entropy_rows(logits, labels, inv, stream(logits))
 
 
 @cross_entropy_rows_.register_fake

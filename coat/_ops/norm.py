@@ -7,6 +7,7 @@ import torch
 from .. import _C
 from ._util import custom_op
 from ._util import dev_ctx as _dev_ctx
+from ._util import dtype_id as _dtype_id
 from ._util import fmt_id as _fmt_id
 from ._util import stream as _stream
 
@@ -22,15 +23,8 @@ def rmsnorm_fwd(
     x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool, fp8_dtype: torch.dtype, e8m0: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, rstd, q, scales); q and scales are empty unless ``quantize``."""
-    fmt = _fmt_id(fp8_dtype)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    q = torch.empty(x.shape if quantize else (0,), dtype=fp8_dtype, device=x.device)
-    s = _scales(x.shape, e8m0, x.device) if quantize else torch.empty(0, device=x.device)
     with _dev_ctx(x):
-        _C.rmsnorm_fwd(x, weight, float(eps), y, rstd, q if quantize else None,
-                       s if quantize else None, fmt, _stream(x))
-    return y, rstd, q, s
+        return _C.rmsnorm_fwd(x, weight, eps, quantize, _fmt_id(fp8_dtype), e8m0, _stream(x))
 
 
 @rmsnorm_fwd.register_fake
@@ -48,11 +42,8 @@ def rmsnorm_fwd_fp8(
     q: torch.Tensor, scales: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """y recomputed from the saved FP8 input: T(T(x~ * rstd) * weight)."""
-    fmt = _fmt_id(q.dtype, "q")
-    y = torch.empty(q.shape, dtype=dtype, device=q.device)
     with _dev_ctx(q):
-        _C.rmsnorm_fwd_fp8(q, scales, rstd, weight, y, fmt, _stream(q))
-    return y
+        return _C.rmsnorm_fwd_fp8(q, scales, rstd, weight, _dtype_id(dtype), _fmt_id(q.dtype, "q"), _stream(q))
 
 
 @rmsnorm_fwd_fp8.register_fake
@@ -65,16 +56,8 @@ def rmsnorm_bwd(
     q: torch.Tensor, scales: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dx in dy's dtype, dweight in fp32), dweight reduced deterministically."""
-    fmt = _fmt_id(q.dtype, "q")
-    cols = q.shape[-1]
-    rows = q.numel() // cols if cols else 0
-    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
-    ws = torch.empty((_C.rmsnorm_bwd_parts(rows), cols), dtype=torch.float32, device=q.device)
-    dw = torch.empty(cols, dtype=torch.float32, device=q.device)
     with _dev_ctx(q):
-        _C.rmsnorm_bwd(q, scales, rstd, weight, dy, dx, ws, dw,
-                       fmt, _stream(q))
-    return dx, dw
+        return _C.rmsnorm_bwd(q, scales, rstd, weight, dy, _fmt_id(q.dtype, "q"), _stream(q))
 
 
 @rmsnorm_bwd.register_fake

@@ -11,7 +11,7 @@ import torch
 
 from .. import _C
 from ._util import custom_op
-from ._util import dev_ctx, stream
+from ._util import dev_ctx, dtype_id, stream
 
 _DRE_GROUP = _C.DRE_GROUP_SIZE
 _U8 = torch.uint8
@@ -31,10 +31,8 @@ def _new(shape, dtype, like: torch.Tensor) -> torch.Tensor:
 
 @custom_op("coat::quantize_per_tensor", mutates_args=())
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: int) -> torch.Tensor:
-    q = _new(x.shape, _U8, x)
     with dev_ctx(x):
-        _C.quantize_per_tensor(x, scale, q, None, fmt, stream(x))
-    return q
+        return _C.quantize_per_tensor(x, scale, fmt, False, stream(x))[0]
 
 
 @quantize_per_tensor.register_fake
@@ -44,10 +42,8 @@ def _(x, scale, fmt):
 
 @custom_op("coat::quantize_per_tensor_t", mutates_args=())
 def quantize_per_tensor_t(x: torch.Tensor, scale: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q, q_t = _new(x.shape, _U8, x), _new(_t_shape(x), _U8, x)
     with dev_ctx(x):
-        _C.quantize_per_tensor(x, scale, q, q_t, fmt, stream(x))
-    return q, q_t
+        return _C.quantize_per_tensor(x, scale, fmt, True, stream(x))
 
 
 @quantize_per_tensor_t.register_fake
@@ -60,12 +56,8 @@ def quantize_per_tensor_amax(
     x: torch.Tensor, fmt: int, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (q, q_t, scale, amax); q_t is empty unless transpose."""
-    q = _new(x.shape, _U8, x)
-    q_t = _new(_t_shape(x) if transpose else (0,), _U8, x)
-    scale, amax = _new(1, torch.float32, x), _new(1, torch.float32, x)
     with dev_ctx(x):
-        _C.quantize_per_tensor_amax(x, amax, scale, q, q_t if transpose else None, fmt, stream(x))
-    return q, q_t, scale, amax
+        return _C.quantize_per_tensor_amax(x, fmt, transpose, stream(x))
 
 
 @quantize_per_tensor_amax.register_fake
@@ -92,9 +84,11 @@ def _check_stacked(parts, rowmajor: bool, transpose: bool) -> None:
         raise ValueError("parts must hold at least one tensor")
     if not (rowmajor or transpose):
         raise ValueError("ask for rowmajor codes, transposed codes or both")
-    for i, p in enumerate(parts):
-        if p.dim() != 2 or p.shape[1] != parts[0].shape[1]:
-            raise ValueError(f"parts[{i}] must be 2-D with parts[0]'s {parts[0].shape[-1]} columns, got {list(p.shape)}")
+    for i, p in enumerate(parts):  # the bindings' messages, for the fake implementations
+        if p.dim() != 2:
+            raise ValueError(f"parts[{i}] must be 2-D, got shape {list(p.shape)}")
+        if p.shape[1] != parts[0].shape[1]:
+            raise ValueError(f"parts[{i}] has {p.shape[1]} columns but parts[0] has {parts[0].shape[1]}")
 
 
 @custom_op("coat::quantize_stacked_amax", mutates_args=())
@@ -103,15 +97,10 @@ def quantize_stacked_amax(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor FP8 of X = cat(parts, 0), read where the parts lie (no concatenated copy), with
     its scale from max |X| computed on the device: (q [R, K] or empty, q_t [K, R] or empty, scale)."""
-    _check_stacked(parts, rowmajor, transpose)
-    x = parts[0]
-    qs, ts = _stacked_shapes(parts, rowmajor, transpose)
-    q, q_t = _new(qs, _U8, x), _new(ts, _U8, x)
-    scale, amax = _new(1, torch.float32, x), _new(1, torch.float32, x)
-    with dev_ctx(x):
-        _C.quantize_stacked(parts, None, amax, scale, q if rowmajor else None, q_t if transpose else None, fmt,
-                            stream(x))
-    return q, q_t, scale
+    if not parts:
+        raise ValueError("parts must hold at least one tensor")
+    with dev_ctx(parts[0]):
+        return _C.quantize_stacked(parts, None, fmt, rowmajor, transpose, stream(parts[0]))
 
 
 @quantize_stacked_amax.register_fake
@@ -126,14 +115,10 @@ def quantize_stacked(
     parts: list[torch.Tensor], scale: torch.Tensor, fmt: int, rowmajor: bool, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As quantize_stacked_amax with a given scale (no amax pass): (q or empty, q_t or empty)."""
-    _check_stacked(parts, rowmajor, transpose)
-    x = parts[0]
-    qs, ts = _stacked_shapes(parts, rowmajor, transpose)
-    q, q_t = _new(qs, _U8, x), _new(ts, _U8, x)
-    with dev_ctx(x):
-        _C.quantize_stacked(parts, scale, None, None, q if rowmajor else None, q_t if transpose else None, fmt,
-                            stream(x))
-    return q, q_t
+    if not parts:
+        raise ValueError("parts must hold at least one tensor")
+    with dev_ctx(parts[0]):
+        return _C.quantize_stacked(parts, scale, fmt, rowmajor, transpose, stream(parts[0]))
 
 
 @quantize_stacked.register_fake
@@ -147,12 +132,10 @@ def _(parts, scale, fmt, rowmajor, transpose):
 def transpose_stacked_codes(parts: list[torch.Tensor]) -> torch.Tensor:
     """The transpose [K, R] of stacked FP8 codes cat(parts, 0) (uint8 [rows_i, K] each), read where
     the parts lie: one pass, no concatenated copy."""
-    _check_stacked(parts, False, True)
-    _, ts = _stacked_shapes(parts, False, True)
-    q_t = _new(ts, _U8, parts[0])
+    if not parts:
+        raise ValueError("parts must hold at least one tensor")
     with dev_ctx(parts[0]):
-        _C.transpose_stacked_codes(parts, q_t, stream(parts[0]))
-    return q_t
+        return _C.transpose_stacked_codes(parts, stream(parts[0]))
 
 
 @transpose_stacked_codes.register_fake
@@ -163,10 +146,8 @@ def _(parts):
 
 @custom_op("coat::dequantize_per_tensor", mutates_args=())
 def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor, fmt: int, dtype: torch.dtype) -> torch.Tensor:
-    y = _new(q.shape, dtype, q)
     with dev_ctx(q):
-        _C.dequantize_per_tensor(q, scale, y, fmt, stream(q))
-    return y
+        return _C.dequantize_per_tensor(q, scale, fmt, dtype_id(dtype), stream(q))
 
 
 @dequantize_per_tensor.register_fake
@@ -183,13 +164,8 @@ def _scales_shape(x: torch.Tensor, group_size: int) -> tuple[int, ...]:
 
 @custom_op("coat::quantize_per_group", mutates_args=())
 def quantize_per_group(x: torch.Tensor, group_size: int, fmt: int, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension for per-group quantization")
-    q = _new(x.shape, _U8, x)
-    scales = _new(_scales_shape(x, group_size), _U8 if e8m0 else torch.float32, x)
     with dev_ctx(x):
-        _C.quantize_per_group(x, scales, q, group_size, fmt, int(e8m0), stream(x))
-    return q, scales
+        return _C.quantize_per_group(x, group_size, fmt, int(e8m0), stream(x))
 
 
 @quantize_per_group.register_fake
@@ -201,11 +177,8 @@ def _(x, group_size, fmt, e8m0):
 def dequantize_per_group(
     q: torch.Tensor, scales: torch.Tensor, group_size: int, fmt: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    y = _new(q.shape, dtype, q)
-    kind = 1 if scales.dtype == _U8 else 0
     with dev_ctx(q):
-        _C.dequantize_per_group(q, scales, y, group_size, fmt, kind, stream(q))
-    return y
+        return _C.dequantize_per_group(q, scales, group_size, fmt, dtype_id(dtype), stream(q))
 
 
 @dequantize_per_group.register_fake
@@ -222,11 +195,8 @@ def _dre_groups(n: int) -> int:
 
 @custom_op("coat::dre_quantize", mutates_args=())
 def dre_quantize(x: torch.Tensor, fmt: int, log2_range: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = _dre_groups(x.numel())
-    q, gmax, k16 = _new(x.shape, _U8, x), _new(g, torch.float32, x), _new(g, _U8, x)
     with dev_ctx(x):
-        _C.dre_quantize(x, q, gmax, k16, fmt, log2_range, stream(x))
-    return q, gmax, k16
+        return _C.dre_quantize(x, fmt, log2_range, stream(x))
 
 
 @dre_quantize.register_fake
@@ -237,10 +207,8 @@ def _(x, fmt, log2_range):
 
 @custom_op("coat::dre_dequantize", mutates_args=())
 def dre_dequantize(q: torch.Tensor, gmax: torch.Tensor, k16: torch.Tensor, fmt: int) -> torch.Tensor:
-    y = _new(q.shape, torch.float32, q)
     with dev_ctx(q):
-        _C.dre_dequantize(q, gmax, k16, y, fmt, stream(q))
-    return y
+        return _C.dre_dequantize(q, gmax, k16, fmt, stream(q))
 
 
 @dre_dequantize.register_fake

@@ -30,15 +30,9 @@ def rope_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [..., (hq + 2 hk) dim] -> q [..., hq, dim], k and v [..., hk, dim], RoPE on q and k."""
     _check(qkv, (hq + 2 * hk) * dim, dim)
-    lead = qkv.shape[:-1]
-    q = torch.empty((*lead, hq, dim), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((*lead, hk, dim), dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty((*lead, hk, dim), dtype=qkv.dtype, device=qkv.device)
     c, s = _cs(cos, sin, qkv.dtype, dim)
     with dev_ctx(qkv):
-        _C.rope_apply(qkv, 0, qkv, hq * dim, qkv, (hq + hk) * dim, q, 0, k, 0, v, 0, qkv.numel() // qkv.shape[-1],
-                      hq, hk, hk, dim, c, s, False, stream(qkv))
-    return q, k, v
+        return _C.rope_qkv(qkv, c, s, hq, hk, dim, stream(qkv))
 
 
 @rope_qkv.register_fake
@@ -54,14 +48,9 @@ def rope_qkv_bwd(
 ) -> torch.Tensor:
     """The fused QKV gradient [..., (hq + 2 hk) dim] from dq [..., hq, dim], dk and dv [..., hk, dim]
     (contiguous), the inverse rotation applied to dq and dk."""
-    hq, dim = dq.shape[-2], dq.shape[-1]
-    hk = dk.shape[-2]
-    out = torch.empty((*dq.shape[:-2], (hq + 2 * hk) * dim), dtype=dq.dtype, device=dq.device)
-    c, s = _cs(cos, sin, dq.dtype, dim)
+    c, s = _cs(cos, sin, dq.dtype, dq.shape[-1])
     with dev_ctx(dq):
-        _C.rope_apply(dq, 0, dk, 0, dv, 0, out, 0, out, hq * dim, out, (hq + hk) * dim, out.numel() // out.shape[-1],
-                      hq, hk, hk, dim, c, s, True, stream(dq))
-    return out
+        return _C.rope_qkv_bwd(dq, dk, dv, c, s, stream(dq))
 
 
 @rope_qkv_bwd.register_fake
@@ -72,14 +61,11 @@ def _(dq, dk, dv, cos, sin):
 @custom_op("coat::rope", mutates_args=())
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     """RoPE on one contiguous [..., heads, dim] tensor (or its gradient map when ``backward``)."""
-    heads, dim = x.shape[-2], x.shape[-1]
+    dim = x.shape[-1]
     _check(x, dim, dim)
-    out = torch.empty_like(x)
     c, s = _cs(cos, sin, x.dtype, dim)
     with dev_ctx(x):
-        _C.rope_apply(x, 0, None, 0, None, 0, out, 0, None, 0, None, 0, x.numel() // (heads * dim) if heads else 0,
-                      heads, 0, 0, dim, c, s, backward, stream(x))
-    return out
+        return _C.rope(x, c, s, backward, stream(x))
 
 
 @rope.register_fake

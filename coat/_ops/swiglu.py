@@ -27,14 +27,8 @@ def swiglu_fwd(
     gate_up: torch.Tensor, quantize: bool, fp8_dtype: torch.dtype, e8m0: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (h, q, scales); q and scales are empty unless ``quantize``."""
-    fmt = _fmt_id(fp8_dtype)
-    h = torch.empty(_h_shape(gate_up), dtype=gate_up.dtype, device=gate_up.device)
-    q = torch.empty(gate_up.shape if quantize else (0,), dtype=fp8_dtype, device=gate_up.device)
-    s = _scales(gate_up.shape, e8m0, gate_up.device) if quantize else torch.empty(0, device=gate_up.device)
     with _dev_ctx(gate_up):
-        _C.swiglu_fwd(gate_up, h, q if quantize else None, s if quantize else None, fmt,
-                      _stream(gate_up))
-    return h, q, s
+        return _C.swiglu_fwd(gate_up, quantize, _fmt_id(fp8_dtype), e8m0, _stream(gate_up))
 
 
 @swiglu_fwd.register_fake
@@ -51,13 +45,8 @@ def swiglu_bwd(
     q: torch.Tensor, scales: torch.Tensor, dh: torch.Tensor, recompute_h: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dgate_up, h); h (silu(g) * u from the FP8 copy) is empty unless ``recompute_h``."""
-    fmt = _fmt_id(q.dtype, "q")
-    dgu = torch.empty(q.shape, dtype=dh.dtype, device=dh.device)
-    h = torch.empty(dh.shape if recompute_h else (0,), dtype=dh.dtype, device=dh.device)
     with _dev_ctx(q):
-        _C.swiglu_bwd(q, scales, dh, dgu, h if recompute_h else None, fmt,
-                      _stream(q))
-    return dgu, h
+        return _C.swiglu_bwd(q, scales, dh, recompute_h, _fmt_id(q.dtype, "q"), _stream(q))
 
 
 @swiglu_bwd.register_fake

@@ -17,31 +17,29 @@ void check_width(const View& v, const char* what) {
                                                       what);
 }
 
-void rmsnorm_fwd_py(const Array& x_, const Array& w_, float eps, MutArray y_, MutArray rstd_,
-                    std::optional<MutArray> q_, std::optional<MutArray> scales_, int fmt_, uintptr_t stream) {
-  const View x = view_of(x_, "x"), w = view_of(w_, "weight"), y = view_of(y_, "y"),
-             rstd = view_of(rstd_, "rstd");
+// (y, rstd, q, scales) of x: y = rmsnorm(x) * weight in x's dtype, fp32 rstd per row, and (with
+// `quantize`) x's FP8 copy in 1 x 16 groups (else q and scales are empty).
+nb::tuple rmsnorm_fwd_py(const Array& x_, const Array& w_, float eps, bool quantize, int fmt_, bool e8m0,
+                         uintptr_t stream) {
+  const View x = view_of(x_, "x"), w = view_of(w_, "weight");
   const DType dt = float_dtype(x);
   const DType wt = float_dtype(w);
   const Fp8Format fmt = fp8_format(fmt_);
   COAT_CHECK_ARG(!x.shape.empty(), "x must have at least one dimension");
   check_width(x, "for the FP8 RMSNorm");
   expect_numel(w, x.last_dim(), "one per element of the normalized dimension");
-  expect_kind(y, x.kind);
-  expect_same_shape(y, x);
-  expect_kind(rstd, Kind::kFloat32);
-  expect_numel(rstd, x.rows(), "one per row of x");
-  const Fp8Output out = optional_fp8_output(q_, scales_, x, kNormGroup);
-  const View &q = out.q, &scales = out.scales;
-  const ScaleKind kind = out.kind;
-  const bool cuda = out.given ? same_device({&x, &w, &y, &rstd, &q, &scales}) : same_device({&x, &w, &y, &rstd});
-  auto* qd = static_cast<uint8_t*>(q.data);
-  auto* rs = static_cast<float*>(rstd.data);
+  const bool cuda = same_device({&x, &w});
+  Created y = new_tensor(x.shape, new_dtype(dt), x, "y");
+  Created rstd = new_tensor(std::vector<int64_t>(x.shape.begin(), x.shape.end() - 1), NewDtype::kFloat32, x, "rstd");
+  const Fp8Output out = new_fp8_output(quantize, fmt, e8m0, x, kNormGroup);
+  auto* rs = static_cast<float*>(rstd.view.data);
   if (cuda)
-    COAT_GPU_CALL(rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.data, rs, qd, scales.data, kind, fmt,
-                stream_of(stream)));
+    COAT_GPU_CALL(rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.view.data, rs, out.codes(),
+                              out.scale_data(), out.kind, fmt, stream_of(stream)));
   else
-    ref::rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.data, rs, qd, scales.data, kind, fmt);
+    ref::rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.view.data, rs, out.codes(),
+                     out.scale_data(), out.kind, fmt);
+  return nb::make_tuple(y.tensor, rstd.tensor, out.q.tensor, out.scales.tensor);
 }
 
 // The tensors the FP8 path saves (q, its group scales, rstd) and the weight; returns the scale
@@ -58,62 +56,59 @@ std::pair<ScaleKind, DType> check_saved_input(const View& q, const View& scales,
   return {kind, wt};
 }
 
-void rmsnorm_fwd_fp8_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_,
-                        MutArray y_, int fmt_, uintptr_t stream) {
+// y recomputed from the saved FP8 input, as the core dtype `dtype`.
+nb::object rmsnorm_fwd_fp8_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_, int dtype,
+                              int fmt_, uintptr_t stream) {
   const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), rstd = view_of(rstd_, "rstd"),
-             w = view_of(w_, "weight"), y = view_of(y_, "y");
+             w = view_of(w_, "weight");
   const Fp8Format fmt = fp8_format(fmt_);
   const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
-  const DType yt = float_dtype(y);
-  expect_same_shape(y, q);
+  const DType yt = dtype_arg(dtype);
+  const bool cuda = same_device({&q, &scales, &rstd, &w});
+  Created y = new_tensor(q.shape, new_dtype(yt), q, "y");
   const auto* qd = static_cast<const uint8_t*>(q.data);
   const auto* rs = static_cast<const float*>(rstd.data);
-  if (same_device({&q, &scales, &rstd, &w, &y}))
-    COAT_GPU_CALL(rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.data, yt, stream_of(stream)));
+  if (cuda)
+    COAT_GPU_CALL(rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.view.data, yt,
+                                  stream_of(stream)));
   else
-    ref::rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.data, yt);
+    ref::rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.view.data, yt);
+  return y.tensor;
 }
 
-void rmsnorm_bwd_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_,
-                    const Array& dy_, MutArray dx_, MutArray ws_, MutArray dw_, int fmt_, uintptr_t stream) {
+// (dx in dy's dtype, dweight in fp32, reduced deterministically through a per-call workspace).
+nb::tuple rmsnorm_bwd_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_, const Array& dy_,
+                         int fmt_, uintptr_t stream) {
   const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), rstd = view_of(rstd_, "rstd"),
-             w = view_of(w_, "weight"), dy = view_of(dy_, "dy"), dx = view_of(dx_, "dx"),
-             ws = view_of(ws_, "workspace"), dw = view_of(dw_, "dw");
+             w = view_of(w_, "weight"), dy = view_of(dy_, "dy");
   const Fp8Format fmt = fp8_format(fmt_);
   const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
   const DType dt = float_dtype(dy);
   expect_same_shape(dy, q);
-  expect_kind(dx, dy.kind);
-  expect_same_shape(dx, q);
-  expect_kind(ws, Kind::kFloat32);
-  expect_numel(ws, rmsnorm_bwd_parts(q.rows()) * q.last_dim(), "rmsnorm_bwd_parts(rows) x cols");
-  expect_kind(dw, Kind::kFloat32);
-  expect_numel(dw, q.last_dim(), "one per element of the normalized dimension");
+  const bool cuda = same_device({&q, &scales, &rstd, &w, &dy});
+  Created dx = new_tensor(dy.shape, new_dtype(dt), dy, "dx");
+  Created ws = new_tensor({rmsnorm_bwd_parts(q.rows()), q.last_dim()}, NewDtype::kFloat32, q, "workspace");
+  Created dw = new_tensor({q.last_dim()}, NewDtype::kFloat32, q, "dw");
   const auto* qd = static_cast<const uint8_t*>(q.data);
   const auto* rs = static_cast<const float*>(rstd.data);
-  auto* wsd = static_cast<float*>(ws.data);
-  auto* dwd = static_cast<float*>(dw.data);
-  if (same_device({&q, &scales, &rstd, &w, &dy, &dx, &ws, &dw}))
-    COAT_GPU_CALL(rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), dx.data, wsd,
-                dwd, stream_of(stream)));
+  auto* wsd = static_cast<float*>(ws.view.data);
+  auto* dwd = static_cast<float*>(dw.view.data);
+  if (cuda)
+    COAT_GPU_CALL(rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(),
+                              dx.view.data, wsd, dwd, stream_of(stream)));
   else
-    ref::rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), dx.data,
+    ref::rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), dx.view.data,
                      wsd, dwd);
-}
-
-int64_t rmsnorm_bwd_parts_py(int64_t rows) {
-  COAT_CHECK_ARG(rows >= 0, "rows must be >= 0");
-  return rmsnorm_bwd_parts(rows);
+  return nb::make_tuple(dx.tensor, dw.tensor);
 }
 
 void register_norm(nb::module_& m) {
-  m.def("rmsnorm_fwd", &rmsnorm_fwd_py, arg("x"), arg("weight"), arg("eps"), arg("y"), arg("rstd"),
-        arg("q").none(), arg("scales").none(), arg("fmt"), arg("stream"));
-  m.def("rmsnorm_fwd_fp8", &rmsnorm_fwd_fp8_py, arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("y"),
+  m.def("rmsnorm_fwd", &rmsnorm_fwd_py, arg("x"), arg("weight"), arg("eps"), arg("quantize"), arg("fmt"),
+        arg("e8m0"), arg("stream"));
+  m.def("rmsnorm_fwd_fp8", &rmsnorm_fwd_fp8_py, arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dtype"),
         arg("fmt"), arg("stream"));
-  m.def("rmsnorm_bwd", &rmsnorm_bwd_py, arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dy"),
-        arg("dx"), arg("workspace"), arg("dw"), arg("fmt"), arg("stream"));
-  m.def("rmsnorm_bwd_parts", &rmsnorm_bwd_parts_py, arg("rows"));
+  m.def("rmsnorm_bwd", &rmsnorm_bwd_py, arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dy"), arg("fmt"),
+        arg("stream"));
 }
 
 }  // namespace

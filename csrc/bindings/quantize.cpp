@@ -4,6 +4,7 @@
 #include "tensor_args.h"
 
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/string.h>
 
 #include <vector>
 
@@ -13,238 +14,212 @@ namespace {
 
 using nb::arg;
 
-void quantize_per_tensor_py(const Array& x_, const Array& scale_, MutArray q_,
-                            std::optional<MutArray> q_t_, int fmt_, uintptr_t stream) {
-  const View x = view_of(x_, "x"), scale = view_of(scale_, "scale"), q = view_of(q_, "q");
-  const DType dt = float_dtype(x);
-  const Fp8Format fmt = fp8_format(fmt_);
+// [cols, rows] of x seen as [rows, cols] (its last dimension is cols): the transpose's shape.
+std::vector<int64_t> t_shape(const View& x) { return {x.last_dim(), x.shape.empty() ? 1 : x.rows()}; }
+
+const std::vector<int64_t> kEmpty{0};
+
+void check_scale(const View& scale) {
   expect_kind(scale, Kind::kFloat32);
   expect_numel(scale, 1, "one per-tensor scale");
-  expect_kind(q, Kind::kUInt8);
-  expect_same_shape(q, x);
-  View q_t;
-  if (q_t_) {
-    q_t = view_of(*q_t_, "q_t");
-    expect_kind(q_t, Kind::kUInt8);
-    expect_numel(q_t, x.numel, "the transpose of x");
-  }
-  const bool cuda = q_t_ ? same_device({&x, &scale, &q, &q_t}) : same_device({&x, &scale, &q});
-  auto* qt = static_cast<uint8_t*>(q_t.data);
-  if (cuda)
-    COAT_GPU_CALL(quantize_per_tensor(x.data, dt, x.rows(), x.last_dim(), fmt, static_cast<const float*>(scale.data),
-                        static_cast<uint8_t*>(q.data), qt, stream_of(stream)));
-  else
-    ref::quantize_per_tensor(x.data, dt, x.rows(), x.last_dim(), fmt,
-                             static_cast<const float*>(scale.data), static_cast<uint8_t*>(q.data), qt);
 }
 
-void quantize_per_tensor_amax_py(const Array& x_, MutArray amax_, MutArray scale_, MutArray q_,
-                                 std::optional<MutArray> q_t_, int fmt_, uintptr_t stream) {
-  const View x = view_of(x_, "x"), amax = view_of(amax_, "amax"), scale = view_of(scale_, "scale"),
-             q = view_of(q_, "q");
+// (q, q_t or None) of x with a given scale.
+nb::tuple quantize_per_tensor_py(const Array& x_, const Array& scale_, int fmt_, bool transpose,
+                                 uintptr_t stream) {
+  const View x = view_of(x_, "x"), scale = view_of(scale_, "scale");
   const DType dt = float_dtype(x);
   const Fp8Format fmt = fp8_format(fmt_);
-  expect_kind(amax, Kind::kFloat32);
-  expect_numel(amax, 1, "one amax");
-  expect_kind(scale, Kind::kFloat32);
-  expect_numel(scale, 1, "one per-tensor scale");
-  expect_kind(q, Kind::kUInt8);
-  expect_same_shape(q, x);
-  View q_t;
-  if (q_t_) {
-    q_t = view_of(*q_t_, "q_t");
-    expect_kind(q_t, Kind::kUInt8);
-    expect_numel(q_t, x.numel, "the transpose of x");
-  }
-  const bool cuda =
-      q_t_ ? same_device({&x, &amax, &scale, &q, &q_t}) : same_device({&x, &amax, &scale, &q});
-  auto* qt = static_cast<uint8_t*>(q_t.data);
-  auto* a = static_cast<float*>(amax.data);
-  auto* s = static_cast<float*>(scale.data);
+  check_scale(scale);
+  const bool cuda = same_device({&x, &scale});
+  Created q = new_tensor(x.shape, NewDtype::kUInt8, x, "q");
+  Created q_t;
+  if (transpose) q_t = new_tensor(t_shape(x), NewDtype::kUInt8, x, "q_t");
+  auto* qd = static_cast<uint8_t*>(q.view.data);
+  auto* qt = transpose ? static_cast<uint8_t*>(q_t.view.data) : nullptr;
+  const auto* s = static_cast<const float*>(scale.data);
   if (cuda)
-    COAT_GPU_CALL(quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s,
-                             static_cast<uint8_t*>(q.data), qt, stream_of(stream)));
+    COAT_GPU_CALL(quantize_per_tensor(x.data, dt, x.rows(), x.last_dim(), fmt, s, qd, qt, stream_of(stream)));
   else
-    ref::quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s,
-                                  static_cast<uint8_t*>(q.data), qt);
+    ref::quantize_per_tensor(x.data, dt, x.rows(), x.last_dim(), fmt, s, qd, qt);
+  return nb::make_tuple(q.tensor, transpose ? q_t.tensor : nb::none());
 }
 
-void dequantize_per_tensor_py(const Array& q_, const Array& scale_, MutArray y_, int fmt_,
-                              uintptr_t stream) {
-  const View q = view_of(q_, "q"), scale = view_of(scale_, "scale"), y = view_of(y_, "y");
+// (q, q_t (empty unless transpose), scale, amax) of x, its scale from max |x| on the device.
+nb::tuple quantize_per_tensor_amax_py(const Array& x_, int fmt_, bool transpose, uintptr_t stream) {
+  const View x = view_of(x_, "x");
+  const DType dt = float_dtype(x);
+  const Fp8Format fmt = fp8_format(fmt_);
+  const bool cuda = same_device({&x});
+  Created q = new_tensor(x.shape, NewDtype::kUInt8, x, "q");
+  Created q_t = new_tensor(transpose ? t_shape(x) : kEmpty, NewDtype::kUInt8, x, "q_t");
+  Created scale = new_tensor({1}, NewDtype::kFloat32, x, "scale");
+  Created amax = new_tensor({1}, NewDtype::kFloat32, x, "amax");
+  auto* qd = static_cast<uint8_t*>(q.view.data);
+  auto* qt = transpose ? static_cast<uint8_t*>(q_t.view.data) : nullptr;
+  auto* a = static_cast<float*>(amax.view.data);
+  auto* s = static_cast<float*>(scale.view.data);
+  if (cuda)
+    COAT_GPU_CALL(quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s, qd, qt, stream_of(stream)));
+  else
+    ref::quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s, qd, qt);
+  return nb::make_tuple(q.tensor, q_t.tensor, scale.tensor, amax.tensor);
+}
+
+// y = q * scale as the core dtype `dtype` (0 fp32, 1 bf16, 2 fp16).
+nb::object dequantize_per_tensor_py(const Array& q_, const Array& scale_, int fmt_, int dtype,
+                                    uintptr_t stream) {
+  const View q = view_of(q_, "q"), scale = view_of(scale_, "scale");
   const Fp8Format fmt = fp8_format(fmt_);
   expect_kind(q, Kind::kUInt8);
-  expect_kind(scale, Kind::kFloat32);
-  expect_numel(scale, 1, "one per-tensor scale");
-  const DType out = float_dtype(y);
-  expect_same_shape(y, q);
+  check_scale(scale);
+  const DType out = dtype_arg(dtype);
+  const bool cuda = same_device({&q, &scale});
+  Created y = new_tensor(q.shape, new_dtype(out), q, "y");
   const auto* s = static_cast<const float*>(scale.data);
   const auto* qd = static_cast<const uint8_t*>(q.data);
-  if (same_device({&q, &scale, &y}))
-    COAT_GPU_CALL(dequantize_per_tensor(qd, fmt, q.numel, s, y.data, out, stream_of(stream)));
+  if (cuda)
+    COAT_GPU_CALL(dequantize_per_tensor(qd, fmt, q.numel, s, y.view.data, out, stream_of(stream)));
   else
-    ref::dequantize_per_tensor(qd, fmt, q.numel, s, y.data, out);
+    ref::dequantize_per_tensor(qd, fmt, q.numel, s, y.view.data, out);
+  return y.tensor;
 }
 
-// parts: 1..4 row blocks [rows_i, cols] of one float dtype (fused projections' weights). Either
-// `scale` (given; no amax pass) or `amax` and `scale_out` (computed on the device).
-void quantize_stacked_py(const std::vector<Array>& parts_, std::optional<Array> scale_,
-                         std::optional<MutArray> amax_, std::optional<MutArray> scale_out_,
-                         std::optional<MutArray> q_, std::optional<MutArray> q_t_, int fmt_,
-                         uintptr_t stream) {
-  static const char* kNames[kMaxStackParts] = {"parts[0]", "parts[1]", "parts[2]", "parts[3]"};
-  COAT_CHECK_ARG(!parts_.empty() && parts_.size() <= static_cast<size_t>(kMaxStackParts),
-                 "parts must hold 1 to " + std::to_string(kMaxStackParts) + " tensors, got " +
-                     std::to_string(parts_.size()));
-  COAT_CHECK_ARG(scale_.has_value() != amax_.has_value(),
-                 "give either scale (a given scale) or amax and scale_out (computed), not both");
-  COAT_CHECK_ARG(amax_.has_value() == scale_out_.has_value(), "amax and scale_out must be given together");
-  COAT_CHECK_ARG(q_.has_value() || q_t_.has_value(), "q and q_t must not both be None");
-  StackedRows x;
-  std::vector<View> parts;
-  parts.reserve(parts_.size());
-  for (size_t i = 0; i < parts_.size(); ++i) {
-    parts.push_back(view_of(parts_[i], kNames[i]));
-    const View& p = parts.back();
-    COAT_CHECK_ARG(p.shape.size() == 2, std::string(p.name) + " must be 2-D, got shape " + shape_str(p.shape));
-    const DType dt = float_dtype(p);
-    if (i == 0) {
-      x.dtype = dt;
-      x.cols = p.shape[1];
-    }
-    COAT_CHECK_ARG(dt == x.dtype, std::string(p.name) + " is " + p.dtype_name + " but parts[0] is " +
-                                      parts[0].dtype_name + ": all parts must share one dtype");
-    COAT_CHECK_ARG(p.shape[1] == x.cols, std::string(p.name) + " has " + std::to_string(p.shape[1]) +
-                                             " columns but parts[0] has " + std::to_string(x.cols));
-    x.data[i] = p.data;
-    x.rows[i] = p.shape[0];
-  }
-  x.count = static_cast<int>(parts.size());
-  int64_t rows = 0;
-  for (int i = 0; i < x.count; ++i) rows += x.rows[i];
-  std::vector<const View*> all;
-  for (const View& p : parts) all.push_back(&p);
-  View scale, amax, scale_out, q, q_t;
-  auto scalar = [&](const std::optional<MutArray>& a, View& v, const char* name) {
-    if (!a) return;
-    v = view_of(*a, name);
-    expect_kind(v, Kind::kFloat32);
-    expect_numel(v, 1, "one per-tensor value");
-    all.push_back(&v);
-  };
-  scalar(scale_, scale, "scale");
-  scalar(amax_, amax, "amax");
-  scalar(scale_out_, scale_out, "scale_out");
-  if (q_) {
-    q = view_of(*q_, "q");
-    expect_kind(q, Kind::kUInt8);
-    COAT_CHECK_ARG(q.shape == std::vector<int64_t>({rows, x.cols}),
-                   "q must have shape [R, cols] = [" + std::to_string(rows) + ", " +
-                       std::to_string(x.cols) + "], got " + shape_str(q.shape));
-    all.push_back(&q);
-  }
-  if (q_t_) {
-    q_t = view_of(*q_t_, "q_t");
-    expect_kind(q_t, Kind::kUInt8);
-    COAT_CHECK_ARG(q_t.shape == std::vector<int64_t>({x.cols, rows}),
-                   "q_t must have shape [cols, R] = [" + std::to_string(x.cols) + ", " +
-                       std::to_string(rows) + "], got " + shape_str(q_t.shape));
-    all.push_back(&q_t);
-  }
-  for (const View* v : all) same_device({all[0], v});
-  const Fp8Format fmt = fp8_format(fmt_);
-  const auto* sc = static_cast<const float*>(scale.data);
-  auto* am = static_cast<float*>(amax.data);
-  auto* so = static_cast<float*>(scale_out.data);
-  auto* qd = static_cast<uint8_t*>(q.data);
-  auto* qtd = static_cast<uint8_t*>(q_t.data);
-  if (all[0]->cuda)
-    COAT_GPU_CALL(quantize_stacked(x, fmt, sc, am, so, qd, qtd, stream_of(stream)));
-  else
-    ref::quantize_stacked(x, fmt, sc, am, so, qd, qtd);
-}
-
-// parts: 1..4 row blocks [rows_i, cols] of FP8 codes (uint8 views); q_t: [cols, sum rows_i].
-void transpose_stacked_codes_py(const std::vector<Array>& parts_, MutArray q_t_, uintptr_t stream) {
+// parts: 1..4 row blocks [rows_i, cols] (float dtypes, or FP8 codes with `codes`), read as the
+// stacked X [R, cols]; the views are kept in `views` (their device is checked against parts[0]).
+StackedRows stacked_of(const std::vector<Array>& parts_, bool codes, std::vector<View>& views) {
   static const char* kNames[kMaxStackParts] = {"parts[0]", "parts[1]", "parts[2]", "parts[3]"};
   COAT_CHECK_ARG(!parts_.empty() && parts_.size() <= static_cast<size_t>(kMaxStackParts),
                  "parts must hold 1 to " + std::to_string(kMaxStackParts) + " tensors, got " +
                      std::to_string(parts_.size()));
   StackedRows x;
-  std::vector<View> views;
-  views.reserve(parts_.size() + 1);
-  int64_t rows = 0;
+  views.reserve(parts_.size());
   for (size_t i = 0; i < parts_.size(); ++i) {
     views.push_back(view_of(parts_[i], kNames[i]));
     const View& p = views.back();
     COAT_CHECK_ARG(p.shape.size() == 2, std::string(p.name) + " must be 2-D, got shape " + shape_str(p.shape));
-    expect_kind(p, Kind::kUInt8);
+    if (codes) {
+      expect_kind(p, Kind::kUInt8);
+    } else {
+      const DType dt = float_dtype(p);
+      if (i == 0) x.dtype = dt;
+      COAT_CHECK_ARG(dt == x.dtype, std::string(p.name) + " is " + p.dtype_name + " but parts[0] is " +
+                                        views[0].dtype_name + ": all parts must share one dtype");
+    }
     if (i == 0) x.cols = p.shape[1];
     COAT_CHECK_ARG(p.shape[1] == x.cols, std::string(p.name) + " has " + std::to_string(p.shape[1]) +
                                              " columns but parts[0] has " + std::to_string(x.cols));
+    same_device({&views[0], &p});
     x.data[i] = p.data;
     x.rows[i] = p.shape[0];
-    rows += p.shape[0];
   }
-  x.count = static_cast<int>(parts_.size());
-  views.push_back(view_of(q_t_, "q_t"));
-  const View& q_t = views.back();
-  expect_kind(q_t, Kind::kUInt8);
-  COAT_CHECK_ARG(q_t.shape.size() == 2 && q_t.shape[0] == x.cols && q_t.shape[1] == rows,
-                 "q_t must have shape [" + std::to_string(x.cols) + ", " + std::to_string(rows) + "], got " +
-                     shape_str(q_t.shape));
-  std::vector<const View*> all;
-  for (const View& v : views) all.push_back(&v);
-  auto* qt = static_cast<uint8_t*>(q_t.data);
-  for (const View* v : all) same_device({all[0], v});
-  if (all[0]->cuda)
+  x.count = static_cast<int>(views.size());
+  return x;
+}
+
+int64_t total_rows(const StackedRows& x) {
+  int64_t rows = 0;
+  for (int i = 0; i < x.count; ++i) rows += x.rows[i];
+  return rows;
+}
+
+// Per-tensor FP8 of the stacked X with a given scale, or (scale_ None) with its scale from
+// max |X| on the device: (q [R, cols] or empty, q_t [cols, R] or empty[, scale]).
+nb::tuple quantize_stacked_py(const std::vector<Array>& parts_, std::optional<Array> scale_, int fmt_,
+                              bool rowmajor, bool transpose, uintptr_t stream) {
+  COAT_CHECK_ARG(rowmajor || transpose, "ask for rowmajor codes, transposed codes or both");
+  std::vector<View> parts;
+  const StackedRows x = stacked_of(parts_, false, parts);
+  const Fp8Format fmt = fp8_format(fmt_);
+  const View& p0 = parts[0];
+  View scale;
+  if (scale_) {
+    scale = view_of(*scale_, "scale");
+    check_scale(scale);
+    same_device({&p0, &scale});
+  }
+  const int64_t rows = total_rows(x);
+  Created q = new_tensor(rowmajor ? std::vector<int64_t>{rows, x.cols} : kEmpty, NewDtype::kUInt8, p0, "q");
+  Created q_t = new_tensor(transpose ? std::vector<int64_t>{x.cols, rows} : kEmpty, NewDtype::kUInt8, p0, "q_t");
+  Created scale_out, amax;
+  if (!scale_) {
+    scale_out = new_tensor({1}, NewDtype::kFloat32, p0, "scale");
+    amax = new_tensor({1}, NewDtype::kFloat32, p0, "amax");
+  }
+  const auto* sc = scale_ ? static_cast<const float*>(scale.data) : nullptr;
+  auto* am = scale_ ? nullptr : static_cast<float*>(amax.view.data);
+  auto* so = scale_ ? nullptr : static_cast<float*>(scale_out.view.data);
+  auto* qd = rowmajor ? static_cast<uint8_t*>(q.view.data) : nullptr;
+  auto* qtd = transpose ? static_cast<uint8_t*>(q_t.view.data) : nullptr;
+  if (p0.cuda)
+    COAT_GPU_CALL(quantize_stacked(x, fmt, sc, am, so, qd, qtd, stream_of(stream)));
+  else
+    ref::quantize_stacked(x, fmt, sc, am, so, qd, qtd);
+  if (scale_) return nb::make_tuple(q.tensor, q_t.tensor);
+  return nb::make_tuple(q.tensor, q_t.tensor, scale_out.tensor);
+}
+
+// parts: 1..4 row blocks [rows_i, cols] of FP8 codes; returns the transpose [cols, sum rows_i].
+nb::object transpose_stacked_codes_py(const std::vector<Array>& parts_, uintptr_t stream) {
+  std::vector<View> parts;
+  const StackedRows x = stacked_of(parts_, true, parts);
+  Created q_t = new_tensor({x.cols, total_rows(x)}, NewDtype::kUInt8, parts[0], "q_t");
+  auto* qt = static_cast<uint8_t*>(q_t.view.data);
+  if (parts[0].cuda)
     COAT_GPU_CALL(transpose_stacked_codes(x, qt, stream_of(stream)));
   else
     ref::transpose_stacked_codes(x, qt);
+  return q_t.tensor;
 }
 
-void check_group_args(const View& x, const View& scales, int group, ScaleKind kind) {
+void check_group(const View& x, int group) {
   COAT_CHECK_ARG(group == 16 || group == 32 || group == 64 || group == 128,
                  "group_size must be 16, 32, 64 or 128, got " + std::to_string(group));
+  COAT_CHECK_ARG(!x.shape.empty(), std::string(x.name) + " must have at least one dimension for per-group quantization");
   COAT_CHECK_ARG(x.last_dim() % group == 0,
                  "group_size " + std::to_string(group) + " does not divide the last dimension of " +
                      x.name + " (" + std::to_string(x.last_dim()) + ")");
-  expect_kind(scales, kind == ScaleKind::kE8M0 ? Kind::kUInt8 : Kind::kFloat32);
-  expect_numel(scales, x.numel / group, "one per group of " + std::to_string(group));
 }
 
-void quantize_per_group_py(const Array& x_, MutArray scales_, MutArray q_, int group, int fmt_,
-                           int kind_, uintptr_t stream) {
-  const View x = view_of(x_, "x"), scales = view_of(scales_, "scales"), q = view_of(q_, "q");
+// (q, scales [..., cols / group], fp32 or E8M0 bytes) of x in 1 x group groups.
+nb::tuple quantize_per_group_py(const Array& x_, int group, int fmt_, int kind_, uintptr_t stream) {
+  const View x = view_of(x_, "x");
   const DType dt = float_dtype(x);
   const Fp8Format fmt = fp8_format(fmt_);
   const ScaleKind kind = scale_kind(kind_);
-  check_group_args(x, scales, group, kind);
-  expect_kind(q, Kind::kUInt8);
-  expect_same_shape(q, x);
-  auto* qd = static_cast<uint8_t*>(q.data);
-  if (same_device({&x, &scales, &q}))
-    COAT_GPU_CALL(quantize_per_group(x.data, dt, x.rows(), x.last_dim(), group, fmt, kind, scales.data, qd,
-                       stream_of(stream)));
+  check_group(x, group);
+  const bool cuda = same_device({&x});
+  std::vector<int64_t> sshape = x.shape;
+  sshape.back() /= group;
+  Created q = new_tensor(x.shape, NewDtype::kUInt8, x, "q");
+  Created scales = new_tensor(sshape, kind == ScaleKind::kE8M0 ? NewDtype::kUInt8 : NewDtype::kFloat32, x, "scales");
+  auto* qd = static_cast<uint8_t*>(q.view.data);
+  if (cuda)
+    COAT_GPU_CALL(quantize_per_group(x.data, dt, x.rows(), x.last_dim(), group, fmt, kind, scales.view.data, qd,
+                                     stream_of(stream)));
   else
-    ref::quantize_per_group(x.data, dt, x.rows(), x.last_dim(), group, fmt, kind, scales.data, qd);
+    ref::quantize_per_group(x.data, dt, x.rows(), x.last_dim(), group, fmt, kind, scales.view.data, qd);
+  return nb::make_tuple(q.tensor, scales.tensor);
 }
 
-void dequantize_per_group_py(const Array& q_, const Array& scales_, MutArray y_, int group,
-                             int fmt_, int kind_, uintptr_t stream) {
-  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), y = view_of(y_, "y");
+// y = q * its group's scale as the core dtype `dtype`; the scale kind follows scales' dtype.
+nb::object dequantize_per_group_py(const Array& q_, const Array& scales_, int group, int fmt_, int dtype,
+                                   uintptr_t stream) {
+  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales");
   const Fp8Format fmt = fp8_format(fmt_);
-  const ScaleKind kind = scale_kind(kind_);
   expect_kind(q, Kind::kUInt8);
-  check_group_args(q, scales, group, kind);
-  const DType out = float_dtype(y);
-  expect_same_shape(y, q);
+  check_group(q, group);
+  const ScaleKind kind = check_group_scales(scales, q.numel, group);
+  const DType out = dtype_arg(dtype);
+  const bool cuda = same_device({&q, &scales});
+  Created y = new_tensor(q.shape, new_dtype(out), q, "y");
   const auto* qd = static_cast<const uint8_t*>(q.data);
-  if (same_device({&q, &scales, &y}))
-    COAT_GPU_CALL(dequantize_per_group(qd, fmt, q.rows(), q.last_dim(), group, kind, scales.data, y.data, out,
-                         stream_of(stream)));
+  if (cuda)
+    COAT_GPU_CALL(dequantize_per_group(qd, fmt, q.rows(), q.last_dim(), group, kind, scales.data, y.view.data, out,
+                                       stream_of(stream)));
   else
-    ref::dequantize_per_group(qd, fmt, q.rows(), q.last_dim(), group, kind, scales.data, y.data, out);
+    ref::dequantize_per_group(qd, fmt, q.rows(), q.last_dim(), group, kind, scales.data, y.view.data, out);
+  return y.tensor;
 }
 
 void check_dre_meta(const View& gmax, const View& k16, int64_t n) {
@@ -255,66 +230,65 @@ void check_dre_meta(const View& gmax, const View& k16, int64_t n) {
   expect_numel(k16, groups, "one per group of 128");
 }
 
-void dre_quantize_py(const Array& x_, MutArray q_, MutArray gmax_, MutArray k16_, int fmt_,
-                     float log2_range, uintptr_t stream) {
-  const View x = view_of(x_, "x"), q = view_of(q_, "q"), gmax = view_of(gmax_, "gmax"),
-             k16 = view_of(k16_, "k16");
+// (q, gmax, k16) of fp32 x: DRE codes and each 128-group's max and expansion exponent.
+nb::tuple dre_quantize_py(const Array& x_, int fmt_, float log2_range, uintptr_t stream) {
+  const View x = view_of(x_, "x");
   expect_kind(x, Kind::kFloat32);
   const Fp8Format fmt = fp8_format(fmt_);
-  expect_kind(q, Kind::kUInt8);
-  expect_numel(q, x.numel, "one code per element of x");
-  check_dre_meta(gmax, k16, x.numel);
+  const bool cuda = same_device({&x});
+  const int64_t groups = (x.numel + kDreGroupSize - 1) / kDreGroupSize;
+  Created q = new_tensor(x.shape, NewDtype::kUInt8, x, "q");
+  Created gmax = new_tensor({groups}, NewDtype::kFloat32, x, "gmax");
+  Created k16 = new_tensor({groups}, NewDtype::kUInt8, x, "k16");
   const auto* xd = static_cast<const float*>(x.data);
-  auto* qd = static_cast<uint8_t*>(q.data);
-  auto* gd = static_cast<float*>(gmax.data);
-  auto* kd = static_cast<uint8_t*>(k16.data);
-  if (same_device({&x, &q, &gmax, &k16}))
+  auto* qd = static_cast<uint8_t*>(q.view.data);
+  auto* gd = static_cast<float*>(gmax.view.data);
+  auto* kd = static_cast<uint8_t*>(k16.view.data);
+  if (cuda)
     COAT_GPU_CALL(dre_quantize(xd, x.numel, fmt, log2_range, qd, gd, kd, stream_of(stream)));
   else
     ref::dre_quantize(xd, x.numel, fmt, log2_range, qd, gd, kd);
+  return nb::make_tuple(q.tensor, gmax.tensor, k16.tensor);
 }
 
-void dre_dequantize_py(const Array& q_, const Array& gmax_, const Array& k16_, MutArray y_,
-                       int fmt_, uintptr_t stream) {
-  const View q = view_of(q_, "q"), gmax = view_of(gmax_, "gmax"), k16 = view_of(k16_, "k16"),
-             y = view_of(y_, "y");
+// fp32 y decoded from DRE codes.
+nb::object dre_dequantize_py(const Array& q_, const Array& gmax_, const Array& k16_, int fmt_, uintptr_t stream) {
+  const View q = view_of(q_, "q"), gmax = view_of(gmax_, "gmax"), k16 = view_of(k16_, "k16");
   const Fp8Format fmt = fp8_format(fmt_);
   expect_kind(q, Kind::kUInt8);
   check_dre_meta(gmax, k16, q.numel);
-  expect_kind(y, Kind::kFloat32);
-  expect_numel(y, q.numel, "one value per code");
+  const bool cuda = same_device({&q, &gmax, &k16});
+  Created y = new_tensor(q.shape, NewDtype::kFloat32, q, "y");
   const auto* qd = static_cast<const uint8_t*>(q.data);
   const auto* gd = static_cast<const float*>(gmax.data);
   const auto* kd = static_cast<const uint8_t*>(k16.data);
-  auto* yd = static_cast<float*>(y.data);
-  if (same_device({&q, &gmax, &k16, &y}))
+  auto* yd = static_cast<float*>(y.view.data);
+  if (cuda)
     COAT_GPU_CALL(dre_dequantize(qd, gd, kd, q.numel, fmt, yd, stream_of(stream)));
   else
     ref::dre_dequantize(qd, gd, kd, q.numel, fmt, yd);
+  return y.tensor;
 }
 
 void register_quantize(nb::module_& m) {
   m.attr("DRE_GROUP_SIZE") = kDreGroupSize;
   m.attr("DRE_LOG2_RANGE_E4M3") = kDreLog2RangeE4M3;
   m.attr("DRE_LOG2_RANGE_E5M2") = kDreLog2RangeE5M2;
-  m.def("quantize_per_tensor", &quantize_per_tensor_py, arg("x"), arg("scale"), arg("q"),
-        arg("q_t").none(), arg("fmt"), arg("stream"));
-  m.def("quantize_per_tensor_amax", &quantize_per_tensor_amax_py, arg("x"), arg("amax"),
-        arg("scale"), arg("q"), arg("q_t").none(), arg("fmt"), arg("stream"));
-  m.def("quantize_stacked", &quantize_stacked_py, arg("parts"), arg("scale").none(),
-        arg("amax").none(), arg("scale_out").none(), arg("q").none(), arg("q_t").none(),
-        arg("fmt"), arg("stream"));
-  m.def("transpose_stacked_codes", &transpose_stacked_codes_py, arg("parts"), arg("q_t"), arg("stream"));
-  m.def("dequantize_per_tensor", &dequantize_per_tensor_py, arg("q"), arg("scale"), arg("y"),
-        arg("fmt"), arg("stream"));
-  m.def("quantize_per_group", &quantize_per_group_py, arg("x"), arg("scales"), arg("q"),
-        arg("group_size"), arg("fmt"), arg("scale_kind"), arg("stream"));
-  m.def("dequantize_per_group", &dequantize_per_group_py, arg("q"), arg("scales"), arg("y"),
-        arg("group_size"), arg("fmt"), arg("scale_kind"), arg("stream"));
-  m.def("dre_quantize", &dre_quantize_py, arg("x"), arg("q"), arg("gmax"), arg("k16"), arg("fmt"),
-        arg("log2_range"), arg("stream"));
-  m.def("dre_dequantize", &dre_dequantize_py, arg("q"), arg("gmax"), arg("k16"), arg("y"),
-        arg("fmt"), arg("stream"));
+  m.def("quantize_per_tensor", &quantize_per_tensor_py, arg("x"), arg("scale"), arg("fmt"), arg("transpose"),
+        arg("stream"));
+  m.def("quantize_per_tensor_amax", &quantize_per_tensor_amax_py, arg("x"), arg("fmt"), arg("transpose"),
+        arg("stream"));
+  m.def("quantize_stacked", &quantize_stacked_py, arg("parts"), arg("scale").none(), arg("fmt"), arg("rowmajor"),
+        arg("transpose"), arg("stream"));
+  m.def("transpose_stacked_codes", &transpose_stacked_codes_py, arg("parts"), arg("stream"));
+  m.def("dequantize_per_tensor", &dequantize_per_tensor_py, arg("q"), arg("scale"), arg("fmt"), arg("dtype"),
+        arg("stream"));
+  m.def("quantize_per_group", &quantize_per_group_py, arg("x"), arg("group_size"), arg("fmt"), arg("scale_kind"),
+        arg("stream"));
+  m.def("dequantize_per_group", &dequantize_per_group_py, arg("q"), arg("scales"), arg("group_size"), arg("fmt"),
+        arg("dtype"), arg("stream"));
+  m.def("dre_quantize", &dre_quantize_py, arg("x"), arg("fmt"), arg("log2_range"), arg("stream"));
+  m.def("dre_dequantize", &dre_dequantize_py, arg("q"), arg("gmax"), arg("k16"), arg("fmt"), arg("stream"));
 }
 
 }  // namespace

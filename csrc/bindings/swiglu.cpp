@@ -18,63 +18,59 @@ int64_t inter_of(const View& gu) {
   return gu.last_dim() / 2;
 }
 
-void expect_h_shape(const View& h, const View& gu, int64_t inter) {
+std::vector<int64_t> h_shape(const View& gu, int64_t inter) {
   std::vector<int64_t> s = gu.shape;
   s.back() = inter;
-  COAT_CHECK_ARG(h.shape == s, std::string(h.name) + " must have shape " + shape_str(s) + ", got " +
-                                   shape_str(h.shape));
+  return s;
 }
 
-void swiglu_fwd_py(const Array& gu_, MutArray h_, std::optional<MutArray> q_, std::optional<MutArray> scales_,
-                   int fmt_, uintptr_t stream) {
-  const View gu = view_of(gu_, "gate_up"), h = view_of(h_, "h");
+// (h, q, scales): h = silu(gate) * up in gate_up's dtype, and (with `quantize`) gate_up's FP8 copy
+// in 1 x 16 groups (else q and scales are empty).
+nb::tuple swiglu_fwd_py(const Array& gu_, bool quantize, int fmt_, bool e8m0, uintptr_t stream) {
+  const View gu = view_of(gu_, "gate_up");
   const DType dt = float_dtype(gu);
   const Fp8Format fmt = fp8_format(fmt_);
   const int64_t inter = inter_of(gu);
-  expect_kind(h, gu.kind);
-  expect_h_shape(h, gu, inter);
-  const Fp8Output out = optional_fp8_output(q_, scales_, gu, kSwigluGroup);
-  const View &q = out.q, &scales = out.scales;
-  const ScaleKind kind = out.kind;
-  const bool cuda = out.given ? same_device({&gu, &h, &q, &scales}) : same_device({&gu, &h});
-  auto* qd = static_cast<uint8_t*>(q.data);
+  const bool cuda = same_device({&gu});
+  Created h = new_tensor(h_shape(gu, inter), new_dtype(dt), gu, "h");
+  const Fp8Output out = new_fp8_output(quantize, fmt, e8m0, gu, kSwigluGroup);
   if (cuda)
-    COAT_GPU_CALL(swiglu_fwd(gu.data, dt, gu.rows(), inter, h.data, qd, scales.data, kind, fmt, stream_of(stream)));
+    COAT_GPU_CALL(swiglu_fwd(gu.data, dt, gu.rows(), inter, h.view.data, out.codes(), out.scale_data(), out.kind, fmt,
+                             stream_of(stream)));
   else
-    ref::swiglu_fwd(gu.data, dt, gu.rows(), inter, h.data, qd, scales.data, kind, fmt);
+    ref::swiglu_fwd(gu.data, dt, gu.rows(), inter, h.view.data, out.codes(), out.scale_data(), out.kind, fmt);
+  return nb::make_tuple(h.tensor, out.q.tensor, out.scales.tensor);
 }
 
-void swiglu_bwd_py(const Array& q_, const Array& scales_, const Array& dh_, MutArray dgu_,
-                   std::optional<MutArray> h_, int fmt_, uintptr_t stream) {
-  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), dh = view_of(dh_, "dh"),
-             dgu = view_of(dgu_, "dgu");
+// (dgate_up, h) in dh's dtype from the FP8 copy of gate_up; h (silu(g) * u recomputed) is empty
+// unless `recompute_h`.
+nb::tuple swiglu_bwd_py(const Array& q_, const Array& scales_, const Array& dh_, bool recompute_h, int fmt_,
+                        uintptr_t stream) {
+  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), dh = view_of(dh_, "dh");
   const Fp8Format fmt = fp8_format(fmt_);
   expect_kind(q, Kind::kUInt8);
   const int64_t inter = inter_of(q);
   const ScaleKind kind = check_group_scales(scales, q.numel, kSwigluGroup);
   const DType dt = float_dtype(dh);
-  expect_h_shape(dh, q, inter);
-  expect_kind(dgu, dh.kind);
-  expect_same_shape(dgu, q);
-  View h;
-  if (h_) {
-    h = view_of(*h_, "h");
-    expect_kind(h, dh.kind);
-    expect_h_shape(h, q, inter);
-  }
-  const bool cuda = h_ ? same_device({&q, &scales, &dh, &dgu, &h}) : same_device({&q, &scales, &dh, &dgu});
+  const std::vector<int64_t> hs = h_shape(q, inter);
+  COAT_CHECK_ARG(dh.shape == hs, "dh must have shape " + shape_str(hs) + ", got " + shape_str(dh.shape));
+  const bool cuda = same_device({&q, &scales, &dh});
+  Created dgu = new_tensor(q.shape, new_dtype(dt), dh, "dgu");
+  Created h = new_tensor(recompute_h ? hs : std::vector<int64_t>{0}, new_dtype(dt), dh, "h");
+  void* hd = recompute_h ? h.view.data : nullptr;
   const auto* qd = static_cast<const uint8_t*>(q.data);
   if (cuda)
-    COAT_GPU_CALL(swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.data, h.data, stream_of(stream)));
+    COAT_GPU_CALL(swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.view.data, hd,
+                             stream_of(stream)));
   else
-    ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.data, h.data);
+    ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.view.data, hd);
+  return nb::make_tuple(dgu.tensor, h.tensor);
 }
 
 void register_swiglu(nb::module_& m) {
-  m.def("swiglu_fwd", &swiglu_fwd_py, arg("gate_up"), arg("h"), arg("q").none(), arg("scales").none(),
-        arg("fmt"), arg("stream"));
-  m.def("swiglu_bwd", &swiglu_bwd_py, arg("q"), arg("scales"), arg("dh"), arg("dgu"), arg("h").none(),
-        arg("fmt"), arg("stream"));
+  m.def("swiglu_fwd", &swiglu_fwd_py, arg("gate_up"), arg("quantize"), arg("fmt"), arg("e8m0"), arg("stream"));
+  m.def("swiglu_bwd", &swiglu_bwd_py, arg("q"), arg("scales"), arg("dh"), arg("recompute_h"), arg("fmt"),
+        arg("stream"));
 }
 
 }  // namespace

@@ -1,7 +1,5 @@
 #include "tensor_args.h"
 
-#include <deque>
-
 namespace coat {
 namespace bind {
 
@@ -22,111 +20,6 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-namespace {
-
-PyObject* interned(const char* s) {
-  PyObject* o = PyUnicode_InternFromString(s);
-  if (o == nullptr) throw nb::python_error();
-  return o;
-}
-
-// Attribute names, interned once (the GIL is held whenever a binding runs).
-struct Names {
-  PyObject* data_ptr = interned("data_ptr");
-  PyObject* dtype = interned("dtype");
-  PyObject* shape = interned("shape");
-  PyObject* is_contiguous = interned("is_contiguous");
-  PyObject* is_cuda = interned("is_cuda");
-  PyObject* is_cpu = interned("is_cpu");
-  PyObject* get_device = interned("get_device");
-};
-const Names& names() {
-  static const Names n;
-  return n;
-}
-
-nb::object attr(PyObject* o, PyObject* name) {
-  PyObject* r = PyObject_GetAttr(o, name);
-  if (r == nullptr) throw nb::python_error();
-  return nb::steal(r);
-}
-
-nb::object call0(PyObject* o, PyObject* name) {
-  PyObject* r = PyObject_CallMethodNoArgs(o, name);
-  if (r == nullptr) throw nb::python_error();
-  return nb::steal(r);
-}
-
-Kind kind_of_name(const std::string& s) {
-  if (s == "torch.float32") return Kind::kFloat32;
-  if (s == "torch.bfloat16") return Kind::kBFloat16;
-  if (s == "torch.float16") return Kind::kFloat16;
-  if (s == "torch.int64") return Kind::kInt64;
-  // FP8 codes are bytes; their format travels as an explicit argument.
-  if (s == "torch.uint8" || s == "torch.float8_e4m3fn" || s == "torch.float8_e5m2") return Kind::kUInt8;
-  return Kind::kOther;
-}
-
-// dtype objects are process-lifetime singletons: map each once by identity. The name is kept for
-// error messages ("got float64").
-struct DtypeEntry {
-  PyObject* obj;
-  Kind kind;
-  std::string name;
-};
-const DtypeEntry& dtype_entry(PyObject* dtype) {
-  static std::deque<DtypeEntry> seen;  // deque: entries never move
-  for (const auto& e : seen)
-    if (e.obj == dtype) return e;
-  std::string s = nb::str(nb::handle(dtype)).c_str();
-  const Kind k = kind_of_name(s);
-  if (s.rfind("torch.", 0) == 0) s = s.substr(6);
-  Py_INCREF(dtype);
-  seen.push_back({dtype, k, s});
-  return seen.back();
-}
-
-bool truthy(const nb::object& o) {
-  const int t = PyObject_IsTrue(o.ptr());
-  if (t < 0) throw nb::python_error();
-  return t == 1;
-}
-
-}  // namespace
-
-View view_of(const TensorArg& a, const char* name) {
-  const Names& n = names();
-  PyObject* o = a.obj.ptr();
-  View v;
-  v.name = name;
-  PyObject* is_cuda = PyObject_GetAttr(o, n.is_cuda);
-  if (is_cuda == nullptr) {
-    PyErr_Clear();
-    throw_invalid(std::string(name) + " must be a torch.Tensor, got " + nb::type_name(a.obj.type()).c_str());
-  }
-  v.cuda = truthy(nb::steal(is_cuda));
-  COAT_CHECK_ARG(v.cuda || truthy(attr(o, n.is_cpu)), std::string(name) + " must be a CPU or CUDA tensor");
-  v.device = v.cuda ? static_cast<int>(PyLong_AsLong(call0(o, n.get_device).ptr())) : 0;
-  const DtypeEntry& dt = dtype_entry(attr(o, n.dtype).ptr());
-  v.kind = dt.kind;
-  v.dtype_name = dt.name.c_str();
-  const nb::object shape = attr(o, n.shape);
-  const Py_ssize_t nd = PyTuple_Check(shape.ptr()) ? PyTuple_GET_SIZE(shape.ptr()) : -1;
-  COAT_CHECK_ARG(nd >= 0, std::string(name) + " has no tuple shape");
-  v.shape.resize(static_cast<size_t>(nd));
-  v.numel = 1;
-  for (Py_ssize_t i = 0; i < nd; ++i) {
-    v.shape[static_cast<size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
-    v.numel *= v.shape[static_cast<size_t>(i)];
-  }
-  COAT_CHECK_ARG(truthy(call0(o, n.is_contiguous)),
-                 std::string(name) + " must be contiguous (call " + name + ".contiguous() first)");
-  v.data = reinterpret_cast<void*>(
-      static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(call0(o, n.data_ptr).ptr())));
-  if (PyErr_Occurred()) throw nb::python_error();
-  return v;
-}
-
 DType float_dtype(const View& v) {
   switch (v.kind) {
     case Kind::kFloat32: return DType::kFloat32;
@@ -136,6 +29,20 @@ DType float_dtype(const View& v) {
       throw_invalid(std::string(v.name) + " must be float32, bfloat16 or float16, got " +
                     v.dtype_name);
   }
+}
+
+NewDtype new_dtype(DType d) {
+  switch (d) {
+    case DType::kFloat32: return NewDtype::kFloat32;
+    case DType::kBFloat16: return NewDtype::kBFloat16;
+    default: return NewDtype::kFloat16;
+  }
+}
+
+NewDtype new_dtype(Fp8Format f) { return f == Fp8Format::kE4M3 ? NewDtype::kE4M3 : NewDtype::kE5M2; }
+
+NewDtype new_dtype_like(const View& v) {
+  return v.kind == Kind::kUInt8 ? NewDtype::kUInt8 : new_dtype(float_dtype(v));
 }
 
 void expect_kind(const View& v, Kind k) {
@@ -161,17 +68,21 @@ ScaleKind check_group_scales(const View& scales, int64_t numel, int64_t group) {
   return scales.kind == Kind::kUInt8 ? ScaleKind::kE8M0 : ScaleKind::kFloat32;
 }
 
-Fp8Output optional_fp8_output(const std::optional<MutArray>& q, const std::optional<MutArray>& scales,
-                              const View& like, int64_t group) {
-  COAT_CHECK_ARG(q.has_value() == scales.has_value(), "q and scales must be given together");
+Fp8Output new_fp8_output(bool given, Fp8Format fmt, bool e8m0, const View& like, int64_t group) {
   Fp8Output out;
-  if (!q) return out;
-  out.given = true;
-  out.q = view_of(*q, "q");
-  out.scales = view_of(*scales, "scales");
-  expect_kind(out.q, Kind::kUInt8);
-  expect_same_shape(out.q, like);
-  out.kind = check_group_scales(out.scales, like.numel, group);
+  out.given = given;
+  out.kind = e8m0 ? ScaleKind::kE8M0 : ScaleKind::kFloat32;
+  if (!given) {
+    out.q = new_tensor({0}, new_dtype(fmt), like, "q");
+    out.scales = new_tensor({0}, NewDtype::kFloat32, like, "scales");
+    return out;
+  }
+  COAT_CHECK_ARG(!like.shape.empty() && like.last_dim() % group == 0,
+                 std::string("the last dimension of ") + like.name + " must be a multiple of " + std::to_string(group));
+  std::vector<int64_t> sshape = like.shape;
+  sshape.back() /= group;
+  out.q = new_tensor(like.shape, new_dtype(fmt), like, "q");
+  out.scales = new_tensor(sshape, e8m0 ? NewDtype::kUInt8 : NewDtype::kFloat32, like, "scales");
   return out;
 }
 
@@ -192,6 +103,11 @@ bool same_device(std::initializer_list<const View*> views) {
     set_current_device(first->device);
   }
   return first->cuda;
+}
+
+DType dtype_arg(int d) {
+  COAT_CHECK_ARG(d >= 0 && d <= 2, "dtype must be 0 (float32), 1 (bfloat16) or 2 (float16), got " + std::to_string(d));
+  return static_cast<DType>(d);
 }
 
 Fp8Format fp8_format(int f) {

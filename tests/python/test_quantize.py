@@ -255,5 +255,5 @@ def test_bad_inputs_name_the_argument():
         qops.dre_dequantize(q.flatten()[:100], torch.ones(3), torch.ones(1, dtype=torch.uint8), 0)
     with pytest.raises(ValueError, match="fmt must be 0"):
         qops.dequantize_per_tensor(q, torch.ones(1), 3, torch.float32)
-    with pytest.raises(ValueError, match="y must be float32, bfloat16 or float16"):
+    with pytest.raises(ValueError, match="dtype must be torch.float32, torch.bfloat16 or torch.float16"):
         qops.dequantize_per_tensor(q, torch.ones(1), 0, torch.int32)

@@ -65,7 +65,7 @@ def test_stacked_bad_inputs():
     a = torch.randn(4, 8)
     with pytest.raises(ValueError, match="at least one"):
         Q.quantize_stacked_amax([], E4, True, True)
-    with pytest.raises(ValueError, match=r"parts\[1\] must be 2-D with parts\[0\]'s 8 columns"):
+    with pytest.raises(ValueError, match=r"parts\[1\] has 9 columns but parts\[0\] has 8"):
         Q.quantize_stacked_amax([a, torch.randn(4, 9)], E4, True, True)
     with pytest.raises(ValueError, match="rowmajor codes, transposed codes or both"):
         Q.quantize_stacked_amax([a], E4, False, False)
@@ -273,7 +273,7 @@ def test_transpose_stacked_codes_bad_inputs(gen):
     a = _codes((4,), 8, gen)[0]
     with pytest.raises(ValueError, match="at least one"):
         Q.transpose_stacked_codes([])
-    with pytest.raises(ValueError, match=r"parts\[1\] must be 2-D with parts\[0\]'s 8 columns"):
+    with pytest.raises(ValueError, match=r"parts\[1\] has 4 columns but parts\[0\] has 8"):
         Q.transpose_stacked_codes([a, a[:, :4].contiguous()])
     with pytest.raises(ValueError, match="1 to 4 tensors"):
         Q.transpose_stacked_codes([a] * 5)

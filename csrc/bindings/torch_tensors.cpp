@@ -1,0 +1,113 @@
+// The bindings' one contact with torch's C++ API: reading tensor arguments (view_of) and creating
+// output tensors (new_tensor). See tensor_args.h for why. Built against the installed torch; the
+// module records that torch's version (TORCH_VERSION) so coat can refuse a mismatch at import.
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <ATen/ops/empty.h>
+
+#include "registry.h"
+#include "tensor_args.h"
+
+namespace coat {
+namespace bind {
+namespace {
+
+// torch's Python names of dtypes ("float64"), for messages.
+const char* torch_dtype_name(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kBool: return "bool";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case at::kFloat8_e5m2: return "float8_e5m2";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    default: return c10::toString(st);
+  }
+}
+
+Kind kind_of(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return Kind::kFloat32;
+    case at::kBFloat16: return Kind::kBFloat16;
+    case at::kHalf: return Kind::kFloat16;
+    case at::kLong: return Kind::kInt64;
+    // FP8 codes are bytes; their format travels as an explicit argument.
+    case at::kByte:
+    case at::kFloat8_e4m3fn:
+    case at::kFloat8_e5m2: return Kind::kUInt8;
+    default: return Kind::kOther;
+  }
+}
+
+at::ScalarType scalar_type(NewDtype d) {
+  switch (d) {
+    case NewDtype::kUInt8: return at::kByte;
+    case NewDtype::kFloat32: return at::kFloat;
+    case NewDtype::kBFloat16: return at::kBFloat16;
+    case NewDtype::kFloat16: return at::kHalf;
+    case NewDtype::kE4M3: return at::kFloat8_e4m3fn;
+    default: return at::kFloat8_e5m2;
+  }
+}
+
+void fill(View& v, const at::Tensor& t, const char* name) {
+  v.name = name;
+  const at::Device dev = t.device();
+  v.cuda = dev.is_cuda();
+  COAT_CHECK_ARG(v.cuda || dev.is_cpu(),
+                 std::string(name) + " must be a CPU or CUDA tensor, got one on " + dev.str());
+  v.device = v.cuda ? dev.index() : 0;
+  const at::ScalarType st = t.scalar_type();
+  v.kind = kind_of(st);
+  v.dtype_name = torch_dtype_name(st);
+  const auto sizes = t.sizes();
+  v.shape.assign(sizes.begin(), sizes.end());
+  v.numel = t.numel();
+  COAT_CHECK_ARG(t.is_contiguous(), std::string(name) + " must be contiguous (call " + name + ".contiguous() first)");
+  v.data = t.data_ptr();
+}
+
+}  // namespace
+
+View view_of(const TensorArg& a, const char* name) {
+  PyObject* o = a.obj.ptr();
+  if (!THPVariable_Check(o))
+    throw_invalid(std::string(name) + " must be a torch.Tensor, got " + nb::type_name(a.obj.type()).c_str());
+  View v;
+  try {
+    fill(v, THPVariable_Unpack(o), name);
+  } catch (const c10::Error& e) {  // e.g. a tensor subclass without storage of its own
+    throw_invalid(std::string(name) + ": " + e.what_without_backtrace());
+  }
+  return v;
+}
+
+Created new_tensor(const std::vector<int64_t>& shape, NewDtype dtype, const View& like, const char* name) {
+  const at::Device dev = like.cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(like.device))
+                                   : at::Device(at::kCPU);
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(scalar_type(dtype)).device(dev));
+  Created c;
+  fill(c.view, t, name);
+  c.tensor = nb::steal(THPVariable_Wrap(std::move(t)));
+  if (!c.tensor.is_valid()) throw nb::python_error();
+  return c;
+}
+
+namespace {
+
+void register_torch_tensors(nb::module_& m) { m.attr("TORCH_VERSION") = COAT_TORCH_VERSION; }
+
+}  // namespace
+
+COAT_REGISTER_BINDINGS(torch_tensors, register_torch_tensors);
+
+}  // namespace bind
+}  // namespace coat
