@@ -22,6 +22,8 @@ from .._ops import quantize as qops
 from .._ops._util import fmt_id
 
 _BACKEND = os.environ.get("COAT_LAYER_GEMM", "coat")
+_SCALED_MM = _BACKEND == "scaled_mm"
+_GEMM_OUT = (torch.float32, torch.bfloat16)  # what coat::fp8_gemm writes itself
 
 
 _FMT = {torch.float8_e4m3fn: fmt_id(torch.float8_e4m3fn), torch.float8_e5m2: fmt_id(torch.float8_e5m2)}
@@ -34,7 +36,7 @@ def quantize(x2d: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool):
 
 
 def _use_scaled_mm(t: torch.Tensor) -> bool:
-    if _BACKEND != "scaled_mm" or not hasattr(torch, "_scaled_mm"):
+    if not _SCALED_MM or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(t.device) >= (8, 9)
 
@@ -56,6 +58,8 @@ def fp8_mm(a, sa, b, sb, out_dtype: torch.dtype, fast_accum: bool = False) -> to
     """(a * sa) @ (b * sb).T for row-major FP8 a [M, K] and b [N, K]; fp32 accumulation."""
     m, k = a.shape
     n = b.shape[0]
+    if a.is_cuda and not _SCALED_MM and k % 16 == 0 and n % 16 == 0 and m and out_dtype in _GEMM_OUT:
+        return gops.fp8_gemm(a, b, sa, sb, None, out_dtype, fast_accum)  # every call of a Llama step
     if m == 0 or n == 0 or k == 0:
         return torch.zeros((m, n), dtype=out_dtype, device=a.device)
     if a.is_cuda and _use_scaled_mm(a):

@@ -141,6 +141,10 @@ def tensor_ptrs(state: dict[str, Any]) -> list[int]:
     return [t.data_ptr() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
+#: int64 words of one descriptor row (coat::AdamwTensor).
+DESC_WORDS = _C.ADAMW_DESC_WORDS
+
+
 def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int, shard: int) -> list[int]:
     """One coat::AdamwTensor (16 int64 words) for the kernel; `shard`: shard_index of the parameter."""
     master = st.get("master")

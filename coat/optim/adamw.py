@@ -348,36 +348,44 @@ class AdamW(torch.optim.Optimizer):
         return buckets
 
     def _descriptors(self, key: tuple, items: list) -> tuple[torch.Tensor, int]:
-        """The descriptor table of one launch; rebuilt only when a pointer changed (new grads, a
-        moved model, loaded states: load_state_dict and add_param_group clear the cache)."""
+        """The descriptor table of one launch. Built in full (every state checked) when a parameter
+        or state pointer changed (a moved model, loaded states: load_state_dict and add_param_group
+        clear the cache); when only gradients moved, as they do from step to step under
+        ``zero_grad(set_to_none=True)``, only their column is rewritten."""
         # Every pointer the table holds: a state tensor replaced in place (opt.state[p][k] = ...) must
         # not leave the kernel writing to the old one.
-        ptrs = tuple((local.data_ptr(), grad.data_ptr(), id(state), *_state.tensor_ptrs(state))
-                     for _, local, grad, state in items)
+        static = tuple((local.data_ptr(), id(state), *_state.tensor_ptrs(state)) for _, local, _, state in items)
+        grads = [grad.data_ptr() for _, _, grad, _ in items]
         hit = self._desc_cache.get(key)
-        if hit is not None and hit[0] == ptrs:
-            return hit[1], hit[2]
-        rows, begin, seen = [], 0, set()
-        for p, local, grad, state in items:
-            _state.check_state(state, local)  # a moved or re-laid-out tensor changes a pointer: checked here
-            if local.numel() == 0:
-                continue
-            if local.data_ptr() in seen:  # one launch would update it twice, racing with itself
-                raise ValueError(f"a parameter of shape {tuple(local.shape)} appears more than once in the "
-                                 "optimizer's parameter groups (or two parameters start at the same address); "
-                                 "pass each parameter once")
-            seen.add(local.data_ptr())
-            rows.append(_state.descriptor_row(local, grad, state, begin, _state.shard_index(p)))
-            begin += _state.groups(local.numel())
-        host = torch.tensor(rows, dtype=torch.int64)
+        if hit is not None and hit[0] == static:
+            _, kept, rows, begin, old_grads, table, _ = hit
+            if old_grads == grads:
+                return table, begin
+            rows = rows.clone()
+            rows[:, 1] = torch.tensor([grads[i] for i in kept], dtype=torch.int64)
+        else:
+            kept, lists, begin, seen = [], [], 0, set()
+            for i, (p, local, grad, state) in enumerate(items):
+                _state.check_state(state, local)  # a moved or re-laid-out tensor changes a pointer: checked here
+                if local.numel() == 0:
+                    continue
+                if local.data_ptr() in seen:  # one launch would update it twice, racing with itself
+                    raise ValueError(f"a parameter of shape {tuple(local.shape)} appears more than once in the "
+                                     "optimizer's parameter groups (or two parameters start at the same address); "
+                                     "pass each parameter once")
+                seen.add(local.data_ptr())
+                kept.append(i)
+                lists.append(_state.descriptor_row(local, grad, state, begin, _state.shard_index(p)))
+                begin += _state.groups(local.numel())
+            rows = torch.tensor(lists, dtype=torch.int64).reshape(-1, _state.DESC_WORDS)
         device = key[0]
         if device.type == "cuda":
-            host = host.pin_memory()
+            host = rows.pin_memory()  # a fresh pinned buffer: an earlier copy from the old one may be in flight
             table = host.to(device, non_blocking=True)
         else:
-            table = host
+            host = table = rows
         # The pinned host copy stays referenced: a CUDA graph that captured the copy replays it.
-        self._desc_cache[key] = (ptrs, table, begin, host)
+        self._desc_cache[key] = (static, kept, rows, begin, grads, table, host)
         return table, begin
 
     def _negated(self, scale: torch.Tensor | None, device: torch.device, on_device: dict) -> torch.Tensor:

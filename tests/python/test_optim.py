@@ -330,6 +330,32 @@ def test_state_tensor_replaced_in_place_is_followed():
     assert not torch.equal(st["exp_avg_q"], kept)
 
 
+def test_new_gradient_tensors_are_followed():
+    # zero_grad(set_to_none=True) gives every step new gradient tensors: the table keeps the other
+    # pointers and rewrites the gradients' column. The old gradient is kept alive and poisoned, so
+    # a stale pointer would step with 1e6. Reference: the same gradients written into one tensor.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3, 300))
+    q = torch.nn.Parameter(torch.randn(200))
+    ref = [torch.nn.Parameter(t.detach().clone()) for t in (p, q)]
+    opt, opt_ref = co.AdamW([p, q], lr=1e-2), co.AdamW(ref, lr=1e-2)
+    for r in ref:
+        r.grad = torch.zeros_like(r)
+    old = []
+    for _ in range(3):
+        gs = [torch.randn_like(p), torch.randn_like(q)]
+        for t, g in zip((p, q), gs):
+            if t.grad is not None:
+                old.append(t.grad)
+                t.grad.fill_(1e6)
+            t.grad = g.clone()
+        for r, g in zip(ref, gs):
+            r.grad.copy_(g)
+        opt.step()
+        opt_ref.step()
+        for t, r in zip((p, q), ref):
+            assert torch.equal(t, r)
+
 def test_distributed_checkpoint_round_trip(tmp_path):
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     m = _mlp()
