@@ -6,6 +6,7 @@ another world size where every shard starts on a 128-element group boundary."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -288,6 +289,10 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.all_gather(gathered, flat)
         if rank == 0:
             torch.save(gathered, out)
+        # DDP's reducer goes while its process group is alive (a loaded CI host once aborted a rank
+        # at exit with "terminate called without an active exception" after the group was gone).
+        del model, opt
+        gc.collect()
         dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
     finally:
         dist.destroy_process_group()
