@@ -63,6 +63,9 @@ Face's own path: logits and loss, at its memory cost).
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -448,11 +451,63 @@ class _Deferred:
             self.norm._coat_deferred = False
 
 
+class _UnpackedPositions:
+    """While on (in this thread), Hugging Face's check for packed sequences answers "not packed"
+    without looking.
+
+    When a forward gets neither ``position_ids`` nor an attention mask, a KV cache or
+    ``cache_position``, the model derives the positions itself as ``arange(seq)``: provably one
+    sequence per row. Hugging Face still checks them for packed sequences
+    (``masking_utils.find_packed_sequence_indices``) and reads the answer on the host, which
+    synchronizes with the GPU at the start of every training forward: the host then starts each
+    step with an empty launch queue, and at small batches the forward's kernels wait on Python.
+    Here the answer is known, so the check is skipped; every other call (other threads, forwards
+    with positions or masks of their own) runs Hugging Face's check."""
+
+    _local = threading.local()
+
+    def __init__(self, on: bool):
+        self.on = on and _wrap_packed_check()
+
+    def __enter__(self):
+        if self.on:
+            self._local.depth = getattr(self._local, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        if self.on:
+            self._local.depth -= 1
+
+
+@functools.cache
+def _wrap_packed_check() -> bool:
+    """Puts the thread-aware wrapper around Hugging Face's check, once; False where there is none."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:
+        return False
+    check = getattr(mu, "find_packed_sequence_indices", None)
+    if check is None:
+        return False
+
+    _UnpackedPositions.check = staticmethod(check)  # Hugging Face's own, called through here
+
+    @functools.wraps(check)
+    def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        if getattr(_UnpackedPositions._local, "depth", 0):
+            return None
+        return _UnpackedPositions.check(position_ids, *args, **kwargs)
+
+    mu.find_packed_sequence_indices = find_packed_sequence_indices
+    return True
+
+
 class FusedCausalLMLossMixin:
     """forward() of a Hugging Face ``*ForCausalLM`` whose loss runs through ``fused_lm_head_loss``
     when ``labels`` are given (``logits`` is then None; with ``return_dict=False`` the tuple is
     ``(loss, ...)`` without logits). Without labels, with ``coat_fused_loss = False``, a custom
-    ``loss_function``, or a wrapped or hooked ``lm_head``, it is Hugging Face's forward."""
+    ``loss_function``, or a wrapped or hooked ``lm_head``, it is Hugging Face's forward. Either
+    way a forward whose positions the model derives itself skips Hugging Face's host-synchronizing
+    check for packed sequences (``_UnpackedPositions``)."""
 
     coat_fused_loss: bool = True
     coat_loss_chunk_mib: float = DEFAULT_CHUNK_MIB
@@ -462,14 +517,17 @@ class FusedCausalLMLossMixin:
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         loss_type = getattr(self, "loss_type", None)
         head = self.lm_head
+        derived = _UnpackedPositions(position_ids is None and attention_mask is None and past_key_values is None
+                                     and kwargs.get("cache_position") is None)
         # A custom loss, a head something wraps (PEFT's adapters or modules_to_save, FSDP2
         # sharding the head on its own) or hooks on the head: theirs to see, on HF's path.
         if (labels is None or not self.coat_fused_loss or "_loss_function" in self.__dict__
                 or loss_type not in (None, "ForCausalLM") or type(head) is not nn.Linear
                 or head.bias is not None or head._forward_hooks or head._forward_pre_hooks):
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+            with derived:
+                return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                                       use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         return_dict = kwargs.pop("return_dict", None)
@@ -484,7 +542,7 @@ class FusedCausalLMLossMixin:
             want_hidden = getattr(self.config, "output_hidden_states", False)
         fuse_norm = (not want_hidden and isinstance(norm, _DeferrableNormMixin) and not norm._forward_hooks
                      and not norm._forward_pre_hooks)
-        with _Deferred(norm, fuse_norm):
+        with _Deferred(norm, fuse_norm), derived:
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                                  **kwargs)

@@ -100,6 +100,37 @@ def test_padding_mask(gen):
     assert rel(b, a) < 0.05
 
 
+
+def test_packed_sequence_check_skipped_only_for_derived_positions(gen, monkeypatch):
+    """A training forward whose positions the model derives (arange) skips Hugging Face's
+    host-synchronizing check for packed sequences; positions passed in are still checked, and
+    packed ones still get their block-diagonal attention."""
+    from coat.nn.loss import _UnpackedPositions
+
+    _, m = _pair("llama", 48, 3, 1, 80)
+    ids = torch.randint(0, V, (1, 8), generator=gen)
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    m(input_ids=ids, labels=ids, use_cache=False)  # installs coat's wrapper around the check
+    checked = []
+    hf_check = _UnpackedPositions.check
+
+    def spy(position_ids, *a, **k):
+        checked.append(hf_check(position_ids, *a, **k))
+        return checked[-1]
+
+    monkeypatch.setattr(_UnpackedPositions, "check", staticmethod(spy))
+    m(input_ids=ids, labels=ids, use_cache=False)  # derived positions: no check
+    m(input_ids=ids, use_cache=False)  # Hugging Face's own forward (no labels): no check either
+    assert checked == []
+    out = m(input_ids=ids, labels=ids, position_ids=packed, use_cache=False)  # given positions: checked
+    assert len(checked) == 1 and checked[0].tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
+    assert out.loss.isfinite()
+    # the second sequence attends only to itself: its logits equal those of it alone
+    alone = m(input_ids=ids[:, 4:], position_ids=packed[:, 4:], use_cache=False).logits
+    with_packed = m(input_ids=ids, position_ids=packed, use_cache=False).logits[:, 4:]
+    assert rel(with_packed, alone) < 0.05
+
+
 def test_gradient_checkpointing(gen):
     _, m = _pair("qwen3", 96, 3, 1, 112)
     m2 = copy.deepcopy(m)
