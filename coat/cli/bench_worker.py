@@ -10,11 +10,12 @@ What one configuration measures (a step = forward with labels -> loss, backward,
 - ``warmup`` steps (they create the optimizer states; torchao compiles here), then on a GPU:
   three steps each issued on an idle GPU, for the host figures: ``host_ms`` is the wall time of the
   Python step call (the built-in steps never synchronize, so it returns once every kernel is
-  queued: the host's own cost of issuing a step, nothing holds it back), ``cpu_ms`` the process's
-  CPU time over it; then ``steps`` steps back to back, as a training loop runs them, with a CUDA
-  event between consecutive steps and no synchronisation until the end: ``step_ms`` is the median
-  event interval, tokens/s = tokens of those steps / their total time, ``spread`` = (max - min) /
-  median interval. On a CPU the timed steps are wall-timed one by one;
+  queued; once the host is a full launch queue ahead of the GPU it waits for the GPU, so this is
+  an upper bound of the host's own work), ``cpu_ms`` the process's CPU time over it; then one
+  untimed step and ``steps`` steps back to back, as a training loop runs them, with a CUDA event
+  between consecutive steps and no synchronisation until the end: ``step_ms`` is the median event
+  interval, tokens/s = tokens of those steps / their total time, ``spread`` = (max - min) / median
+  interval. On a CPU the timed steps are wall-timed one by one;
 - ``COAT_BENCH_GPU_GIB=40`` caps the process at that much GPU memory
   (``torch.cuda.set_per_process_memory_fraction``), to show what fits a smaller card;
 - ``peak_gib``: ``torch.cuda.max_memory_allocated`` over the timed steps (reset after warm-up);
@@ -374,11 +375,14 @@ def measure(step: StepFn, ids: torch.Tensor, warmup: int, steps: int, dev: torch
 def _measure_cuda(step: StepFn, ids: torch.Tensor, steps: int, dev: torch.device,
                   deadline: float | None) -> dict[str, Any]:
     """Two passes. Host: a few steps each issued on an idle GPU, so the wall time of the Python call
-    is the host's own work (nothing holds it back) -> host_ms, cpu_ms. Throughput: ``steps`` steps
-    back to back, as a training loop runs them (the host issues the next step while the GPU
-    finishes the last), one CUDA event between consecutive steps and no synchronisation until the
-    end -> step_ms (median of the per-step event intervals), tokens/s (tokens of all timed steps over
-    their total time), spread ((max - min) / median of the intervals)."""
+    is the host's work until every kernel is queued -> host_ms, cpu_ms (an upper bound of the host's
+    own work: once the host is a full launch queue ahead of the GPU it waits for it;
+    benchmarks/bench_host.py times the host's own work on a narrow copy of the model).
+    Throughput: one untimed step, then ``steps`` steps back to back, as a training loop runs them
+    (the host issues the next step while the GPU finishes the last), one CUDA event between
+    consecutive steps and no synchronisation until the end -> step_ms (median of the per-step event
+    intervals), tokens/s (tokens of all timed steps over their total time), spread ((max - min) /
+    median of the intervals)."""
     host, cpu = [], []
     for _ in range(min(3, steps)):
         _sync(dev)
@@ -388,6 +392,9 @@ def _measure_cuda(step: StepFn, ids: torch.Tensor, steps: int, dev: torch.device
         cpu.append((time.process_time() - c0) * 1e3)
     _sync(dev)
     out: dict[str, Any] = {}
+    # One untimed step first: the first step after a synchronization starts with an empty launch
+    # queue and pays for the host's head start, which steps run back to back never do.
+    step(ids)
     events = [torch.cuda.Event(enable_timing=True)]
     events[0].record()
     for i in range(steps):
