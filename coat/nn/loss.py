@@ -467,7 +467,9 @@ class _UnpackedPositions:
     _local = threading.local()
 
     def __init__(self, on: bool):
-        self.on = on and _wrap_packed_check()
+        # Under torch.compile Hugging Face skips the check itself (is_tracing), and the wrapper
+        # must not be installed from traced code.
+        self.on = on and not torch.compiler.is_compiling() and _wrap_packed_check()
 
     def __enter__(self):
         if self.on:
@@ -488,6 +490,8 @@ def _wrap_packed_check() -> bool:
     check = getattr(mu, "find_packed_sequence_indices", None)
     if check is None:
         return False
+    if getattr(check, "_coat_wrapper", False):  # installed already (a re-imported coat)
+        return True
 
     _UnpackedPositions.check = staticmethod(check)  # Hugging Face's own, called through here
 
@@ -497,6 +501,7 @@ def _wrap_packed_check() -> bool:
             return None
         return _UnpackedPositions.check(position_ids, *args, **kwargs)
 
+    find_packed_sequence_indices._coat_wrapper = True
     mu.find_packed_sequence_indices = find_packed_sequence_indices
     return True
 

@@ -131,6 +131,24 @@ def test_packed_sequence_check_skipped_only_for_derived_positions(gen, monkeypat
     assert rel(with_packed, alone) < 0.05
 
 
+def test_packed_sequence_wrapper_under_compile(gen):
+    """torch.compile of a converted model neither traces the wrapper's installation nor wraps
+    Hugging Face's check twice (a wrapper around the wrapper would call itself)."""
+    import transformers.masking_utils as mu
+
+    from coat.nn.loss import _UnpackedPositions
+
+    _, m = _pair("llama", 48, 3, 1, 80)
+    ids = torch.randint(0, V, (1, 8), generator=gen)
+    eager = m(input_ids=ids, labels=ids, use_cache=False).loss
+    wrapper = mu.find_packed_sequence_indices
+    out = torch.compile(m)(input_ids=ids, labels=ids, use_cache=False).loss
+    out.backward()
+    assert rel(out.detach(), eager.detach()) < 1e-4
+    assert mu.find_packed_sequence_indices is wrapper
+    assert not getattr(_UnpackedPositions.check, "_coat_wrapper", False)
+
+
 def test_gradient_checkpointing(gen):
     _, m = _pair("qwen3", 96, 3, 1, 112)
     m2 = copy.deepcopy(m)
