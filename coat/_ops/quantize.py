@@ -79,9 +79,15 @@ def _stacked_shapes(parts, rowmajor: bool, transpose: bool):
     return ((rows, cols) if rowmajor else (0,)), ((cols, rows) if transpose else (0,))
 
 
-def _check_stacked(parts, rowmajor: bool, transpose: bool) -> None:
+def _first(parts) -> torch.Tensor:
+    """parts[0], whose device and stream the call runs on (the binding checks the rest)."""
     if not parts:
         raise ValueError("parts must hold at least one tensor")
+    return parts[0]
+
+
+def _check_stacked(parts, rowmajor: bool, transpose: bool) -> None:
+    _first(parts)
     if not (rowmajor or transpose):
         raise ValueError("ask for rowmajor codes, transposed codes or both")
     for i, p in enumerate(parts):  # the bindings' messages, for the fake implementations
@@ -97,10 +103,9 @@ def quantize_stacked_amax(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor FP8 of X = cat(parts, 0), read where the parts lie (no concatenated copy), with
     its scale from max |X| computed on the device: (q [R, K] or empty, q_t [K, R] or empty, scale)."""
-    if not parts:
-        raise ValueError("parts must hold at least one tensor")
-    with dev_ctx(parts[0]):
-        return _C.quantize_stacked(parts, None, fmt, rowmajor, transpose, stream(parts[0]))
+    x = _first(parts)
+    with dev_ctx(x):
+        return _C.quantize_stacked(parts, None, fmt, rowmajor, transpose, stream(x))
 
 
 @quantize_stacked_amax.register_fake
@@ -115,10 +120,9 @@ def quantize_stacked(
     parts: list[torch.Tensor], scale: torch.Tensor, fmt: int, rowmajor: bool, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As quantize_stacked_amax with a given scale (no amax pass): (q or empty, q_t or empty)."""
-    if not parts:
-        raise ValueError("parts must hold at least one tensor")
-    with dev_ctx(parts[0]):
-        return _C.quantize_stacked(parts, scale, fmt, rowmajor, transpose, stream(parts[0]))
+    x = _first(parts)
+    with dev_ctx(x):
+        return _C.quantize_stacked(parts, scale, fmt, rowmajor, transpose, stream(x))
 
 
 @quantize_stacked.register_fake
@@ -132,10 +136,9 @@ def _(parts, scale, fmt, rowmajor, transpose):
 def transpose_stacked_codes(parts: list[torch.Tensor]) -> torch.Tensor:
     """The transpose [K, R] of stacked FP8 codes cat(parts, 0) (uint8 [rows_i, K] each), read where
     the parts lie: one pass, no concatenated copy."""
-    if not parts:
-        raise ValueError("parts must hold at least one tensor")
-    with dev_ctx(parts[0]):
-        return _C.transpose_stacked_codes(parts, stream(parts[0]))
+    x = _first(parts)
+    with dev_ctx(x):
+        return _C.transpose_stacked_codes(parts, stream(x))
 
 
 @transpose_stacked_codes.register_fake
