@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,11 +18,23 @@ import torch
 import torch.distributed as dist
 
 
-# Every spawned worker ends its work with dist.barrier() and only then destroys its process group:
-# a gloo rank that tears its pairs down while a peer is still busy (rank 0 writing the result, or
-# in a collective) aborted that peer on loaded CI hosts ("terminate called without an active
-# exception", SIGABRT). The barrier is the last line of the worker's try block, not in its
-# finally: after an exception on one rank, a barrier would wait out gloo's 30-minute timeout.
+# Every spawned worker ends its work with end_worker(), the last line of its try block (after an
+# exception on one rank, a barrier would wait out gloo's 30-minute timeout; the worker's finally
+# then only destroys the group). A gloo rank that tore its pairs down while a peer was still busy
+# (rank 0 writing the result, or in a collective) aborted that peer on loaded CI hosts ("terminate
+# called without an active exception", SIGABRT); with a barrier first it still happened now and
+# then, at interpreter exit, in torch's own teardown. So a rank that finished its work leaves
+# without running it.
+
+
+def end_worker() -> None:
+    """A spawned rank's successful end: all ranks meet, the group goes, the process exits at once
+    (exit code 0; no interpreter teardown)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _dist import free_port, fused_weight_shapes, live_fp8
+from _dist import end_worker, free_port, fused_weight_shapes, live_fp8
 
 import coat
 
@@ -117,7 +117,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save({"losses": torch.stack(losses), "resumed": torch.stack(resumed), "grads": grads,
                         "leaks": leaks, "refused": refused}, out)
-        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
+        end_worker()  # all ranks meet, then leave without torch's exit-time teardown (_dist.py)
     finally:
         dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from _dist import end_worker
 from _emu import hf_rmsnorm, rel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -486,7 +487,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         grads = [{n: p.grad.full_tensor() for n, p in model.named_parameters()} for model in (ref, m)]
         if rank == 0:
             torch.save({"losses": [x.detach() for x in losses], "grads": grads}, out)
-        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
+        end_worker()  # all ranks meet, then leave without torch's exit-time teardown (_dist.py)
     finally:
         dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _dist import BACKENDS, free_port
+from _dist import BACKENDS, end_worker, free_port
 
 import coat.optim as co
 
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
         full = [p.full_tensor().detach().cpu() for p in model.parameters()]
         if rank == 0:
             torch.save({"params": full, "shards": shards}, out)
-        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
+        end_worker()  # all ranks meet, then leave without torch's exit-time teardown (_dist.py)
     finally:
         dist.destroy_process_group()
 
@@ -159,7 +159,7 @@ def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: to
         ok_torch = all(type(st["exp_avg"]).__name__ == "DTensor" for st in torch_sd["state"].values())
         if rank == 0:
             torch.save({"straight": straight, "resumed": resumed, "ok_torch": ok_torch}, out)
-        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
+        end_worker()  # all ranks meet, then leave without torch's exit-time teardown (_dist.py)
     finally:
         dist.destroy_process_group()
 
@@ -241,7 +241,7 @@ def _reshard_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype
         params = [p.full_tensor().detach().cpu() for p in model.parameters()]
         if rank == 0:
             torch.save({"state": saved, "params": params}, out)
-        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
+        end_worker()  # all ranks meet, then leave without torch's exit-time teardown (_dist.py)
     finally:
         dist.destroy_process_group()
 
@@ -293,7 +293,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         # at exit with "terminate called without an active exception" after the group was gone).
         del model, opt
         gc.collect()
-        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
+        end_worker()  # all ranks meet, then leave without torch's exit-time teardown (_dist.py)
     finally:
         dist.destroy_process_group()
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _dist import BACKENDS, free_port
+from _dist import BACKENDS, end_worker, free_port
 
 import coat
 import coat.optim as co
@@ -511,7 +511,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
                 result["ddp"] = str(e)
         if rank == 0:
             torch.save(result, out)
-        dist.barrier()  # all ranks done before any tears its group down (see _dist.py)
+        end_worker()  # all ranks meet, then leave without torch's exit-time teardown (_dist.py)
     finally:
         dist.destroy_process_group()
 
