@@ -65,15 +65,22 @@ class _EagerFastOp(CustomOpDef):
         t = args[0] if args else None
         if type(t) is list or type(t) is tuple:  # a TensorList first argument
             t = t[0] if t else None
-        if (
-            (type(t) is torch.Tensor or type(t) is _Parameter)
-            and not _is_compiling()
-            and not _dispatch_modes()
-            and _functorch_level() is None
-            and not t.is_meta
-        ):
+        if eager_plain(t):
             return self._init_fn(*args, **kwargs)
         return self._opoverload(*args, **kwargs)
+
+
+def eager_plain(t) -> bool:
+    """Whether a call on ``t`` may run coat's kernels directly: t is a plain tensor or Parameter
+    (no subclass), not on the meta device, and nothing is tracing or intercepting (torch.compile,
+    dispatch modes such as FakeTensorMode, functorch transforms)."""
+    return (
+        (type(t) is torch.Tensor or type(t) is _Parameter)
+        and not _is_compiling()
+        and not _dispatch_modes()
+        and _functorch_level() is None
+        and not t.is_meta
+    )
 
 
 def custom_op(name: str, mutates_args=()):

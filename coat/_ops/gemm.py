@@ -42,6 +42,11 @@ def force_bf16(enabled: bool = True):
         _force_bf16 = old
 
 
+def forced_bf16() -> bool:
+    """Whether CUDA GEMMs take the bf16 path now (``force_bf16`` / ``COAT_GEMM_FORCE_BF16=1``)."""
+    return _force_bf16
+
+
 def _workspace(device: int, stream: int) -> torch.Tensor:
     key = (device, stream)
     ws = _workspaces.get(key)

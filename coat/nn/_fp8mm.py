@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .._ops import block as blk
 from .._ops import gemm as gops
 from .._ops import quantize as qops
 from .._ops._util import fmt_id
@@ -33,6 +34,13 @@ def quantize(x2d: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool):
     """Per-tensor FP8 with an amax computed on the device: (q, q_t or None, scale)."""
     q, q_t, scale, _ = qops.quantize_per_tensor_amax(x2d, _FMT[fp8_dtype], transpose)
     return q.view(fp8_dtype), (q_t.view(fp8_dtype) if transpose else None), scale
+
+
+def one_call(t: torch.Tensor, w: torch.Tensor, dims, *dtypes: torch.dtype) -> bool:
+    """Whether a fused block's forward or backward runs as one core call (``coat._ops.block``:
+    the same kernels as the step-by-step path below, bit-identical, for a fraction of the host
+    time). ``dims``: its GEMM dimensions; ``dtypes``: its GEMM output dtypes."""
+    return not _SCALED_MM and blk.usable(t, w, dims, *dtypes)
 
 
 def _use_scaled_mm(t: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .._ops import block as blk
 from .._ops import norm as nops
 from . import _fp8mm as mm
 from . import weights as W
@@ -56,27 +57,34 @@ class _NormLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, k)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        ctx.mode = "none"
-        if norm_w is not None and fp8_norm_ok(k):
-            y, rstd, xq, xs = nops.rmsnorm_fwd(x2, norm_w, eps, True, ACT_DTYPE, recipe.e8m0)
-            yq, _, ys = mm.quantize(y, ACT_DTYPE, False)
-            ctx.mode = "fp8norm"
-            saved = (xq, xs, rstd)
-        elif norm_w is not None:  # width not a multiple of 16: BF16 norm, input kept for recompute
-            y = hf_rms_norm(x2, norm_w, eps)
-            yq, _, ys = mm.quantize(y.contiguous(), ACT_DTYPE, False)
-            ctx.mode = "bf16norm"
-            saved = (x2,)
-        else:  # the GEMM input itself, transposed for dW (not kept when no weight trains)
-            need_wgrad = any(w.requires_grad for w in weights)
-            yq, yq_t, ys = mm.quantize(x2, ACT_DTYPE, need_wgrad)
-            saved = (yq_t, ys)
-        w8 = W.forward_weight(weights, cache, frozen_scales)
-        out = mm.fp8_mm(yq, ys, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
+        need_wgrad = any(w.requires_grad for w in weights)
+        fp8norm = norm_w is not None and fp8_norm_ok(k)
+        ctx.mode = "fp8norm" if fp8norm else "bf16norm" if norm_w is not None else "none"
+        if (ctx.mode != "bf16norm" and not cache and frozen_scales is None and x2.shape[0]
+                and mm.one_call(x2, weights[0], (k, sum(w.shape[0] for w in weights)), cdt)):
+            out, w_scale, s = blk.forward(x2, blk.NORM if fp8norm else blk.NONE, norm_w, eps, recipe.e8m0, weights,
+                                          need_wgrad, cdt, recipe.fast_accum_fwd)
+            W.count("forward")
+            saved = s if fp8norm else (s[0].view(ACT_DTYPE), s[1])
+        else:
+            if fp8norm:
+                y, rstd, xq, xs = nops.rmsnorm_fwd(x2, norm_w, eps, True, ACT_DTYPE, recipe.e8m0)
+                yq, _, ys = mm.quantize(y, ACT_DTYPE, False)
+                saved = (xq, xs, rstd)
+            elif norm_w is not None:  # width not a multiple of 16: BF16 norm, input kept for recompute
+                y = hf_rms_norm(x2, norm_w, eps)
+                yq, _, ys = mm.quantize(y.contiguous(), ACT_DTYPE, False)
+                saved = (x2,)
+            else:  # the GEMM input itself, transposed for dW (not kept when no weight trains)
+                yq, yq_t, ys = mm.quantize(x2, ACT_DTYPE, need_wgrad)
+                saved = (yq_t, ys)
+            w8 = W.forward_weight(weights, cache, frozen_scales)
+            out = mm.fp8_mm(yq, ys, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
+            w_scale = w8.scale
         if biases:
             out = out + (biases[0] if len(biases) == 1 else torch.cat(biases)).to(cdt)
         # Parameters go through save_for_backward: an in-place change before backward is an error.
-        ctx.save_for_backward(*saved, w8.scale, norm_w, *weights)
+        ctx.save_for_backward(*saved, w_scale, norm_w, *weights)
         ctx.meta = (recipe, eps, n_w, cdt, cache, len(saved))
         ctx.bias_meta = tuple((b.shape[0], b.dtype) for b in biases)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -94,44 +102,56 @@ class _NormLinearFn(torch.autograd.Function):
         if not d2.is_contiguous():
             d2 = d2.contiguous()
         need_w = any(ctx.needs_input_grad[3 : 3 + n_w])
-        dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
-        w8_t = W.backward_weight(weights, w_scale, cache)
-        dy = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, K]
-        del w8_t, dq
-
+        k, m = ctx.x_shape[-1], d2.shape[0]
+        wdt = wgrad_dtype(weights[0])
+        if (ctx.mode != "bf16norm" and not cache and weights[0].dtype != ACT_DTYPE and m
+                and mm.one_call(d2, weights[0], (n, k, m) if need_w else (n, k), cdt, wdt if need_w else cdt)):
+            dx, dnorm, dw = blk.backward(d2, blk.NORM if ctx.mode == "fp8norm" else blk.NONE, need_w, weights,
+                                         w_scale, (*saved, None)[:3], norm_w, ctx.x_dtype, wdt)
+            W.count("backward")
+        else:
+            dx, dnorm, dw = _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt, eps, wdt)
         grads_w = [None] * n_w
         if need_w:
-            # The GEMM input for dW, recomputed from what was saved.
-            if ctx.mode == "fp8norm":
-                xq, xs, rstd = saved
-                y = nops.rmsnorm_fwd_fp8(xq, xs, rstd, norm_w, ctx.x_dtype)
-                _, y_t, ys = mm.quantize(y, ACT_DTYPE, True)
-                del y
-            elif ctx.mode == "bf16norm":
-                norm_graph = _recompute_bf16_norm(saved[0], norm_w, eps)
-                _, y_t, ys = mm.quantize(norm_graph[0].detach().contiguous(), ACT_DTYPE, True)
-            else:
-                y_t, ys = saved
-            dw = mm.fp8_mm(dq_t, ds, y_t, ys, wgrad_dtype(weights[0]))
-            del y_t
             grads_w = list(torch.split(dw, [w.shape[0] for w in weights], 0)) if n_w > 1 else [dw]
         grads_b = []
         if ctx.bias_meta:
             db = d2.float().sum(0)
             grads_b = [g.to(dt) for g, (_, dt) in zip(torch.split(db, [m for m, _ in ctx.bias_meta]), ctx.bias_meta)]
-
-        dnorm = None
-        if ctx.mode == "fp8norm":
-            xq, xs, rstd = saved
-            dx, dnw = nops.rmsnorm_bwd(xq, xs, rstd, norm_w, dy)
-            dnorm = dnw.to(norm_w.dtype)
-        elif ctx.mode == "bf16norm":  # the recompute of the dW input, or a fresh one when no weight trains
-            y, xr, wr = norm_graph if need_w else _recompute_bf16_norm(saved[0], norm_w, eps)
-            dx, dnorm = torch.autograd.grad(y, (xr, wr), dy.to(y.dtype))
-        else:
-            dx = dy
+        if dnorm is not None:
+            dnorm = dnorm.to(norm_w.dtype)
         dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         return (None, dx, dnorm, *grads_w, *grads_b)
+
+
+def _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt, eps, wdt):
+    """The block's backward op by op (every case the one-call path does not take): (dx, dnorm, dw)."""
+    dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
+    w8_t = W.backward_weight(weights, w_scale, cache)
+    dy = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, K]
+    del w8_t, dq
+    dw = None
+    if need_w:
+        # The GEMM input for dW, recomputed from what was saved.
+        if ctx.mode == "fp8norm":
+            xq, xs, rstd = saved
+            y = nops.rmsnorm_fwd_fp8(xq, xs, rstd, norm_w, ctx.x_dtype)
+            _, y_t, ys = mm.quantize(y, ACT_DTYPE, True)
+            del y
+        elif ctx.mode == "bf16norm":
+            norm_graph = _recompute_bf16_norm(saved[0], norm_w, eps)
+            _, y_t, ys = mm.quantize(norm_graph[0].detach().contiguous(), ACT_DTYPE, True)
+        else:
+            y_t, ys = saved
+        dw = mm.fp8_mm(dq_t, ds, y_t, ys, wdt)
+        del y_t
+    if ctx.mode == "fp8norm":
+        xq, xs, rstd = saved
+        return (*nops.rmsnorm_bwd(xq, xs, rstd, norm_w, dy), dw)
+    if ctx.mode == "bf16norm":  # the recompute of the dW input, or a fresh one when no weight trains
+        y, xr, wr = norm_graph if need_w else _recompute_bf16_norm(saved[0], norm_w, eps)
+        return (*torch.autograd.grad(y, (xr, wr), dy.to(y.dtype)), dw)
+    return dy, None, dw
 
 
 def norm_linear(

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._ops import block as blk
 from .._ops import swiglu as sops
 from . import _fp8mm as mm
 from . import adapters as A
@@ -39,21 +40,28 @@ class _SwiGLUDownFn(torch.autograd.Function):
         gu2 = gu.reshape(-1, i2)
         if not gu2.is_contiguous():
             gu2 = gu2.contiguous()
-        if fp8_swiglu_ok(i2 // 2):
-            h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, recipe.e8m0)
+        ctx.fp8 = fp8_swiglu_ok(i2 // 2)
+        if (ctx.fp8 and not cache and w_scale is None and gu2.shape[0]
+                and mm.one_call(gu2, w_down, (i2 // 2, w_down.shape[0]), cdt)):
+            out, scale, (q, s, _) = blk.forward(gu2, blk.SWIGLU, None, 0.0, recipe.e8m0, (w_down,), False, cdt,
+                                                recipe.fast_accum_fwd)
+            W.count("forward")
             saved = (q, s)
-            ctx.fp8 = True
-        else:  # intermediate size not a multiple of 16: keep gate/up in its own dtype
-            h = _silu_mul(gu2)
-            saved = (gu2,)
-            ctx.fp8 = False
-        hq, _, hs = mm.quantize(h, ACT_DTYPE, False)
-        del h
-        w8 = W.forward_weight((w_down,), cache, None if w_scale is None else (w_scale,))
-        out = mm.fp8_mm(hq, hs, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
+        else:
+            if ctx.fp8:
+                h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, recipe.e8m0)
+                saved = (q, s)
+            else:  # intermediate size not a multiple of 16: keep gate/up in its own dtype
+                h = _silu_mul(gu2)
+                saved = (gu2,)
+            hq, _, hs = mm.quantize(h, ACT_DTYPE, False)
+            del h
+            w8 = W.forward_weight((w_down,), cache, None if w_scale is None else (w_scale,))
+            out = mm.fp8_mm(hq, hs, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
+            scale = w8.scale
         if b_down is not None:
             out = out + b_down.to(cdt)
-        ctx.save_for_backward(*saved, w8.scale, w_down)
+        ctx.save_for_backward(*saved, scale, w_down)
         ctx.meta = meta
         ctx.b_dtype = None if b_down is None else b_down.dtype
         ctx.gu_shape, ctx.gu_dtype = gu.shape, gu.dtype
@@ -69,27 +77,41 @@ class _SwiGLUDownFn(torch.autograd.Function):
         if not d2.is_contiguous():
             d2 = d2.contiguous()
         need_w = ctx.needs_input_grad[2]
-        dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
-        w8_t = W.backward_weight((w_down,), w_scale, cache)
-        dh = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, I]
-        del w8_t, dq
-        if ctx.fp8:
-            q, s = saved
-            dgu, h = sops.swiglu_bwd(q, s, dh, need_w)
+        m, inter, wdt = d2.shape[0], w_down.shape[1], wgrad_dtype(w_down)
+        if (ctx.fp8 and not cache and w_down.dtype != ACT_DTYPE and m
+                and mm.one_call(d2, w_down, (d2.shape[1], inter, m) if need_w else (d2.shape[1], inter), cdt,
+                                wdt if need_w else cdt)):
+            dgu, _, dw = blk.backward(d2, blk.SWIGLU, need_w, (w_down,), w_scale, (*saved, None), None, ctx.gu_dtype,
+                                      wdt)
+            W.count("backward")
         else:
-            with torch.enable_grad():
-                gr = saved[0].detach().requires_grad_()
-                hr = _silu_mul(gr)
-            (dgu,) = torch.autograd.grad(hr, gr, dh.to(hr.dtype))
-            h = hr.detach()
-        del dh
-        dw = None
-        if need_w:
-            _, h_t, hs = mm.quantize(h.contiguous(), ACT_DTYPE, True)
-            del h
-            dw = mm.fp8_mm(dq_t, ds, h_t, hs, wgrad_dtype(w_down))
+            dgu, dw = _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache, cdt, wdt)
         db = d2.float().sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[3] else None
         return None, dgu.to(ctx.gu_dtype).reshape(ctx.gu_shape), dw, db
+
+
+def _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache, cdt, wdt):
+    """_SwiGLUDownFn's backward op by op (every case the one-call path does not take): (dgu, dw)."""
+    dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
+    w8_t = W.backward_weight((w_down,), w_scale, cache)
+    dh = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, I]
+    del w8_t, dq
+    if ctx.fp8:
+        q, s = saved
+        dgu, h = sops.swiglu_bwd(q, s, dh, need_w)
+    else:
+        with torch.enable_grad():
+            gr = saved[0].detach().requires_grad_()
+            hr = _silu_mul(gr)
+        (dgu,) = torch.autograd.grad(hr, gr, dh.to(hr.dtype))
+        h = hr.detach()
+    del dh
+    dw = None
+    if need_w:
+        _, h_t, hs = mm.quantize(h.contiguous(), ACT_DTYPE, True)
+        del h
+        dw = mm.fp8_mm(dq_t, ds, h_t, hs, wdt)
+    return dgu, dw
 
 
 def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor | None, recipe: Fp8Recipe,

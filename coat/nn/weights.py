@@ -102,7 +102,9 @@ def use_cache(enabled: bool, weights: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def _count(kind: str) -> None:
+def count(kind: str) -> None:
+    """Counts a weight quantization pass in ``stats`` (the one-call blocks quantize their weights
+    themselves and count here)."""
     if not torch.compiler.is_compiling():  # a side effect Dynamo must not trace
         stats[kind] += 1
 
@@ -120,10 +122,10 @@ def _lookup(weights: Sequence[torch.Tensor]) -> Optional[Fp8Weight]:
 def _cached(weights: Sequence[torch.Tensor]) -> Fp8Weight:
     hit = _lookup(weights)
     if hit is not None:
-        _count("hits")
+        count("hits")
         return hit
     q, q_t, scale = qops.quantize_stacked_amax(list(weights), _E4M3, True, True)
-    _count("cached")
+    count("cached")
     entry = Fp8Weight(q.view(ACT_DTYPE), q_t.view(ACT_DTYPE), scale)
     per_first = _cache.get(weights[0])
     if per_first is None:
@@ -146,7 +148,7 @@ def forward_weight(weights: Sequence[torch.Tensor], cache: bool = False,
     if cache:
         return _cached(weights)
     q, _, scale = qops.quantize_stacked_amax(list(weights), _E4M3, True, False)
-    _count("forward")
+    count("forward")
     return Fp8Weight(q.view(ACT_DTYPE), None, scale)
 
 
@@ -159,8 +161,8 @@ def backward_weight(weights: Sequence[torch.Tensor], scale: torch.Tensor, cache:
     if cache:
         entry = _lookup(weights)
         if entry is not None and entry.scale is scale:
-            _count("hits")
+            count("hits")
             return entry.data_t
     _, q_t = qops.quantize_stacked(list(weights), scale, _E4M3, False, True)
-    _count("backward")
+    count("backward")
     return q_t.view(ACT_DTYPE)

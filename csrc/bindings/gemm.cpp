@@ -1,5 +1,6 @@
 // nanobind registration of the FP8 GEMM family.
 #include "coat/gemm.h"
+#include "ops.h"
 #include "registry.h"
 #include "tensor_args.h"
 
@@ -8,11 +9,6 @@ namespace bind {
 namespace {
 
 using nb::arg;
-
-GemmOut out_type_arg(int t) {
-  COAT_CHECK_ARG(t >= 0 && t <= 2, "out_type must be 0 (float32), 1 (bfloat16) or 2 (e4m3), got " + std::to_string(t));
-  return static_cast<GemmOut>(t);
-}
 
 NewDtype out_dtype(GemmOut t) {
   return t == GemmOut::kFloat32 ? NewDtype::kFloat32 : t == GemmOut::kBFloat16 ? NewDtype::kBFloat16 : NewDtype::kE4M3;
@@ -32,73 +28,17 @@ nb::tuple gemm_fp8_py(const Array& a_, int a_fmt, const Array& scale_a_, const A
                       uintptr_t stream) {
   const View a = view_of(a_, "a"), b = view_of(b_, "b"), sa = view_of(scale_a_, "scale_a"),
              sb = view_of(scale_b_, "scale_b");
-  expect_kind(a, Kind::kUInt8);
-  expect_kind(b, Kind::kUInt8);
-  expect_2d(a);
-  expect_2d(b);
-  COAT_CHECK_ARG(a.shape[1] == b.shape[1], "b must have the K of a (a is " + shape_str(a.shape) +
-                                               " = [M, K], b is " + shape_str(b.shape) + " = [N, K])");
-  expect_kind(sa, Kind::kFloat32);
-  expect_numel(sa, 1, "one per-tensor scale");
-  expect_kind(sb, Kind::kFloat32);
-  expect_numel(sb, 1, "one per-tensor scale");
-  Fp8GemmArgs g;
-  g.m = a.shape[0];
-  g.n = b.shape[0];
-  g.k = a.shape[1];
-  g.out_type = out_type_arg(out_type);
-  std::vector<const View*> all{&a, &sa, &b, &sb};
   View bias, out_scale, ws;
-  if (bias_) {
-    bias = view_of(*bias_, "bias");
-    expect_kind(bias, Kind::kBFloat16);
-    expect_numel(bias, g.n, "one per output column");
-    all.push_back(&bias);
-  }
-  if (out_scale_) {
-    out_scale = view_of(*out_scale_, "out_scale");
-    expect_kind(out_scale, Kind::kFloat32);
-    expect_numel(out_scale, 1, "one per-tensor scale");
-    all.push_back(&out_scale);
-  }
-  if (workspace_) {
-    ws = view_of(*workspace_, "workspace");
-    expect_kind(ws, Kind::kUInt8);
-    all.push_back(&ws);
-  }
-  // same_device takes an initializer_list; check pairwise against a instead.
-  for (const View* v : all) same_device({&a, v});
-  Created out = new_tensor({g.m, g.n}, out_dtype(g.out_type), a, "out");
-  Created amax;
-  if (want_amax) amax = new_tensor({1}, NewDtype::kFloat32, a, "amax");
-  g.a = static_cast<const uint8_t*>(a.data);
-  g.a_fmt = fp8_format(a_fmt);
-  g.a_scale = static_cast<const float*>(sa.data);
-  g.b = static_cast<const uint8_t*>(b.data);
-  g.b_fmt = fp8_format(b_fmt);
-  g.b_scale = static_cast<const float*>(sb.data);
-  g.bias = bias_ ? bias.data : nullptr;
-  g.out = out.view.data;
-  g.out_scale = out_scale_ ? static_cast<const float*>(out_scale.data) : nullptr;
-  g.amax = want_amax ? static_cast<float*>(amax.view.data) : nullptr;
-  g.fast_accum = fast_accum;
-  const nb::object amax_out = want_amax ? amax.tensor : nb::none();
-  if (!a.cuda) {
-    ref::gemm_fp8(g);
-    return nb::make_tuple(out.tensor, amax_out);
-  }
-#ifdef COAT_WITH_CUDA
-  COAT_CHECK_ARG(workspace_.has_value(), "workspace is required for CUDA tensors");
-  const size_t need = gemm_fp8_scratch_bytes(a.device, g.m, g.n, g.k, g.out_type, force_bf16);
-  nb::object keep;
-  void* scratch = need ? new_scratch(static_cast<int64_t>(need), a, keep) : nullptr;
-  gemm_fp8(g, ws.data, static_cast<size_t>(ws.numel), scratch, need, force_bf16, stream_of(stream));
-#else
-  (void)force_bf16;
-  (void)stream;
-  require_cuda_build();
-#endif
-  return nb::make_tuple(out.tensor, amax_out);
+  GemmOptions opt;
+  if (bias_) opt.bias = &(bias = view_of(*bias_, "bias"));
+  if (out_scale_) opt.out_scale = &(out_scale = view_of(*out_scale_, "out_scale"));
+  if (workspace_) opt.workspace = &(ws = view_of(*workspace_, "workspace"));
+  opt.want_amax = want_amax;
+  opt.force_bf16 = force_bf16;
+  opt.fast_accum = fast_accum;
+  const GemmResult r = gemm_fp8(a, fp8_format(a_fmt), sa, b, fp8_format(b_fmt), sb, gemm_out_type(out_type), opt,
+                                stream_of(stream));
+  return nb::make_tuple(r.out.tensor, want_amax ? r.amax.tensor : nb::none());
 }
 
 bool gemm_fp8_native_py(int device) {
@@ -119,6 +59,76 @@ void register_gemm(nb::module_& m) {
 }
 
 }  // namespace
+
+GemmOut gemm_out_type(int t) {
+  COAT_CHECK_ARG(t >= 0 && t <= 2, "out_type must be 0 (float32), 1 (bfloat16) or 2 (e4m3), got " + std::to_string(t));
+  return static_cast<GemmOut>(t);
+}
+
+GemmResult gemm_fp8(const View& a, Fp8Format a_fmt, const View& sa, const View& b, Fp8Format b_fmt, const View& sb,
+                    GemmOut out_type, const GemmOptions& opt, cudaStream_t stream) {
+  expect_kind(a, Kind::kUInt8);
+  expect_kind(b, Kind::kUInt8);
+  expect_2d(a);
+  expect_2d(b);
+  COAT_CHECK_ARG(a.shape[1] == b.shape[1], "b must have the K of a (" + std::string(a.name) + " is " +
+                                               shape_str(a.shape) + " = [M, K], " + b.name + " is " +
+                                               shape_str(b.shape) + " = [N, K])");
+  expect_kind(sa, Kind::kFloat32);
+  expect_numel(sa, 1, "one per-tensor scale");
+  expect_kind(sb, Kind::kFloat32);
+  expect_numel(sb, 1, "one per-tensor scale");
+  Fp8GemmArgs g;
+  g.m = a.shape[0];
+  g.n = b.shape[0];
+  g.k = a.shape[1];
+  g.out_type = out_type;
+  for (const View* v : {&sa, &b, &sb}) same_device({&a, v});
+  if (opt.bias) {
+    expect_kind(*opt.bias, Kind::kBFloat16);
+    expect_numel(*opt.bias, g.n, "one per output column");
+    same_device({&a, opt.bias});
+  }
+  if (opt.out_scale) {
+    expect_kind(*opt.out_scale, Kind::kFloat32);
+    expect_numel(*opt.out_scale, 1, "one per-tensor scale");
+    same_device({&a, opt.out_scale});
+  }
+  if (opt.workspace) {
+    expect_kind(*opt.workspace, Kind::kUInt8);
+    same_device({&a, opt.workspace});
+  }
+  GemmResult r;
+  r.out = new_tensor({g.m, g.n}, out_dtype(g.out_type), a, "out");
+  if (opt.want_amax) r.amax = new_tensor({1}, NewDtype::kFloat32, a, "amax");
+  g.a = static_cast<const uint8_t*>(a.data);
+  g.a_fmt = a_fmt;
+  g.a_scale = static_cast<const float*>(sa.data);
+  g.b = static_cast<const uint8_t*>(b.data);
+  g.b_fmt = b_fmt;
+  g.b_scale = static_cast<const float*>(sb.data);
+  g.bias = opt.bias ? opt.bias->data : nullptr;
+  g.out = r.out.view.data;
+  g.out_scale = opt.out_scale ? static_cast<const float*>(opt.out_scale->data) : nullptr;
+  g.amax = opt.want_amax ? static_cast<float*>(r.amax.view.data) : nullptr;
+  g.fast_accum = opt.fast_accum;
+  if (!a.cuda) {
+    ref::gemm_fp8(g);
+    return r;
+  }
+#ifdef COAT_WITH_CUDA
+  COAT_CHECK_ARG(opt.workspace != nullptr, "workspace is required for CUDA tensors");
+  const size_t need = gemm_fp8_scratch_bytes(a.device, g.m, g.n, g.k, g.out_type, opt.force_bf16);
+  nb::object keep;
+  void* scratch = need ? new_scratch(static_cast<int64_t>(need), a, keep) : nullptr;
+  ::coat::gemm_fp8(g, opt.workspace->data, static_cast<size_t>(opt.workspace->numel), scratch, need, opt.force_bf16,
+                   stream);
+#else
+  (void)stream;
+  require_cuda_build();
+#endif
+  return r;
+}
 
 COAT_REGISTER_BINDINGS(gemm, register_gemm);
 

@@ -2,6 +2,7 @@
 #include <utility>
 
 #include "coat/norm.h"
+#include "ops.h"
 #include "registry.h"
 #include "tensor_args.h"
 
@@ -21,36 +22,20 @@ void check_width(const View& v, const char* what) {
 // `quantize`) x's FP8 copy in 1 x 16 groups (else q and scales are empty).
 nb::tuple rmsnorm_fwd_py(const Array& x_, const Array& w_, float eps, bool quantize, int fmt_, bool e8m0,
                          uintptr_t stream) {
-  const View x = view_of(x_, "x"), w = view_of(w_, "weight");
-  const DType dt = float_dtype(x);
-  const DType wt = float_dtype(w);
-  const Fp8Format fmt = fp8_format(fmt_);
-  COAT_CHECK_ARG(!x.shape.empty(), "x must have at least one dimension");
-  check_width(x, "for the FP8 RMSNorm");
-  expect_numel(w, x.last_dim(), "one per element of the normalized dimension");
-  const bool cuda = same_device({&x, &w});
-  Created y = new_tensor(x.shape, new_dtype(dt), x, "y");
-  Created rstd = new_tensor(std::vector<int64_t>(x.shape.begin(), x.shape.end() - 1), NewDtype::kFloat32, x, "rstd");
-  const Fp8Output out = new_fp8_output(quantize, fmt, e8m0, x, kNormGroup);
-  auto* rs = static_cast<float*>(rstd.view.data);
-  if (cuda)
-    COAT_GPU_CALL(rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.view.data, rs, out.codes(),
-                              out.scale_data(), out.kind, fmt, stream_of(stream)));
-  else
-    ref::rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, y.view.data, rs, out.codes(),
-                     out.scale_data(), out.kind, fmt);
-  return nb::make_tuple(y.tensor, rstd.tensor, out.q.tensor, out.scales.tensor);
+  const NormFwd r = rmsnorm_fwd(view_of(x_, "x"), view_of(w_, "weight"), eps, quantize, fp8_format(fmt_), e8m0,
+                                stream_of(stream));
+  return nb::make_tuple(r.y.tensor, r.rstd.tensor, r.saved.q.tensor, r.saved.scales.tensor);
 }
 
 // The tensors the FP8 path saves (q, its group scales, rstd) and the weight; returns the scale
 // kind and the weight dtype.
 std::pair<ScaleKind, DType> check_saved_input(const View& q, const View& scales, const View& rstd, const View& w) {
   expect_kind(q, Kind::kUInt8);
-  COAT_CHECK_ARG(!q.shape.empty(), "q must have at least one dimension");
+  COAT_CHECK_ARG(!q.shape.empty(), std::string(q.name) + " must have at least one dimension");
   check_width(q, "for the FP8 RMSNorm");
   const ScaleKind kind = check_group_scales(scales, q.numel, kNormGroup);
   expect_kind(rstd, Kind::kFloat32);
-  expect_numel(rstd, q.rows(), "one per row of q");
+  expect_numel(rstd, q.rows(), std::string("one per row of ") + q.name);
   const DType wt = float_dtype(w);
   expect_numel(w, q.last_dim(), "one per element of the normalized dimension");
   return {kind, wt};
@@ -59,47 +44,17 @@ std::pair<ScaleKind, DType> check_saved_input(const View& q, const View& scales,
 // y recomputed from the saved FP8 input, as the core dtype `dtype`.
 nb::object rmsnorm_fwd_fp8_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_, int dtype,
                               int fmt_, uintptr_t stream) {
-  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), rstd = view_of(rstd_, "rstd"),
-             w = view_of(w_, "weight");
-  const Fp8Format fmt = fp8_format(fmt_);
-  const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
-  const DType yt = dtype_arg(dtype);
-  const bool cuda = same_device({&q, &scales, &rstd, &w});
-  Created y = new_tensor(q.shape, new_dtype(yt), q, "y");
-  const auto* qd = static_cast<const uint8_t*>(q.data);
-  const auto* rs = static_cast<const float*>(rstd.data);
-  if (cuda)
-    COAT_GPU_CALL(rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.view.data, yt,
-                                  stream_of(stream)));
-  else
-    ref::rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.view.data, yt);
-  return y.tensor;
+  return rmsnorm_fwd_fp8(view_of(q_, "q"), view_of(scales_, "scales"), view_of(rstd_, "rstd"), view_of(w_, "weight"),
+                         dtype_arg(dtype), fp8_format(fmt_), stream_of(stream))
+      .tensor;
 }
 
 // (dx in dy's dtype, dweight in fp32, reduced deterministically through a per-call workspace).
 nb::tuple rmsnorm_bwd_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_, const Array& dy_,
                          int fmt_, uintptr_t stream) {
-  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), rstd = view_of(rstd_, "rstd"),
-             w = view_of(w_, "weight"), dy = view_of(dy_, "dy");
-  const Fp8Format fmt = fp8_format(fmt_);
-  const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
-  const DType dt = float_dtype(dy);
-  expect_same_shape(dy, q);
-  const bool cuda = same_device({&q, &scales, &rstd, &w, &dy});
-  Created dx = new_tensor(dy.shape, new_dtype(dt), dy, "dx");
-  Created ws = new_tensor({rmsnorm_bwd_parts(q.rows()), q.last_dim()}, NewDtype::kFloat32, q, "workspace");
-  Created dw = new_tensor({q.last_dim()}, NewDtype::kFloat32, q, "dw");
-  const auto* qd = static_cast<const uint8_t*>(q.data);
-  const auto* rs = static_cast<const float*>(rstd.data);
-  auto* wsd = static_cast<float*>(ws.view.data);
-  auto* dwd = static_cast<float*>(dw.view.data);
-  if (cuda)
-    COAT_GPU_CALL(rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(),
-                              dx.view.data, wsd, dwd, stream_of(stream)));
-  else
-    ref::rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), dx.view.data,
-                     wsd, dwd);
-  return nb::make_tuple(dx.tensor, dw.tensor);
+  const NormBwd r = rmsnorm_bwd(view_of(q_, "q"), view_of(scales_, "scales"), view_of(rstd_, "rstd"),
+                                view_of(w_, "weight"), view_of(dy_, "dy"), fp8_format(fmt_), stream_of(stream));
+  return nb::make_tuple(r.dx.tensor, r.dw.tensor);
 }
 
 void register_norm(nb::module_& m) {
@@ -112,6 +67,68 @@ void register_norm(nb::module_& m) {
 }
 
 }  // namespace
+
+NormFwd rmsnorm_fwd(const View& x, const View& w, float eps, bool quantize, Fp8Format fmt, bool e8m0,
+                    cudaStream_t stream) {
+  const DType dt = float_dtype(x);
+  const DType wt = float_dtype(w);
+  COAT_CHECK_ARG(!x.shape.empty(), std::string(x.name) + " must have at least one dimension");
+  check_width(x, "for the FP8 RMSNorm");
+  expect_numel(w, x.last_dim(), "one per element of the normalized dimension");
+  const bool cuda = same_device({&x, &w});
+  NormFwd r;
+  r.y = new_tensor(x.shape, new_dtype(dt), x, "y");
+  r.rstd = new_tensor(std::vector<int64_t>(x.shape.begin(), x.shape.end() - 1), NewDtype::kFloat32, x, "rstd");
+  r.saved = new_fp8_output(quantize, fmt, e8m0, x, kNormGroup);
+  auto* rs = static_cast<float*>(r.rstd.view.data);
+  const Fp8Output& out = r.saved;
+  if (cuda)
+    COAT_GPU_CALL(::coat::rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, r.y.view.data, rs,
+                                      out.codes(), out.scale_data(), out.kind, fmt, stream));
+  else
+    ref::rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, r.y.view.data, rs, out.codes(),
+                     out.scale_data(), out.kind, fmt);
+  return r;
+}
+
+Created rmsnorm_fwd_fp8(const View& q, const View& scales, const View& rstd, const View& w, DType yt, Fp8Format fmt,
+                        cudaStream_t stream) {
+  const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
+  const bool cuda = same_device({&q, &scales, &rstd, &w});
+  Created y = new_tensor(q.shape, new_dtype(yt), q, "y");
+  const auto* qd = static_cast<const uint8_t*>(q.data);
+  const auto* rs = static_cast<const float*>(rstd.data);
+  if (cuda)
+    COAT_GPU_CALL(::coat::rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(),
+                                          y.view.data, yt, stream));
+  else
+    ref::rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.view.data, yt);
+  return y;
+}
+
+NormBwd rmsnorm_bwd(const View& q, const View& scales, const View& rstd, const View& w, const View& dy, Fp8Format fmt,
+                    cudaStream_t stream) {
+  const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
+  const DType dt = float_dtype(dy);
+  expect_same_shape(dy, q);
+  const bool cuda = same_device({&q, &scales, &rstd, &w, &dy});
+  NormBwd r;
+  r.dx = new_tensor(dy.shape, new_dtype(dt), dy, "dx");
+  // The workspace of the deterministic dw reduction dies with this call.
+  Created ws = new_tensor({rmsnorm_bwd_parts(q.rows()), q.last_dim()}, NewDtype::kFloat32, q, "workspace");
+  r.dw = new_tensor({q.last_dim()}, NewDtype::kFloat32, q, "dw");
+  const auto* qd = static_cast<const uint8_t*>(q.data);
+  const auto* rs = static_cast<const float*>(rstd.data);
+  auto* wsd = static_cast<float*>(ws.view.data);
+  auto* dwd = static_cast<float*>(r.dw.view.data);
+  if (cuda)
+    COAT_GPU_CALL(::coat::rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(),
+                                      r.dx.view.data, wsd, dwd, stream));
+  else
+    ref::rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), r.dx.view.data,
+                     wsd, dwd);
+  return r;
+}
 
 COAT_REGISTER_BINDINGS(norm, register_norm);
 

@@ -1,5 +1,6 @@
 // nanobind registration of the quantize family.
 #include "coat/quantize.h"
+#include "ops.h"
 #include "registry.h"
 #include "tensor_args.h"
 
@@ -47,23 +48,8 @@ nb::tuple quantize_per_tensor_py(const Array& x_, const Array& scale_, int fmt_,
 
 // (q, q_t (empty unless transpose), scale, amax) of x, its scale from max |x| on the device.
 nb::tuple quantize_per_tensor_amax_py(const Array& x_, int fmt_, bool transpose, uintptr_t stream) {
-  const View x = view_of(x_, "x");
-  const DType dt = float_dtype(x);
-  const Fp8Format fmt = fp8_format(fmt_);
-  const bool cuda = same_device({&x});
-  Created q = new_tensor(x.shape, NewDtype::kUInt8, x, "q");
-  Created q_t = new_tensor(transpose ? t_shape(x) : kEmpty, NewDtype::kUInt8, x, "q_t");
-  Created scale = new_tensor({1}, NewDtype::kFloat32, x, "scale");
-  Created amax = new_tensor({1}, NewDtype::kFloat32, x, "amax");
-  auto* qd = static_cast<uint8_t*>(q.view.data);
-  auto* qt = transpose ? static_cast<uint8_t*>(q_t.view.data) : nullptr;
-  auto* a = static_cast<float*>(amax.view.data);
-  auto* s = static_cast<float*>(scale.view.data);
-  if (cuda)
-    COAT_GPU_CALL(quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s, qd, qt, stream_of(stream)));
-  else
-    ref::quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s, qd, qt);
-  return nb::make_tuple(q.tensor, q_t.tensor, scale.tensor, amax.tensor);
+  const PerTensorFp8 r = quantize_amax(view_of(x_, "x"), fp8_format(fmt_), transpose, stream_of(stream));
+  return nb::make_tuple(r.q.tensor, r.q_t.tensor, r.scale.tensor, r.amax.tensor);
 }
 
 // y = q * scale as the core dtype `dtype` (0 fp32, 1 bf16, 2 fp16).
@@ -86,17 +72,14 @@ nb::object dequantize_per_tensor_py(const Array& q_, const Array& scale_, int fm
 }
 
 // parts: 1..4 row blocks [rows_i, cols] (float dtypes, or FP8 codes with `codes`), read as the
-// stacked X [R, cols]; the views are kept in `views` (their device is checked against parts[0]).
-StackedRows stacked_of(const std::vector<Array>& parts_, bool codes, std::vector<View>& views) {
-  static const char* kNames[kMaxStackParts] = {"parts[0]", "parts[1]", "parts[2]", "parts[3]"};
-  COAT_CHECK_ARG(!parts_.empty() && parts_.size() <= static_cast<size_t>(kMaxStackParts),
+// stacked X [R, cols] (their device is checked against parts[0]).
+StackedRows stacked_of(const std::vector<View>& views, bool codes) {
+  COAT_CHECK_ARG(!views.empty() && views.size() <= static_cast<size_t>(kMaxStackParts),
                  "parts must hold 1 to " + std::to_string(kMaxStackParts) + " tensors, got " +
-                     std::to_string(parts_.size()));
+                     std::to_string(views.size()));
   StackedRows x;
-  views.reserve(parts_.size());
-  for (size_t i = 0; i < parts_.size(); ++i) {
-    views.push_back(view_of(parts_[i], kNames[i]));
-    const View& p = views.back();
+  for (size_t i = 0; i < views.size(); ++i) {
+    const View& p = views[i];
     COAT_CHECK_ARG(p.shape.size() == 2, std::string(p.name) + " must be 2-D, got shape " + shape_str(p.shape));
     if (codes) {
       expect_kind(p, Kind::kUInt8);
@@ -127,42 +110,19 @@ int64_t total_rows(const StackedRows& x) {
 // max |X| on the device: (q [R, cols] or empty, q_t [cols, R] or empty[, scale]).
 nb::tuple quantize_stacked_py(const std::vector<Array>& parts_, std::optional<Array> scale_, int fmt_,
                               bool rowmajor, bool transpose, uintptr_t stream) {
-  COAT_CHECK_ARG(rowmajor || transpose, "ask for rowmajor codes, transposed codes or both");
-  std::vector<View> parts;
-  const StackedRows x = stacked_of(parts_, false, parts);
-  const Fp8Format fmt = fp8_format(fmt_);
-  const View& p0 = parts[0];
+  const std::vector<View> parts = views_of_parts(parts_);
   View scale;
-  if (scale_) {
-    scale = view_of(*scale_, "scale");
-    check_scale(scale);
-    same_device({&p0, &scale});
-  }
-  const int64_t rows = total_rows(x);
-  Created q = new_tensor(rowmajor ? std::vector<int64_t>{rows, x.cols} : kEmpty, NewDtype::kUInt8, p0, "q");
-  Created q_t = new_tensor(transpose ? std::vector<int64_t>{x.cols, rows} : kEmpty, NewDtype::kUInt8, p0, "q_t");
-  Created scale_out, amax;
-  if (!scale_) {
-    scale_out = new_tensor({1}, NewDtype::kFloat32, p0, "scale");
-    amax = new_tensor({1}, NewDtype::kFloat32, p0, "amax");
-  }
-  const auto* sc = scale_ ? static_cast<const float*>(scale.data) : nullptr;
-  auto* am = scale_ ? nullptr : static_cast<float*>(amax.view.data);
-  auto* so = scale_ ? nullptr : static_cast<float*>(scale_out.view.data);
-  auto* qd = rowmajor ? static_cast<uint8_t*>(q.view.data) : nullptr;
-  auto* qtd = transpose ? static_cast<uint8_t*>(q_t.view.data) : nullptr;
-  if (p0.cuda)
-    COAT_GPU_CALL(quantize_stacked(x, fmt, sc, am, so, qd, qtd, stream_of(stream)));
-  else
-    ref::quantize_stacked(x, fmt, sc, am, so, qd, qtd);
-  if (scale_) return nb::make_tuple(q.tensor, q_t.tensor);
-  return nb::make_tuple(q.tensor, q_t.tensor, scale_out.tensor);
+  if (scale_) scale = view_of(*scale_, "scale");
+  const StackedFp8 r =
+      quantize_stacked(parts, scale_ ? &scale : nullptr, fp8_format(fmt_), rowmajor, transpose, stream_of(stream));
+  if (scale_) return nb::make_tuple(r.q.tensor, r.q_t.tensor);
+  return nb::make_tuple(r.q.tensor, r.q_t.tensor, r.scale.tensor);
 }
 
 // parts: 1..4 row blocks [rows_i, cols] of FP8 codes; returns the transpose [cols, sum rows_i].
 nb::object transpose_stacked_codes_py(const std::vector<Array>& parts_, uintptr_t stream) {
-  std::vector<View> parts;
-  const StackedRows x = stacked_of(parts_, true, parts);
+  const std::vector<View> parts = views_of_parts(parts_);
+  const StackedRows x = stacked_of(parts, true);
   Created q_t = new_tensor({x.cols, total_rows(x)}, NewDtype::kUInt8, parts[0], "q_t");
   auto* qt = static_cast<uint8_t*>(q_t.view.data);
   if (parts[0].cuda)
@@ -292,6 +252,65 @@ void register_quantize(nb::module_& m) {
 }
 
 }  // namespace
+
+PerTensorFp8 quantize_amax(const View& x, Fp8Format fmt, bool transpose, cudaStream_t stream) {
+  const DType dt = float_dtype(x);
+  const bool cuda = same_device({&x});
+  PerTensorFp8 r;
+  r.q = new_tensor(x.shape, NewDtype::kUInt8, x, "q");
+  r.q_t = new_tensor(transpose ? t_shape(x) : kEmpty, NewDtype::kUInt8, x, "q_t");
+  r.scale = new_tensor({1}, NewDtype::kFloat32, x, "scale");
+  r.amax = new_tensor({1}, NewDtype::kFloat32, x, "amax");
+  auto* qd = static_cast<uint8_t*>(r.q.view.data);
+  auto* qt = transpose ? static_cast<uint8_t*>(r.q_t.view.data) : nullptr;
+  auto* a = static_cast<float*>(r.amax.view.data);
+  auto* s = static_cast<float*>(r.scale.view.data);
+  if (cuda)
+    COAT_GPU_CALL(::coat::quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s, qd, qt, stream));
+  else
+    ref::quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s, qd, qt);
+  return r;
+}
+
+std::vector<View> views_of_parts(const std::vector<Array>& parts) {
+  static const char* kNames[kMaxStackParts] = {"parts[0]", "parts[1]", "parts[2]", "parts[3]"};
+  COAT_CHECK_ARG(!parts.empty() && parts.size() <= static_cast<size_t>(kMaxStackParts),
+                 "parts must hold 1 to " + std::to_string(kMaxStackParts) + " tensors, got " +
+                     std::to_string(parts.size()));
+  std::vector<View> views;
+  views.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) views.push_back(view_of(parts[i], kNames[i]));
+  return views;
+}
+
+StackedFp8 quantize_stacked(const std::vector<View>& parts, const View* scale, Fp8Format fmt, bool rowmajor,
+                            bool transpose, cudaStream_t stream) {
+  COAT_CHECK_ARG(rowmajor || transpose, "ask for rowmajor codes, transposed codes or both");
+  const StackedRows x = stacked_of(parts, false);
+  const View& p0 = parts[0];
+  if (scale) {
+    check_scale(*scale);
+    same_device({&p0, scale});
+  }
+  const int64_t rows = total_rows(x);
+  StackedFp8 r;
+  r.q = new_tensor(rowmajor ? std::vector<int64_t>{rows, x.cols} : kEmpty, NewDtype::kUInt8, p0, "q");
+  r.q_t = new_tensor(transpose ? std::vector<int64_t>{x.cols, rows} : kEmpty, NewDtype::kUInt8, p0, "q_t");
+  if (!scale) {
+    r.scale = new_tensor({1}, NewDtype::kFloat32, p0, "scale");
+    r.amax = new_tensor({1}, NewDtype::kFloat32, p0, "amax");
+  }
+  const auto* sc = scale ? static_cast<const float*>(scale->data) : nullptr;
+  auto* am = scale ? nullptr : static_cast<float*>(r.amax.view.data);
+  auto* so = scale ? nullptr : static_cast<float*>(r.scale.view.data);
+  auto* qd = rowmajor ? static_cast<uint8_t*>(r.q.view.data) : nullptr;
+  auto* qtd = transpose ? static_cast<uint8_t*>(r.q_t.view.data) : nullptr;
+  if (p0.cuda)
+    COAT_GPU_CALL(::coat::quantize_stacked(x, fmt, sc, am, so, qd, qtd, stream));
+  else
+    ref::quantize_stacked(x, fmt, sc, am, so, qd, qtd);
+  return r;
+}
 
 COAT_REGISTER_BINDINGS(quantize, register_quantize);
 

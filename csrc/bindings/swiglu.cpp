@@ -1,5 +1,6 @@
 // nanobind registration of the swiglu family.
 #include "coat/swiglu.h"
+#include "ops.h"
 #include "registry.h"
 #include "tensor_args.h"
 
@@ -27,44 +28,17 @@ std::vector<int64_t> h_shape(const View& gu, int64_t inter) {
 // (h, q, scales): h = silu(gate) * up in gate_up's dtype, and (with `quantize`) gate_up's FP8 copy
 // in 1 x 16 groups (else q and scales are empty).
 nb::tuple swiglu_fwd_py(const Array& gu_, bool quantize, int fmt_, bool e8m0, uintptr_t stream) {
-  const View gu = view_of(gu_, "gate_up");
-  const DType dt = float_dtype(gu);
-  const Fp8Format fmt = fp8_format(fmt_);
-  const int64_t inter = inter_of(gu);
-  const bool cuda = same_device({&gu});
-  Created h = new_tensor(h_shape(gu, inter), new_dtype(dt), gu, "h");
-  const Fp8Output out = new_fp8_output(quantize, fmt, e8m0, gu, kSwigluGroup);
-  if (cuda)
-    COAT_GPU_CALL(swiglu_fwd(gu.data, dt, gu.rows(), inter, h.view.data, out.codes(), out.scale_data(), out.kind, fmt,
-                             stream_of(stream)));
-  else
-    ref::swiglu_fwd(gu.data, dt, gu.rows(), inter, h.view.data, out.codes(), out.scale_data(), out.kind, fmt);
-  return nb::make_tuple(h.tensor, out.q.tensor, out.scales.tensor);
+  const SwigluFwd r = swiglu_fwd(view_of(gu_, "gate_up"), quantize, fp8_format(fmt_), e8m0, stream_of(stream));
+  return nb::make_tuple(r.h.tensor, r.saved.q.tensor, r.saved.scales.tensor);
 }
 
 // (dgate_up, h) in dh's dtype from the FP8 copy of gate_up; h (silu(g) * u recomputed) is empty
 // unless `recompute_h`.
 nb::tuple swiglu_bwd_py(const Array& q_, const Array& scales_, const Array& dh_, bool recompute_h, int fmt_,
                         uintptr_t stream) {
-  const View q = view_of(q_, "q"), scales = view_of(scales_, "scales"), dh = view_of(dh_, "dh");
-  const Fp8Format fmt = fp8_format(fmt_);
-  expect_kind(q, Kind::kUInt8);
-  const int64_t inter = inter_of(q);
-  const ScaleKind kind = check_group_scales(scales, q.numel, kSwigluGroup);
-  const DType dt = float_dtype(dh);
-  const std::vector<int64_t> hs = h_shape(q, inter);
-  COAT_CHECK_ARG(dh.shape == hs, "dh must have shape " + shape_str(hs) + ", got " + shape_str(dh.shape));
-  const bool cuda = same_device({&q, &scales, &dh});
-  Created dgu = new_tensor(q.shape, new_dtype(dt), dh, "dgu");
-  Created h = new_tensor(recompute_h ? hs : std::vector<int64_t>{0}, new_dtype(dt), dh, "h");
-  void* hd = recompute_h ? h.view.data : nullptr;
-  const auto* qd = static_cast<const uint8_t*>(q.data);
-  if (cuda)
-    COAT_GPU_CALL(swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.view.data, hd,
-                             stream_of(stream)));
-  else
-    ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, dgu.view.data, hd);
-  return nb::make_tuple(dgu.tensor, h.tensor);
+  const SwigluBwd r = swiglu_bwd(view_of(q_, "q"), view_of(scales_, "scales"), view_of(dh_, "dh"), recompute_h,
+                                 fp8_format(fmt_), stream_of(stream));
+  return nb::make_tuple(r.dgu.tensor, r.h.tensor);
 }
 
 void register_swiglu(nb::module_& m) {
@@ -74,6 +48,45 @@ void register_swiglu(nb::module_& m) {
 }
 
 }  // namespace
+
+SwigluFwd swiglu_fwd(const View& gu, bool quantize, Fp8Format fmt, bool e8m0, cudaStream_t stream) {
+  const DType dt = float_dtype(gu);
+  const int64_t inter = inter_of(gu);
+  const bool cuda = same_device({&gu});
+  SwigluFwd r;
+  r.h = new_tensor(h_shape(gu, inter), new_dtype(dt), gu, "h");
+  r.saved = new_fp8_output(quantize, fmt, e8m0, gu, kSwigluGroup);
+  const Fp8Output& out = r.saved;
+  if (cuda)
+    COAT_GPU_CALL(::coat::swiglu_fwd(gu.data, dt, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(),
+                                     out.kind, fmt, stream));
+  else
+    ref::swiglu_fwd(gu.data, dt, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(), out.kind, fmt);
+  return r;
+}
+
+SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, bool recompute_h, Fp8Format fmt,
+                     cudaStream_t stream) {
+  expect_kind(q, Kind::kUInt8);
+  const int64_t inter = inter_of(q);
+  const ScaleKind kind = check_group_scales(scales, q.numel, kSwigluGroup);
+  const DType dt = float_dtype(dh);
+  const std::vector<int64_t> hs = h_shape(q, inter);
+  COAT_CHECK_ARG(dh.shape == hs, std::string(dh.name) + " must have shape " + shape_str(hs) + ", got " +
+                                     shape_str(dh.shape));
+  const bool cuda = same_device({&q, &scales, &dh});
+  SwigluBwd r;
+  r.dgu = new_tensor(q.shape, new_dtype(dt), dh, "dgu");
+  r.h = new_tensor(recompute_h ? hs : std::vector<int64_t>{0}, new_dtype(dt), dh, "h");
+  void* hd = recompute_h ? r.h.view.data : nullptr;
+  const auto* qd = static_cast<const uint8_t*>(q.data);
+  if (cuda)
+    COAT_GPU_CALL(::coat::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, r.dgu.view.data, hd,
+                                     stream));
+  else
+    ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, r.dgu.view.data, hd);
+  return r;
+}
 
 COAT_REGISTER_BINDINGS(swiglu, register_swiglu);
 

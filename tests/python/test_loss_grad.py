@@ -35,9 +35,10 @@ def _run_head(x, nw, w, lab, chunk, scale=1.0, **kw):
 
 def test_several_chunks_match_one(gen):
     """Rows are independent: loss, dx and d(norm) depend on the chunking only through the CPU GEMM's
-    blocking (bit for bit at 10 and 64 rows; a 1-row chunk is a GEMV: measured 4e-7 in fp32, 2e-5
-    on dx in bf16); dW only by the fp32 accumulation order before its one rounding (measured
-    2.5e-7 in fp32, 7e-7 in bf16: a few elements one bf16 ulp apart)."""
+    blocking, which the BLAS picks by shape and CPU (bit for bit at 10 and 64 rows on some x86
+    hosts, not on AMD EPYC ones; a 1-row chunk is a GEMV: measured 4e-7 in fp32, 2e-5 on dx in
+    bf16); dW only by the fp32 accumulation order before its one rounding (measured 2.5e-7 in fp32,
+    7e-7 in bf16: a few elements one bf16 ulp apart)."""
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-4)):
         x, nw, w, lab = _head_problem(gen, dtype=dtype)
         row_bytes = w.shape[0] * w.element_size()
@@ -47,8 +48,6 @@ def test_several_chunks_match_one(gen):
             assert abs(many[0].item() - one[0].item()) <= 1e-6 * one[0].item()
             for name, a, b in zip(("dx", "dnorm", "dw"), many[1:], one[1:]):
                 assert a.dtype == dtype and rel(a, b) < tol, (dtype, rows, name, rel(a, b))
-                if rows > 1 and name != "dw":
-                    assert torch.equal(a, b), (dtype, rows, name)
 
 
 def test_wgrad_accumulates_in_fp32_across_chunks(gen):

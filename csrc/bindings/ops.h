@@ -1,0 +1,86 @@
+// The bodies of the op bindings at the View level: each checks its arguments (messages name them
+// as Python does), creates its outputs on the input's device and runs the core on `stream` (or its
+// CPU reference). The single-op bindings (quantize.cpp, gemm.cpp, norm.cpp, swiglu.cpp) wrap them
+// for Python one by one; block.cpp chains them into one call per layer block. One body per op: a
+// block runs exactly what the single ops run, in the same order.
+#pragma once
+
+#include <vector>
+
+#include "coat/common.h"
+#include "coat/gemm.h"
+#include "coat/quantize.h"
+#include "tensor_args.h"
+
+namespace coat {
+namespace bind {
+
+// ---- quantize ------------------------------------------------------------------------------------
+
+// Per-tensor FP8 of x seen as [rows, cols], its scale from max |x| on the device. q_t ([cols, rows])
+// is an empty [0] tensor unless `transpose`.
+struct PerTensorFp8 {
+  Created q, q_t, scale, amax;
+};
+PerTensorFp8 quantize_amax(const View& x, Fp8Format fmt, bool transpose, cudaStream_t stream);
+
+// Per-tensor FP8 of the stacked row blocks `parts` (float dtypes) with the given scale, or (scale
+// null) with its scale from their max |.|. q [R, cols] / q_t [cols, R] are empty [0] unless asked
+// for; scale (created) and amax only when no scale was given.
+struct StackedFp8 {
+  Created q, q_t, scale, amax;
+};
+std::vector<View> views_of_parts(const std::vector<Array>& parts);
+StackedFp8 quantize_stacked(const std::vector<View>& parts, const View* scale, Fp8Format fmt, bool rowmajor,
+                            bool transpose, cudaStream_t stream);
+
+// ---- gemm ----------------------------------------------------------------------------------------
+
+struct GemmOptions {
+  const View* bias = nullptr;
+  const View* out_scale = nullptr;  // FP8 output only
+  bool want_amax = false;
+  const View* workspace = nullptr;  // cuBLASLt's, required on CUDA
+  bool force_bf16 = false;
+  bool fast_accum = false;
+};
+struct GemmResult {
+  Created out, amax;  // amax only with want_amax
+};
+// out [M, N] = (a * scale_a) @ (b * scale_b).T for FP8 codes a [M, K] and b [N, K].
+GemmResult gemm_fp8(const View& a, Fp8Format a_fmt, const View& scale_a, const View& b, Fp8Format b_fmt,
+                    const View& scale_b, GemmOut out_type, const GemmOptions& opt, cudaStream_t stream);
+GemmOut gemm_out_type(int t);
+
+// ---- norm ----------------------------------------------------------------------------------------
+
+struct NormFwd {
+  Created y, rstd;
+  Fp8Output saved;  // x's FP8 copy in 1 x 16 groups (empty unless asked for)
+};
+NormFwd rmsnorm_fwd(const View& x, const View& w, float eps, bool quantize, Fp8Format fmt, bool e8m0,
+                    cudaStream_t stream);
+// y recomputed from the saved FP8 input (q, scales, rstd) as `dtype`.
+Created rmsnorm_fwd_fp8(const View& q, const View& scales, const View& rstd, const View& w, DType dtype,
+                        Fp8Format fmt, cudaStream_t stream);
+struct NormBwd {
+  Created dx, dw;  // dx in dy's dtype, dw fp32
+};
+NormBwd rmsnorm_bwd(const View& q, const View& scales, const View& rstd, const View& w, const View& dy,
+                    Fp8Format fmt, cudaStream_t stream);
+
+// ---- swiglu --------------------------------------------------------------------------------------
+
+struct SwigluFwd {
+  Created h;
+  Fp8Output saved;  // gate_up's FP8 copy in 1 x 16 groups (empty unless asked for)
+};
+SwigluFwd swiglu_fwd(const View& gate_up, bool quantize, Fp8Format fmt, bool e8m0, cudaStream_t stream);
+struct SwigluBwd {
+  Created dgu, h;  // h empty unless recompute_h
+};
+SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, bool recompute_h, Fp8Format fmt,
+                     cudaStream_t stream);
+
+}  // namespace bind
+}  // namespace coat
