@@ -29,13 +29,15 @@ def usable(t: torch.Tensor, w: torch.Tensor, dims: Sequence[int], *dtypes: torch
     """Whether a block call on CUDA tensor ``t`` (weights like ``w``) may run as one call: eager,
     plain tensors, GEMM dimensions ``dims`` all non-zero multiples of 16 (cuBLASLt FP8 without
     padding) and GEMM output dtypes fp32/bf16."""
-    return (
-        t.is_cuda
-        and eager_plain(t)
-        and (type(w) is torch.Tensor or type(w) is torch.nn.Parameter)
-        and all(d > 0 and d % 16 == 0 for d in dims)
-        and all(dt in _OUT for dt in dtypes)
-    )
+    if not (t.is_cuda and eager_plain(t)) or (type(w) is not torch.Tensor and type(w) is not torch.nn.Parameter):
+        return False
+    for d in dims:  # loops, not all(...): this runs twice per block call
+        if d <= 0 or d % 16:
+            return False
+    for dt in dtypes:
+        if dt not in _OUT:
+            return False
+    return True
 
 
 def _ws(t: torch.Tensor, st: int) -> torch.Tensor:
