@@ -65,7 +65,7 @@ class _NormLinearFn(torch.autograd.Function):
             out, w_scale, s = blk.forward(x2, blk.NORM if fp8norm else blk.NONE, norm_w, eps, recipe.e8m0, weights,
                                           need_wgrad, cdt, recipe.fast_accum_fwd)
             W.count("forward")
-            saved = s if fp8norm else (s[0].view(ACT_DTYPE), s[1])
+            saved = s if fp8norm else (None if s[0] is None else s[0].view(ACT_DTYPE), s[1])
         else:
             if fp8norm:
                 y, rstd, xq, xs = nops.rmsnorm_fwd(x2, norm_w, eps, True, ACT_DTYPE, recipe.e8m0)

@@ -77,7 +77,7 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
   StackedFp8 w = quantize_stacked(weights, nullptr, kAct, true, false, stream);
   GemmResult out = gemm_fp8(q.q.view, kAct, q.scale.view, w.q.view, kAct, w.scale.view, gemm_out_type(out_type), opt,
                             stream);
-  return nb::make_tuple(out.out.tensor, w.scale.tensor, s0.tensor, s1.tensor, or_none(s2));
+  return nb::make_tuple(out.out.tensor, w.scale.tensor, or_none(s0), s1.tensor, or_none(s2));
 }
 
 // (dx, dnorm_weight or None, dw or None) of a block from the output gradient d [M, N] (in the

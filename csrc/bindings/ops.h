@@ -18,14 +18,15 @@ namespace bind {
 // ---- quantize ------------------------------------------------------------------------------------
 
 // Per-tensor FP8 of x seen as [rows, cols], its scale from max |x| on the device. q_t ([cols, rows])
-// is an empty [0] tensor unless `transpose`.
+// is made only with `transpose` (outputs not asked for are not made: the Python-facing wrappers
+// return empty [0] tensors in their place).
 struct PerTensorFp8 {
   Created q, q_t, scale, amax;
 };
 PerTensorFp8 quantize_amax(const View& x, Fp8Format fmt, bool transpose, cudaStream_t stream);
 
 // Per-tensor FP8 of the stacked row blocks `parts` (float dtypes) with the given scale, or (scale
-// null) with its scale from their max |.|. q [R, cols] / q_t [cols, R] are empty [0] unless asked
+// null) with its scale from their max |.|. q [R, cols] / q_t [cols, R] are made only when asked
 // for; scale (created) and amax only when no scale was given.
 struct StackedFp8 {
   Created q, q_t, scale, amax;

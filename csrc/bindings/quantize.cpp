@@ -48,7 +48,9 @@ nb::tuple quantize_per_tensor_py(const Array& x_, const Array& scale_, int fmt_,
 
 // (q, q_t (empty unless transpose), scale, amax) of x, its scale from max |x| on the device.
 nb::tuple quantize_per_tensor_amax_py(const Array& x_, int fmt_, bool transpose, uintptr_t stream) {
-  const PerTensorFp8 r = quantize_amax(view_of(x_, "x"), fp8_format(fmt_), transpose, stream_of(stream));
+  const View x = view_of(x_, "x");
+  PerTensorFp8 r = quantize_amax(x, fp8_format(fmt_), transpose, stream_of(stream));
+  if (!transpose) r.q_t = new_tensor(kEmpty, NewDtype::kUInt8, x, "q_t");
   return nb::make_tuple(r.q.tensor, r.q_t.tensor, r.scale.tensor, r.amax.tensor);
 }
 
@@ -113,8 +115,10 @@ nb::tuple quantize_stacked_py(const std::vector<Array>& parts_, std::optional<Ar
   const std::vector<View> parts = views_of_parts(parts_);
   View scale;
   if (scale_) scale = view_of(*scale_, "scale");
-  const StackedFp8 r =
+  StackedFp8 r =
       quantize_stacked(parts, scale_ ? &scale : nullptr, fp8_format(fmt_), rowmajor, transpose, stream_of(stream));
+  if (!rowmajor) r.q = new_tensor(kEmpty, NewDtype::kUInt8, parts[0], "q");
+  if (!transpose) r.q_t = new_tensor(kEmpty, NewDtype::kUInt8, parts[0], "q_t");
   if (scale_) return nb::make_tuple(r.q.tensor, r.q_t.tensor);
   return nb::make_tuple(r.q.tensor, r.q_t.tensor, r.scale.tensor);
 }
@@ -258,7 +262,7 @@ PerTensorFp8 quantize_amax(const View& x, Fp8Format fmt, bool transpose, cudaStr
   const bool cuda = same_device({&x});
   PerTensorFp8 r;
   r.q = new_tensor(x.shape, NewDtype::kUInt8, x, "q");
-  r.q_t = new_tensor(transpose ? t_shape(x) : kEmpty, NewDtype::kUInt8, x, "q_t");
+  if (transpose) r.q_t = new_tensor(t_shape(x), NewDtype::kUInt8, x, "q_t");
   r.scale = new_tensor({1}, NewDtype::kFloat32, x, "scale");
   r.amax = new_tensor({1}, NewDtype::kFloat32, x, "amax");
   auto* qd = static_cast<uint8_t*>(r.q.view.data);
@@ -294,8 +298,8 @@ StackedFp8 quantize_stacked(const std::vector<View>& parts, const View* scale, F
   }
   const int64_t rows = total_rows(x);
   StackedFp8 r;
-  r.q = new_tensor(rowmajor ? std::vector<int64_t>{rows, x.cols} : kEmpty, NewDtype::kUInt8, p0, "q");
-  r.q_t = new_tensor(transpose ? std::vector<int64_t>{x.cols, rows} : kEmpty, NewDtype::kUInt8, p0, "q_t");
+  if (rowmajor) r.q = new_tensor({rows, x.cols}, NewDtype::kUInt8, p0, "q");
+  if (transpose) r.q_t = new_tensor({x.cols, rows}, NewDtype::kUInt8, p0, "q_t");
   if (!scale) {
     r.scale = new_tensor({1}, NewDtype::kFloat32, p0, "scale");
     r.amax = new_tensor({1}, NewDtype::kFloat32, p0, "amax");

@@ -3,7 +3,9 @@
 // module records that torch's version (TORCH_VERSION) so coat can refuse a mismatch at import.
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/Allocator.h>
 
 #include "registry.h"
 #include "tensor_args.h"
@@ -90,10 +92,33 @@ View view_of(const TensorArg& a, const char* name) {
   return v;
 }
 
+// torch's CUDA caching allocator as torch registers it (null if this torch has none).
+c10::Allocator* cuda_allocator() {
+  static c10::Allocator* const a = []() -> c10::Allocator* {
+    try {
+      return c10::GetAllocator(c10::DeviceType::CUDA);
+    } catch (const c10::Error&) {
+      return nullptr;
+    }
+  }();
+  return a;
+}
+
 Created new_tensor(const std::vector<int64_t>& shape, NewDtype dtype, const View& like, const char* name) {
-  const at::Device dev = like.cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(like.device))
-                                   : at::Device(at::kCPU);
-  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(scalar_type(dtype)).device(dev));
+  // What at::empty does, without its trip through the dispatcher (a block call makes ~13 outputs
+  // and intermediates): the caching allocator on the current device, which is made `like`'s.
+  at::Tensor t;
+  c10::Allocator* cuda = like.cuda ? cuda_allocator() : nullptr;
+  if (cuda != nullptr) {
+    set_current_device(like.device);
+    t = at::detail::empty_generic(shape, cuda, c10::DispatchKeySet(c10::DispatchKey::CUDA), scalar_type(dtype),
+                                  std::nullopt);
+  } else if (!like.cuda) {
+    t = at::detail::empty_cpu(shape, scalar_type(dtype));
+  } else {
+    t = at::empty(shape, at::TensorOptions().dtype(scalar_type(dtype)).device(
+                             at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(like.device))));
+  }
   Created c;
   fill(c.view, t, name);
   c.tensor = nb::steal(THPVariable_Wrap(std::move(t)));
