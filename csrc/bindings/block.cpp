@@ -40,7 +40,7 @@ void expect_2d(const View& v) {
 nb::object or_none(const Created& c) { return c.tensor.is_valid() ? c.tensor : nb::none(); }
 
 // (out [M, N], w_scale, s0, s1, s2): s = (x's FP8 codes, their group scales, rstd) with a norm,
-// (codes, scales, None) with swiglu, (x's transposed codes or empty, x's scale, None) without.
+// (codes, scales, None) with swiglu, (x's transposed codes or None, x's scale, None) without.
 // save_input_t: without a pre-op, whether dW will need x (a weight trains).
 nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, float eps, bool e8m0,
                        const std::vector<Array>& weights_, bool save_input_t, int out_type, bool fast_accum,
@@ -51,6 +51,10 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
   const View ws = view_of(workspace_, "workspace");
   const std::vector<View> weights = views_of_parts(weights_);
   const cudaStream_t stream = stream_of(stream_);
+  const int64_t k = pre == Pre::kSwiglu ? x.last_dim() / 2 : x.last_dim();  // the GEMM's K
+  COAT_CHECK_ARG(weights[0].shape.size() == 2 && weights[0].shape[1] == k,
+                 "weights[0] has shape " + shape_str(weights[0].shape) + " but the GEMM input has K = " +
+                     std::to_string(k) + " columns");
   GemmOptions opt;
   opt.workspace = &ws;
   opt.force_bf16 = force_bf16;
@@ -68,11 +72,8 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
     s0 = std::move(sw.saved.q), s1 = std::move(sw.saved.scales);
   }
   const View& in = pre == Pre::kNone ? x : y.view;
-  COAT_CHECK_ARG(weights[0].shape.size() == 2 && weights[0].shape[1] == in.last_dim(),
-                 "weights[0] has shape " + shape_str(weights[0].shape) + " but the GEMM input has K = " +
-                     std::to_string(in.last_dim()) + " columns");
   PerTensorFp8 q = quantize_amax(in, kAct, pre == Pre::kNone && save_input_t, stream);
-  y = Created();  // dies before the weights are quantized, as in the single-op path
+  y = Created();  // not needed after its quantization: freed before the weights' codes are made
   if (pre == Pre::kNone) s0 = std::move(q.q_t), s1 = q.scale;
   StackedFp8 w = quantize_stacked(weights, nullptr, kAct, true, false, stream);
   GemmResult out = gemm_fp8(q.q.view, kAct, q.scale.view, w.q.view, kAct, w.scale.view, gemm_out_type(out_type), opt,
