@@ -33,10 +33,6 @@ Pre pre_arg(int p) {
   return static_cast<Pre>(p);
 }
 
-void expect_2d(const View& v) {
-  COAT_CHECK_ARG(v.shape.size() == 2, std::string(v.name) + " must be 2-D, got shape " + shape_str(v.shape));
-}
-
 nb::object or_none(const Created& c) { return c.tensor.is_valid() ? c.tensor : nb::none(); }
 
 // (out [M, N], w_scale, s0, s1, s2): s = (x's FP8 codes, their group scales, rstd) with a norm,

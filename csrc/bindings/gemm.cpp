@@ -14,11 +14,6 @@ NewDtype out_dtype(GemmOut t) {
   return t == GemmOut::kFloat32 ? NewDtype::kFloat32 : t == GemmOut::kBFloat16 ? NewDtype::kBFloat16 : NewDtype::kE4M3;
 }
 
-void expect_2d(const View& v) {
-  COAT_CHECK_ARG(v.shape.size() == 2, std::string(v.name) + " must be 2-D, got shape " +
-                                          shape_str(v.shape));
-}
-
 // (out [M, N] of out_type, amax or None): out = (a * scale_a) @ (b * scale_b).T (+ bias), and with
 // want_amax its max |.| before the output rounding. CUDA needs `workspace` (cuBLASLt's, reused
 // across calls); the bf16 path's scratch is made here.

@@ -74,15 +74,12 @@ nb::object dequantize_per_tensor_py(const Array& q_, const Array& scale_, int fm
 }
 
 // parts: 1..4 row blocks [rows_i, cols] (float dtypes, or FP8 codes with `codes`), read as the
-// stacked X [R, cols] (their device is checked against parts[0]).
+// stacked X [R, cols] (their device is checked against parts[0]; views_of_parts checked their count).
 StackedRows stacked_of(const std::vector<View>& views, bool codes) {
-  COAT_CHECK_ARG(!views.empty() && views.size() <= static_cast<size_t>(kMaxStackParts),
-                 "parts must hold 1 to " + std::to_string(kMaxStackParts) + " tensors, got " +
-                     std::to_string(views.size()));
   StackedRows x;
   for (size_t i = 0; i < views.size(); ++i) {
     const View& p = views[i];
-    COAT_CHECK_ARG(p.shape.size() == 2, std::string(p.name) + " must be 2-D, got shape " + shape_str(p.shape));
+    expect_2d(p);
     if (codes) {
       expect_kind(p, Kind::kUInt8);
     } else {

@@ -55,6 +55,10 @@ void expect_numel(const View& v, int64_t n, const std::string& what) {
                                    " elements (" + what + "), got shape " + shape_str(v.shape));
 }
 
+void expect_2d(const View& v) {
+  COAT_CHECK_ARG(v.shape.size() == 2, std::string(v.name) + " must be 2-D, got shape " + shape_str(v.shape));
+}
+
 void expect_same_shape(const View& v, const View& ref) {
   COAT_CHECK_ARG(v.shape == ref.shape, std::string(v.name) + " must have the shape of " + ref.name +
                                            " " + shape_str(ref.shape) + ", got " +

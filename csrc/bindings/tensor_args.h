@@ -85,6 +85,7 @@ DType float_dtype(const View& v);
 void expect_kind(const View& v, Kind k);
 void expect_numel(const View& v, int64_t n, const std::string& what);
 void expect_same_shape(const View& v, const View& ref);
+void expect_2d(const View& v);
 // All views on the device of the first; returns whether that is CUDA (and makes it current).
 bool same_device(std::initializer_list<const View*> views);
 Fp8Format fp8_format(int f);
