@@ -61,3 +61,27 @@ def fill_group_defaults(group: dict[str, Any]) -> None:
     """Give a group from before these keys existed (an older state dict or pickle) torch's defaults."""
     for k, v in TORCH_FLAGS.items():
         group.setdefault(k, v)
+
+
+def _increment_takes_list() -> bool:
+    try:  # torch >= 2.7 takes a tensor or a list (one call); 2.6 a single tensor
+        torch.autograd.graph.increment_version([])
+        return True
+    except TypeError:
+        return False
+
+
+_LIST_VERSIONS = _increment_takes_list()
+
+
+def bump_versions(tensors: list[torch.Tensor]) -> None:
+    """Tell autograd that ``tensors`` were modified in place (the fused kernel writes them through
+    raw pointers, which no version counter sees), so that a backward through a value saved before
+    the step raises "modified by an inplace operation", as after torch.optim.AdamW's step. Host
+    metadata only: nothing is launched, so it is safe inside a CUDA-graph capture (a replay does
+    not bump: CudaGraphStep bumps after each)."""
+    if _LIST_VERSIONS:
+        torch.autograd.graph.increment_version(tensors)
+    else:
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)

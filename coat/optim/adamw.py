@@ -435,6 +435,7 @@ class AdamW(torch.optim.Optimizer):
             )
         if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
             torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
+        _compat.bump_versions([p for p, _, _, _ in items] + [st["master"] for *_, st in items if "master" in st])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -186,6 +186,30 @@ def test_step_under_torch_compile_matches_eager():
     assert ob.state[next(b.parameters())]["step"].item() == len(batches)
 
 
+@pytest.mark.parametrize("dtype,master", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
+                                          (torch.bfloat16, "bf16_sr")])
+def test_step_bumps_version_counters_like_torch(dtype, master):
+    # The kernel writes parameters (and fp32 masters) through raw pointers; autograd must still see
+    # that a weight saved for a backward changed, as it does after torch.optim.AdamW's step.
+    for make in (lambda ps: torch.optim.AdamW(ps), lambda ps: co.AdamW(ps, master_weights=master)):
+        model = _mlp(dtype=dtype)
+        opt = make(model.parameters())
+        x = torch.randn(4, 64, dtype=dtype, requires_grad=True)
+        model(x).sum().backward()
+        pending = model(x).sum()  # saves the weights (for the gradient of x)
+        versions = [p._version for p in model.parameters()]
+        opt.step()
+        assert all(p._version > v for p, v in zip(model.parameters(), versions))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            pending.backward()
+        if isinstance(opt, co.AdamW) and dtype != torch.float32 and master == "fp32":
+            masters = [opt.state[p]["master"] for p in model.parameters()]
+            before = [m._version for m in masters]
+            model(x).sum().backward()
+            opt.step()
+            assert all(m._version > v for m, v in zip(masters, before))
+
+
 def test_state_dict_is_compact_and_checked():
     m = _mlp()
     opt = co.AdamW(m.parameters())

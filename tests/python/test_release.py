@@ -461,6 +461,19 @@ def test_nan_norm_propagates_as_clip_grad_norm_does():
         assert all(bool(p.isnan().all()) for p in model.parameters()), estimate
 
 
+def test_released_step_bumps_version_counters():
+    # A forward whose saved weights the released step (inside another backward) overwrote: its
+    # backward must raise as it would after torch.optim.AdamW's step, not use the new weights.
+    model = _llama()
+    opt = _opt(model)
+    co.step_in_backward(opt, model)
+    ids = _batches(1)[0]
+    first, second = _loss(model, ids), _loss(model, ids)
+    first.backward()  # every bucket steps here
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        second.backward()
+
+
 def test_measured_norm_and_tensor_lr():
     batches = _batches(2)
     # math.inf measures without clipping; a tensor lr is read on the device when a bucket launches.
