@@ -64,10 +64,10 @@ def fill_group_defaults(group: dict[str, Any]) -> None:
 
 
 def _increment_takes_list() -> bool:
-    try:  # torch >= 2.7 takes a tensor or a list (one call); 2.6 a single tensor
-        torch.autograd.graph.increment_version([])
+    try:  # recent torch takes a tensor or a list (one call); older ones (2.6) a single tensor and
+        torch.autograd.graph.increment_version([])  # raise TypeError or RuntimeError for a list
         return True
-    except TypeError:
+    except (TypeError, RuntimeError):
         return False
 
 
