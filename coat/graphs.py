@@ -24,7 +24,11 @@ CPU every call runs eagerly, with the same checks.
 
 What the replay cannot see, and what is done about it (a stale graph would train silently wrong):
 - Batch shapes, dtypes and devices, and non-tensor arguments, are fixed by the first call; another
-  one raises ``ValueError`` naming the argument (pad batches to one shape).
+  one raises ``ValueError`` naming the argument (pad batches to one shape). Tensors inside a list,
+  tuple or dict argument are refused (pass each as a keyword argument: only those are copied into
+  the captured inputs).
+- The replayed optimizer step bumps the parameters' autograd version counters, as an eager step
+  does, so a forward saved before the call cannot backward through the new weights.
 - A parameter or buffer given new storage (``p.data = t``, ``model.to(...)``), a changed
   ``requires_grad`` or ``model.train()``/``eval()`` state, new optimizer states
   (``optimizer.load_state_dict``) or parameters: the step is captured again.
@@ -42,10 +46,13 @@ Use ``torch.autocast(..., cache_enabled=False)`` inside ``loss_fn`` if it autoca
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+
+from .optim._compat import bump_versions
 
 __all__ = ["CudaGraphStep"]
 
@@ -64,9 +71,46 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _signature_of(v: Any) -> tuple:
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_holds_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(x) for x in v)
+    return False
+
+
+def _signature_of(name: str, v: Any) -> tuple:
     """What a capture fixes of one argument: a tensor's shape, dtype and device, else the value."""
-    return (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else ("value", v)
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype, v.device)
+    if _holds_tensor(v):
+        raise ValueError(f"CudaGraphStep: {name} is a {type(v).__name__} holding tensors; a replay copies only "
+                         "tensors passed directly as keyword arguments into its captured inputs (tensors inside "
+                         f"a {type(v).__name__} would be read from the first call's): pass each as its own "
+                         "keyword argument")
+    return ("value", v)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equality of non-tensor arguments, with NaN equal to NaN (a float argument that is NaN at every
+    call is the same argument)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if type(a) is not type(b):
+        return a == b
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _same_entry(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    if a is None or b is None or a[0] != b[0] or a[0] != "value":
+        return a == b
+    return _same_value(a[1], b[1])
 
 
 def _describe(entry: tuple) -> str:
@@ -102,8 +146,14 @@ class CudaGraphStep:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an int >= 1 (eager steps create the optimizer states and "
                              f"cuBLAS plans a capture needs), got {warmup_steps!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+                raise TypeError(f"max_grad_norm must be a number > 0 (math.inf: measure the norm without clipping) "
+                                f"or None, got {type(max_grad_norm).__name__} {max_grad_norm!r}")
+            if math.isnan(max_grad_norm) or max_grad_norm <= 0:
+                raise ValueError(f"max_grad_norm must be > 0 (math.inf: measure the norm without clipping) or None, "
+                                 f"got {max_grad_norm!r}")
+            max_grad_norm = float(max_grad_norm)
         if getattr(optimizer, "_release", None) is not None:
             raise ValueError("CudaGraphStep: the optimizer steps inside backward (coat.optim.step_in_backward), "
                              "through Python hooks a graph cannot replay; use an ordinary optimizer step")
@@ -159,7 +209,7 @@ class CudaGraphStep:
                 for g in self.optimizer.param_groups]
 
     def _check_batch(self, batch: dict[str, Any]) -> None:
-        sig = sorted((k, _signature_of(v)) for k, v in batch.items())
+        sig = sorted(((k, _signature_of(k, v)) for k, v in batch.items()), key=lambda kv: kv[0])
         if self._signature is None:
             dev = next(iter(self.model.parameters()), None)
             for k, v in batch.items():
@@ -167,11 +217,9 @@ class CudaGraphStep:
                     raise ValueError(f"{k} is on {v.device} but the model is on {dev.device}; move the batch there")
             self._signature = sig
             return
-        if sig == self._signature:
-            return
         old, new = dict(self._signature), dict(sig)
         for k in sorted(set(old) | set(new)):
-            if old.get(k) != new.get(k):
+            if not _same_entry(old.get(k), new.get(k)):
                 was = "absent" if k not in old else _describe(old[k])
                 now = "absent" if k not in new else _describe(new[k])
                 raise ValueError(f"CudaGraphStep: {k} is {now}, but the step was built for {was}; a CUDA graph "
@@ -183,7 +231,9 @@ class CudaGraphStep:
     def _forward_backward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         loss = self.loss_fn(self.model, **batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(_signature_of(loss))}")
+            what = _describe((tuple(loss.shape), loss.dtype, loss.device)) if isinstance(loss, torch.Tensor) \
+                else repr(loss)
+            raise ValueError(f"loss_fn must return a scalar tensor, got {what}")
         loss.backward()
         norm = None
         if self.max_grad_norm is not None:
@@ -251,14 +301,20 @@ class CudaGraphStep:
                 self._static[k].copy_(v)
         self._fwd.replay()
         self._opt.replay()
+        # The replayed step wrote the parameters behind autograd's back; a forward saved before this
+        # call must not backward through them silently (as after an eager step).
+        bump_versions(self._opt_objects[1])
         for p, g in self._grads:  # a zero_grad() between calls must not orphan the captured buffers
             if p.grad is not g:
                 p.grad = g
         self.grad_norm = None if self._norm is None else self._norm.clone()
         return self._loss.clone()
 
-    def __call__(self, **batch: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, **batch: Any) -> torch.Tensor:
         """One optimizer step on ``batch`` (keyword arguments of ``loss_fn``); returns the loss."""
+        if args:
+            raise TypeError(f"CudaGraphStep takes the batch as keyword arguments (step(input_ids=ids, "
+                            f"labels=ids)), got {len(args)} positional argument(s)")
         self._check_batch(batch)
         p = next(iter(self.model.parameters()), None)
         if p is None or not p.is_cuda:

@@ -24,6 +24,11 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor the step works on: the local shard of a DTensor (FSDP2), else the tensor."""
     to_local = getattr(t, "to_local", None)
@@ -39,7 +44,11 @@ class AdamW(torch.optim.Optimizer):
     decodes them, applies the ``torch.optim.AdamW`` update in fp32 registers, re-encodes them and
     writes the parameter (and its fp32 master); one launch covers all tensors that share a device,
     dtypes and parameter group, with no host synchronisation, so ``step()`` can be captured in a
-    CUDA graph. Without CUDA the same semantics run on the CPU (C++).
+    CUDA graph (the descriptor tables a capture reads stay alive as long as the optimizer: later
+    eager steps, ``add_param_group`` and ``load_state_dict`` build new ones and never free or
+    rewrite a captured one). Each step bumps the autograd version counters of the parameters (and
+    masters) it writes, as an in-place update does. Without CUDA the same semantics run on the CPU
+    (C++).
 
     Args:
         params: parameters (dense: contiguous, channels_last or any other dimension order; the
@@ -138,6 +147,7 @@ class AdamW(torch.optim.Optimizer):
     def _reset_caches(self) -> None:
         """Host-side caches: rebuilt on demand, never saved (they hold raw pointers)."""
         self._desc_cache: dict[tuple, tuple] = {}
+        self._graph_tables: dict[int, tuple] = {}  # tables a CUDA-graph capture of step() reads
         self._minus_one: dict[torch.device, torch.Tensor] = {}  # maximize's grad_scale without a scaler
 
     # ---- pickling (copy.deepcopy, torch.save of the whole optimizer) --------------------------
@@ -358,8 +368,9 @@ class AdamW(torch.optim.Optimizer):
         grads = [grad.data_ptr() for _, _, grad, _ in items]
         hit = self._desc_cache.get(key)
         if hit is not None and hit[0] == static:
-            _, kept, rows, begin, old_grads, table, _ = hit
+            _, kept, rows, begin, old_grads, table, host = hit
             if old_grads == grads:
+                self._keep_if_captured(key[0], table, host)
                 return table, begin
             rows = rows.clone()
             rows[:, 1] = torch.tensor([grads[i] for i in kept], dtype=torch.int64)
@@ -386,7 +397,17 @@ class AdamW(torch.optim.Optimizer):
             host = table = rows
         # The pinned host copy stays referenced: a CUDA graph that captured the copy replays it.
         self._desc_cache[key] = (static, kept, rows, begin, grads, table, host)
+        self._keep_if_captured(device, table, host)
         return table, begin
+
+    def _keep_if_captured(self, device: torch.device, table: torch.Tensor, host: torch.Tensor) -> None:
+        """A CUDA graph captured now reads this table (and copies from its pinned host rows, when the
+        copy was captured) by address at every replay: it is kept for the optimizer's lifetime, so
+        that a later eager step with other gradients, add_param_group or load_state_dict (which
+        build new tables and drop the cached ones) never frees or reuses memory a graph replays.
+        One entry per distinct captured table: recapturing with the same tables adds nothing."""
+        if _capturing(device):
+            self._graph_tables[id(table)] = (table, host)
 
     def _negated(self, scale: torch.Tensor | None, device: torch.device, on_device: dict) -> torch.Tensor:
         """grad_scale for a maximize group: the kernel multiplies gradients by 1 / grad_scale, so a

@@ -255,3 +255,122 @@ def test_graph_step_sees_what_makes_a_capture_stale():
     assert step._hyper_state() != hyper
     opt.load_state_dict(opt.state_dict())
     assert not step._same_optimizer()
+
+
+def test_graph_step_argument_errors_name_the_argument():
+    m = _model("cpu")
+    opt = coat.optim.AdamW(m.parameters())
+    for bad in ("1.0", [1.0], True):
+        with pytest.raises(TypeError, match="max_grad_norm must be a number"):
+            coat.CudaGraphStep(m, opt, max_grad_norm=bad)
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0.*got nan"):
+        coat.CudaGraphStep(m, opt, max_grad_norm=float("nan"))
+    assert coat.CudaGraphStep(m, opt, max_grad_norm=1).max_grad_norm == 1.0
+
+    def loss_fn(model, input_ids, scale=1.0, extra=None):
+        return model(input_ids=input_ids, labels=input_ids).loss
+    step = coat.CudaGraphStep(m, opt, loss_fn)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(TypeError, match="keyword arguments"):
+        step(ids)
+    # A float argument that is NaN at every call is the same argument (NaN != NaN notwithstanding);
+    # lists of plain values are compared by value.
+    for _ in range(2):
+        step(input_ids=ids, scale=float("nan"), extra=[1, float("nan")])
+    with pytest.raises(ValueError, match=r"extra is \[1, 2\], but the step was built for \[1, nan\]"):
+        step(input_ids=ids, scale=float("nan"), extra=[1, 2])
+    # Tensors inside a container would be replayed from the first call's: refused, naming the argument.
+    fresh = coat.CudaGraphStep(m, opt, loss_fn)
+    with pytest.raises(ValueError, match="extra is a list holding tensors"):
+        fresh(input_ids=ids, extra=[torch.ones(2)])
+    with pytest.raises(ValueError, match="extra is a dict holding tensors"):
+        fresh(input_ids=ids, extra={"a": (torch.ones(2),)})
+
+
+def test_captured_descriptor_tables_outlive_the_optimizer_cache(monkeypatch):
+    # The ownership logic of item 16 on the CPU: a table handed out while a graph is being captured
+    # is kept by the optimizer; a later eager step with other gradients and add_param_group replace
+    # the cache but never free or rewrite it (on CUDA the replay reads it by address).
+    import coat.optim.adamw as adamw
+
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (300, 129)]
+    opt = coat.optim.AdamW(ps, lr=1e-2)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert not opt._graph_tables  # eager steps keep nothing extra
+    monkeypatch.setattr(adamw, "_capturing", lambda device: True)
+    opt.step()  # "captured": the cached table is now the graph's too
+    opt.step()  # captured again with the same table: nothing more is kept
+    monkeypatch.setattr(adamw, "_capturing", lambda device: False)
+    assert len(opt._graph_tables) == 1
+    (table, _), = opt._graph_tables.values()
+    rows = table.clone()
+    for p in ps:  # new gradient tensors: the eager step builds a new table
+        p.grad = torch.randn_like(p)
+    opt.step()
+    new_table = next(iter(opt._desc_cache.values()))[5]
+    assert new_table is not table and torch.equal(table, rows)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    assert not opt._desc_cache and len(opt._graph_tables) == 1 and torch.equal(table, rows)
+
+
+@pytest.mark.gpu
+def test_captured_optimizer_step_survives_eager_steps_and_add_param_group():
+    # A graph of coat's step replays its descriptor table by address. An eager step with other
+    # gradient tensors, then add_param_group, drop the cached table; the freed block, refilled with
+    # junk, used to be what the replay read (illegal addresses or silently wrong updates).
+    def build():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (300, 1000, 129)]
+        return ps, coat.optim.AdamW(ps, lr=1e-2)
+
+    (pa, oa), (pb, ob) = build(), build()
+    static = [torch.randn_like(p) for p in pb]
+    for p, q, g in zip(pa, pb, static):
+        p.grad, q.grad = g.clone(), g
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        oa.step()
+        ob.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ob.step()
+    graph.replay()
+    oa.step()
+    for p, q in zip(pa, pb):  # other gradient tensors, stepped eagerly: b's cache gets a new table
+        g = torch.randn_like(p)
+        p.grad, q.grad = g.clone(), g
+    oa.step()
+    ob.step()
+    for o in (oa, ob):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(10, device="cuda"))]})
+    junk = [torch.full((64,), -1, dtype=torch.int64, device="cuda") for _ in range(512)]
+    for p, q, g in zip(pa, pb, static):  # the graph reads the captured gradient buffers
+        p.grad, q.grad = g.clone(), g
+    graph.replay()
+    oa.step()
+    torch.cuda.synchronize()
+    del junk
+    for p, q in zip(pa, pb):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.gpu
+def test_replayed_step_bumps_version_counters():
+    # A replay writes the parameters behind autograd's back: a forward saved before it must not
+    # backward through the new values silently.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).cuda()
+    opt = coat.optim.AdamW(m.parameters(), lr=1e-3)
+    step = coat.CudaGraphStep(m, opt, lambda model, x: model(x).square().mean(), warmup_steps=1)
+    x = torch.randn(16, 64, device="cuda")
+    step(x=x)
+    step(x=x)  # captured
+    pending = m(x).square().mean()  # saves the second layer's weight
+    step(x=x)  # replayed
+    assert step.captures == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        pending.backward()
