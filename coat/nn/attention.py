@@ -23,6 +23,7 @@ from torch import nn
 
 from .._ops import rope as rops
 from . import adapters as A
+from ._cache import pop_cache
 from .fused import norm_linear
 from .mlp import _bias_list
 from .norm import rms_norm
@@ -91,8 +92,9 @@ class Fp8AttentionMixin:
     """forward() for HF Llama/Mistral/Qwen2/Qwen3 attention modules, same signature and return
     (attn_output, attn_weights), plus ``norm``: the input RMSNorm to fuse into the QKV GEMM."""
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 norm: nn.Module | None = None, **kwargs):
+        cache = pop_cache(kwargs, cache)  # transformers' name for it: ``cache`` or ``past_key_values``
         recipe = getattr(self, "coat_recipe", None) or resolve(None)
         b_s = hidden_states.shape[:-1]
         d = self.head_dim
@@ -117,8 +119,11 @@ class Fp8AttentionMixin:
         else:  # new tensors (not views of qkv): attention keeps q, k, v alive but not the QKV buffer
             q, k, v = rope_qkv(qkv, cos, sin, hq, hk, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            # transformers 5.0's static caches place the new keys at cache_kwargs' cache_position;
+            # later versions' caches track positions themselves and ignore extra arguments.
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
+            k, v = cache.update(k, v, self.layer_idx, cache_kwargs)
         kwargs.setdefault("sliding_window", getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)))
         out, attn_weights = _attention_fn(self)(
             self, q, k, v, attention_mask,

@@ -8,6 +8,8 @@ import functools
 
 import torch
 
+from ._cache import pop_cache
+
 
 @functools.cache
 def _fsdp_module_type():
@@ -19,8 +21,9 @@ def _fsdp_module_type():
 
 
 class Fp8DecoderLayerMixin:
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        cache = pop_cache(kwargs, cache)  # transformers' name for it: ``cache`` or ``past_key_values``
         recipe = getattr(self.self_attn, "coat_recipe", None)
         if recipe is not None and recipe.weight_cache and isinstance(self, _fsdp_module_type()):
             raise ValueError(
@@ -32,7 +35,7 @@ class Fp8DecoderLayerMixin:
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             norm=self.input_layernorm,

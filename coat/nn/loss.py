@@ -74,6 +74,7 @@ from .._ops import loss as lops
 from .._ops import quantize as qops
 from .._ops._util import fmt_id
 from . import _fp8mm as mm
+from ._cache import cache_name, pop_cache
 from .fused import compute_dtype, wgrad_dtype
 from .norm import hf_rms_norm
 from .recipe import ACT_DTYPE, GRAD_DTYPE
@@ -518,21 +519,23 @@ class FusedCausalLMLossMixin:
     coat_loss_chunk_mib: float = DEFAULT_CHUNK_MIB
     coat_loss_fp8_backward: bool = False
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        cache = pop_cache(kwargs, cache)  # ``cache`` or ``past_key_values``: passed on as transformers names it
         loss_type = getattr(self, "loss_type", None)
         head = self.lm_head
-        derived = _UnpackedPositions(position_ids is None and attention_mask is None and past_key_values is None
+        derived = _UnpackedPositions(position_ids is None and attention_mask is None and cache is None
                                      and kwargs.get("cache_position") is None)
         # A custom loss, a head something wraps (PEFT's adapters or modules_to_save, FSDP2
         # sharding the head on its own) or hooks on the head: theirs to see, on HF's path.
         if (labels is None or not self.coat_fused_loss or "_loss_function" in self.__dict__
                 or loss_type not in (None, "ForCausalLM") or type(head) is not nn.Linear
                 or head.bias is not None or head._forward_hooks or head._forward_pre_hooks):
+            kwargs[self._coat_cache_kw] = cache
             with derived:
                 return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                                       use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+                                       inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                       logits_to_keep=logits_to_keep, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         return_dict = kwargs.pop("return_dict", None)
@@ -547,10 +550,10 @@ class FusedCausalLMLossMixin:
             want_hidden = getattr(self.config, "output_hidden_states", False)
         fuse_norm = (not want_hidden and isinstance(norm, _DeferrableNormMixin) and not norm._forward_hooks
                      and not norm._forward_pre_hooks)
+        name = self._coat_cache_kw  # the model's forward takes it under the same name
         with _Deferred(norm, fuse_norm), derived:
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                                 **kwargs)
+                                 inputs_embeds=inputs_embeds, use_cache=use_cache, **{name: cache}, **kwargs)
         hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         loss = fused_lm_head_loss(
@@ -562,7 +565,7 @@ class FusedCausalLMLossMixin:
             chunk_mib=self.coat_loss_chunk_mib,
             fp8_backward=self.coat_loss_fp8_backward,
         )
-        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+        out = CausalLMOutputWithPast(loss=loss, logits=None, **{name: getattr(outputs, name, None)},
                                      hidden_states=getattr(outputs, "hidden_states", None),
                                      attentions=getattr(outputs, "attentions", None))
         return out if return_dict else out.to_tuple()
@@ -598,7 +601,10 @@ def _subclass(cls: type, mixin: type, name: str) -> type:
         return cls
     key = (cls, mixin)
     if key not in _SUBCLASSES:
-        sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+        attrs = {"__module__": __name__, "__qualname__": name}
+        if mixin is FusedCausalLMLossMixin:
+            attrs["_coat_cache_kw"] = cache_name(cls.forward)
+        sub = type(name, (mixin, cls), attrs)
         _SUBCLASSES[key] = sub
         globals().setdefault(name, sub)  # lets pickle find the class in a process that installed it
     return _SUBCLASSES[key]

@@ -79,13 +79,16 @@ def test_generate_and_eval(gen):
     ref, m = _pair("llama", 48, 3, 1, 80)
     m.eval()
     ids = torch.randint(0, V, (2, 5), generator=gen)
+    cache = tf.DynamicCache()
     with torch.no_grad():
         out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
-        # the KV-cached incremental logits agree with a full forward over the generated tokens
-        full = m(input_ids=out).logits[:, -2]
-        step = m(input_ids=out[:, :-1], use_cache=True).logits[:, -1]
-    assert out.shape == (2, 9)
-    assert rel(step, full) < 1e-5
+        full = m(input_ids=out).logits[:, -1]
+        # the last token alone, attending to the others through the KV cache, gets the full
+        # forward's logits (to FP8 error: see test_generate.py); an ignored cache gives ~100 %
+        m(input_ids=out[:, :-1], past_key_values=cache, use_cache=True)
+        step = m(input_ids=out[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
+    assert out.shape == (2, 9) and cache.get_seq_length() == 9
+    assert rel(step, full) < 0.15
 
 
 def test_padding_mask(gen):
