@@ -11,7 +11,7 @@ import torch
 
 from . import _C
 from ._ops import quantize as _ops
-from .fp8.formats import CORE_ID, DTYPES, GROUP_SIZES, SCALE_KINDS, format_name
+from .fp8.formats import CORE_ID, DTYPES, GROUP_SIZES, MAX, SCALE_KINDS, format_name
 from .fp8.tensor import DreTensor, Fp8Tensor
 
 __all__ = [
@@ -39,6 +39,11 @@ def _check_input(x: torch.Tensor, arg: str = "x", dtypes=_FLOAT_DTYPES) -> None:
         raise ValueError(f"{arg} must be on a CPU or CUDA device, got {x.device}")
 
 
+def _source(x: torch.Tensor) -> torch.Tensor | None:
+    """x, when dequantizing its codes must be differentiable w.r.t. it (it requires grad, grad mode is on)."""
+    return x if x.requires_grad and torch.is_grad_enabled() else None
+
+
 def quantize_per_tensor(
     x: torch.Tensor,
     fmt: str | torch.dtype = "e4m3",
@@ -57,17 +62,20 @@ def quantize_per_tensor(
     name = format_name(fmt)
     dt, fid = DTYPES[name], CORE_ID[name]
     if scale is None:
-        q, q_t, s, amax = _ops.quantize_per_tensor_amax(x, fid, transpose)
-        return Fp8Tensor(q.view(dt), s, None, q_t.view(dt) if transpose else None, amax)
+        q, q_t, s, amax = _ops.quantize_per_tensor_amax(x.detach(), fid, transpose)
+        return Fp8Tensor(q.view(dt), s, None, q_t.view(dt) if transpose else None, amax, source=_source(x))
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
         raise ValueError("scale must be a float32 tensor with one element")
     if scale.device != x.device:
         raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
     scale = scale.reshape(1)
+    src = _source(x)
+    limit = None if src is None else MAX[name] * scale.detach()
     if transpose:
-        q, q_t = _ops.quantize_per_tensor_t(x, scale, fid)
-        return Fp8Tensor(q.view(dt), scale, None, q_t.view(dt))
-    return Fp8Tensor(_ops.quantize_per_tensor(x, scale, fid).view(dt), scale)
+        q, q_t = _ops.quantize_per_tensor_t(x.detach(), scale.detach(), fid)
+        return Fp8Tensor(q.view(dt), scale, None, q_t.view(dt), source=src, grad_limit=limit)
+    q = _ops.quantize_per_tensor(x.detach(), scale.detach(), fid)
+    return Fp8Tensor(q.view(dt), scale, source=src, grad_limit=limit)
 
 
 def quantize_per_group(
@@ -89,12 +97,17 @@ def quantize_per_group(
         last = x.shape[-1] if x.dim() else "a 0-d tensor"
         raise ValueError(f"group_size {group_size} does not divide the last dimension of x ({last})")
     name = format_name(fmt)
-    q, s = _ops.quantize_per_group(x, group_size, CORE_ID[name], scale_kind == "e8m0")
-    return Fp8Tensor(q.view(DTYPES[name]), s, group_size)
+    q, s = _ops.quantize_per_group(x.detach(), group_size, CORE_ID[name], scale_kind == "e8m0")
+    return Fp8Tensor(q.view(DTYPES[name]), s, group_size, source=_source(x))
 
 
 def dequantize(t: Fp8Tensor | DreTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of the quantize functions (DRE tensors always decode to fp32)."""
+    """Inverse of the quantize functions (DRE tensors always decode to fp32).
+
+    Differentiable as a cast is: when the quantized ``x`` required grad (the quantized tensor then
+    keeps a reference to it), the result's gradient flows to ``x`` straight through the rounding
+    (not rounded itself), with the scale a constant; where a scale passed to
+    ``quantize_per_tensor`` saturated ``x`` (``|x| > fmt_max * scale``) the gradient is 0."""
     if isinstance(t, DreTensor):
         return t.dequantize() if dtype == torch.float32 else t.dequantize().to(dtype)
     if not isinstance(t, Fp8Tensor):
@@ -114,8 +127,8 @@ def dre_quantize(x: torch.Tensor, fmt: str | torch.dtype = "e4m3", *, log2_range
         log2_range = _C.DRE_LOG2_RANGE_E4M3 if name == "e4m3" else _C.DRE_LOG2_RANGE_E5M2
     if not (0.0 < float(log2_range) < 64.0):
         raise ValueError(f"log2_range must be in (0, 64), got {log2_range}")
-    q, gmax, k16 = _ops.dre_quantize(x, CORE_ID[name], float(log2_range))
-    return DreTensor(q.view(DTYPES[name]), gmax, k16)
+    q, gmax, k16 = _ops.dre_quantize(x.detach(), CORE_ID[name], float(log2_range))
+    return DreTensor(q.view(DTYPES[name]), gmax, k16, source=_source(x))
 
 
 def dre_dequantize(t: DreTensor) -> torch.Tensor:

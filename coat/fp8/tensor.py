@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .._ops import quantize as _ops
 from .._ops._util import fmt_id, u8
+
+
+class _StraightThrough(torch.autograd.Function):
+    """dequantize(quantize(x)) as autograd sees it, as a cast: the rounding passes the gradient
+    straight through (unrounded) and the scale is a constant; where a scale
+    given by the caller saturated x (``|x| > fmt_max * scale``) the gradient is 0, as through a
+    clamp. Scales computed from x itself saturate nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, decode: Callable[[], torch.Tensor], limit: torch.Tensor | None):
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(x if limit is not None else None, limit)
+        return decode()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, limit = ctx.saved_tensors
+        if x is not None:
+            grad = grad * (x.abs() <= limit)
+        return grad.to(ctx.x_dtype), None, None
+
+
+def _decoded(t, decode: Callable[[], torch.Tensor]) -> torch.Tensor:
+    src = t.source
+    if src is None or not src.requires_grad or not torch.is_grad_enabled():
+        return decode()
+    return _StraightThrough.apply(src, decode, t.grad_limit)
 
 
 @dataclass
@@ -23,6 +51,10 @@ class Fp8Tensor:
     group_size: int | None = None
     data_t: torch.Tensor | None = None  # [K, M] transpose of data, when asked for
     amax: torch.Tensor | None = None  # the amax the scale came from, when computed in the call
+    #: the quantized tensor, when it required grad: dequantize() is then differentiable w.r.t. it
+    source: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    #: |source| beyond which the codes saturated (a caller-given scale), else None
+    grad_limit: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def fmt(self) -> str:
@@ -39,10 +71,13 @@ class Fp8Tensor:
         return self.scale
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values ``data * scale`` in ``dtype``; differentiable w.r.t. ``source`` (see
+        coat.functional.dequantize)."""
         fmt = fmt_id(self.data.dtype, "data")
         if self.group_size is None:
-            return _ops.dequantize_per_tensor(u8(self.data), self.scale, fmt, dtype)
-        return _ops.dequantize_per_group(u8(self.data), self.scale, self.group_size, fmt, dtype)
+            return _decoded(self, lambda: _ops.dequantize_per_tensor(u8(self.data), self.scale, fmt, dtype))
+        return _decoded(self, lambda: _ops.dequantize_per_group(u8(self.data), self.scale, self.group_size, fmt,
+                                                                 dtype))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
@@ -57,6 +92,9 @@ class DreTensor:
     data: torch.Tensor
     gmax: torch.Tensor
     k16: torch.Tensor
+    #: the quantized tensor, when it required grad: dequantize() is then differentiable w.r.t. it
+    source: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    grad_limit: torch.Tensor | None = field(default=None, repr=False, compare=False)  # never set: no saturation
 
     @property
     def fmt(self) -> str:
@@ -67,7 +105,8 @@ class DreTensor:
         return self.data.shape
 
     def dequantize(self) -> torch.Tensor:
-        return _ops.dre_dequantize(u8(self.data), self.gmax, self.k16, fmt_id(self.data.dtype, "data"))
+        fmt = fmt_id(self.data.dtype, "data")
+        return _decoded(self, lambda: _ops.dre_dequantize(u8(self.data), self.gmax, self.k16, fmt))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.gmax, self.k16))
