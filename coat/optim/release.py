@@ -21,7 +21,6 @@ import contextlib
 import math
 import sys
 import threading
-import warnings
 from collections import defaultdict
 from typing import Any, Iterable, Iterator
 
@@ -160,16 +159,12 @@ class GradRelease:
                        for b in self._buckets for p in b}
         self._positions: dict[int, tuple[int, int, int]] = {}
         self._norm_group = self._find_norm_group() if self.max_grad_norm is not None else None
-        if self._norm_group is not None and norm_estimate == "running" and not math.isinf(self.max_grad_norm):
-            # The estimate needs every bucket's norm summed over the ranks when it launches (a collective
-            # per bucket, matched on every rank), which is not implemented.
-            warnings.warn("gradient release: norm_estimate='running' is not implemented for sharded (FSDP2) "
-                          "parameters; clipping by the previous iteration's total norm instead (a spike then "
-                          "passes unclipped into AdamW's second moment: on a 1000-step run the loss lagged the "
-                          "ordinary clipped run by up to 6.8% mid-run). Pass norm_estimate='previous' to accept "
-                          "that without this warning", UserWarning, stacklevel=3)
-            norm_estimate = "previous"
         self.norm_estimate = norm_estimate
+        # Per bucket, its sharded parameters: under FSDP2 the running estimate sums their squared
+        # norms over the ranks when the bucket launches (one small all-reduce, the same vector on
+        # every rank: every rank flushes the same buckets in the same order, as FSDP2's
+        # reduce-scatters complete them).
+        self._sharded_of = [[p for p in b if self._is_sharded(p)] for b in self._buckets]
         # Carried from the last iteration whose norm was finite: its norm, per-parameter norms (by
         # position) and the total squared in fp64 (squares of fp32 norms cannot overflow there).
         self._carried: torch.Tensor | None = None
@@ -373,9 +368,9 @@ class GradRelease:
                 self._norms.update(zip(indices[key], norms))
                 fresh += list(zip(indices[key], norms))
             if self._running_clip():
-                scale = self._running_scale(fresh)
+                scale = self._running_scale(self._squares(b, fresh, over_ranks=True))
             elif not math.isinf(self.max_grad_norm) and not self._measuring():
-                scale = self._previous_scale(fresh)
+                scale = self._previous_scale(self._squares(b, fresh, over_ranks=False))
         on_device: dict[tuple, torch.Tensor] = {}
         if not self._measuring():
             for key, items in by_key.items():
@@ -394,32 +389,52 @@ class GradRelease:
         return (self.norm_estimate == "running" and self._prev_total_sq is not None
                 and not math.isinf(self.max_grad_norm))
 
-    def _released_sq(self, fresh: list) -> torch.Tensor:
-        """Add this bucket's squared norms to the iteration's sum so far (fp64: the squares of fp32
-        norms cannot overflow) and return the sum."""
+    def _is_sharded(self, p: torch.nn.Parameter) -> bool:
+        return self._norm_group is not None and _state._is_dtensor(p) and any(pl.is_shard() for pl in p.placements)
+
+    def _squares(self, b: int, fresh: list, over_ranks: bool) -> list[tuple[int, torch.Tensor]]:
+        """(position, squared norm in fp64: the square of an fp32 norm cannot overflow there) of the
+        gradients bucket b launches now; with ``over_ranks``, a sharded parameter's summed over the
+        ranks (the whole gradient's), in one all-reduce per bucket."""
+        sq = {i: n.double().square() for i, n in fresh}
+        sharded = self._sharded_of[b]
+        if not (over_ranks and sharded):
+            return list(sq.items())
+        where = [self._position(p)[2] for p in sharded]
         dev = fresh[0][1].device
-        cur = torch.stack([n.to(dev, torch.float64) for _, n in fresh]).square().sum()
+        zero = torch.zeros((), dtype=torch.float64, device=dev)  # a shard without a gradient here
+        summed = torch.stack([sq[i].to(dev) if i in sq else zero for i in where])
+        torch.distributed.all_reduce(summed, group=self._norm_group)
+        sq.update((i, summed[j]) for j, i in enumerate(where) if i in sq)
+        return list(sq.items())
+
+    def _released_sq(self, fresh_sq: list) -> torch.Tensor:
+        """Add this bucket's squared norms to the iteration's sum so far and return the sum."""
+        dev = fresh_sq[0][1].device
+        cur = torch.stack([q.to(dev) for _, q in fresh_sq]).sum()
         self._done_cur_sq = cur if self._done_cur_sq is None else self._done_cur_sq + cur
         return self._done_cur_sq
 
-    def _previous_scale(self, fresh: list) -> torch.Tensor | None:
+    def _previous_scale(self, fresh_sq: list) -> torch.Tensor:
         """The carried scale, unless the gradients released so far already have a non-finite norm:
-        then, as clip_grad_norm_ would for the whole iteration, coefficient 0 (inf) or NaN."""
-        done = self._released_sq(fresh)
+        then, as clip_grad_norm_ would for the whole iteration, coefficient 0 (inf) or NaN. (Under
+        FSDP2 the gradients this rank released: no collective.)"""
+        done = self._released_sq(fresh_sq)
         bad = clip_scale(done.sqrt(), self.max_grad_norm)
         carried = self._clip_scale if self._clip_scale is not None else torch.ones_like(bad)
         return torch.where(torch.isfinite(done), carried.to(bad.device), bad)
 
-    def _running_scale(self, fresh: list) -> torch.Tensor:
+    def _running_scale(self, fresh_sq: list) -> torch.Tensor:
         """The clipping scale of a bucket launching now: the norm estimated from the current
         gradients released so far (this bucket's included) and the previous iteration's norms of
         the parameters still to come, scaled by the current/previous ratio of those released. A
         gradient that grows from one iteration to the next is clipped in the bucket where it grows
         (and, as clip_grad_norm_ does, the buckets after it); the last bucket of a backward clips
-        by the exact norm of the iteration. Sums of squares are fp64."""
-        done = self._released_sq(fresh)
+        by the exact norm of the iteration. Sums of squares are fp64; sharded parameters' norms
+        are over all ranks (current and previous), as in the total."""
+        done = self._released_sq(fresh_sq)
         dev = done.device
-        known = [self._prev_norms[i].to(dev, torch.float64) for i, _ in fresh if i in self._prev_norms]
+        known = [self._prev_norms[i].to(dev, torch.float64) for i, _ in fresh_sq if i in self._prev_norms]
         if known:  # parameters without a previous norm (new in this iteration) add nothing to P
             prev = torch.stack(known).square().sum()
             self._done_prev_sq = prev if self._done_prev_sq is None else self._done_prev_sq + prev
@@ -496,7 +511,7 @@ class GradRelease:
             for p in b:
                 index = self._position(p)[2]
                 n = self._norms.get(index)
-                if self._norm_group is not None and _state._is_dtensor(p) and any(pl.is_shard() for pl in p.placements):
+                if self._is_sharded(p):
                     sharded.append((index, p, n))
                 elif n is not None:
                     plain.append((index, n))
@@ -515,6 +530,8 @@ class GradRelease:
             torch.distributed.all_reduce(sq, group=self._norm_group)
             sq_total = sq.sum()
             total = torch.sqrt(sq_total + (total.to(dev) ** 2 if total is not None else 0.0))
+            # The running estimate's previous norms of sharded parameters: the whole gradients'.
+            plain += [(i, torch.sqrt(sq[j])) for j, (i, _, n) in enumerate(sharded) if n is not None]
         self.grad_norm = total
         if total is None:
             self._carried, self._prev_norms, self._prev_total_sq, self._clip_scale = None, {}, None, None
@@ -578,9 +595,10 @@ def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, 
             passes unclipped (its norm is known only afterwards) and AdamW's second moment keeps
             its square for ~1 / (1 - beta2) steps, slowing every later update: on a 1000-step GPU
             run of ``coat train`` (clip 1.0) the validation loss lagged the ordinary clipped run by
-            up to 6.8% mid-run and 1.07% at the end. Under FSDP2 with sharded parameters the
-            running estimate (a collective per bucket) is not implemented: a warning says so
-            and "previous" is used. In both modes, once the norm of the gradients released in
+            up to 6.8% mid-run and 1.07% at the end. Under FSDP2 the squared norms of a
+            bucket's sharded parameters are summed over the ranks when it launches (one small
+            all-reduce per bucket, on the current stream, no host synchronisation), so every
+            rank clips by the same estimate and the last bucket by the exact norm. In both modes, once the norm of the gradients released in
             an iteration is infinite (an element above ~1.8e19 overflows its tensor's fp32
             norm, as in ``clip_grad_norm_``) or NaN, that bucket and the later ones clip with
             coefficient 0 (or NaN), as ``clip_grad_norm_`` clips the whole iteration; the

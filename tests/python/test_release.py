@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import warnings
 
 import pytest
 import torch
@@ -610,13 +609,8 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
                                     ("release-clip", True, 0.5)):
             model = _shard(_llama(torch.bfloat16, convert=True).to(dev), world, dev)
             opt = _opt(model, "bf16_sr")
-            handle = None
-            if release:  # the default estimate, "running", is not implemented for shards: it says so
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    handle = co.step_in_backward(opt, model, max_grad_norm=clip)
-                result[name + "-warnings"] = [str(w.message) for w in caught]
-                result[name + "-estimate"] = handle.norm_estimate
+            handle = co.step_in_backward(opt, model, max_grad_norm=clip, norm_estimate="previous") if release \
+                else None
             prev, norms, live, torch_norm = None, [], [], []
             for ids in batches:
                 with sdpa_kernel(SDPBackend.MATH):  # deterministic attention backward on CUDA
@@ -658,6 +652,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
                 opt.zero_grad()
             result[name] = {"params": [p.full_tensor().detach().float().cpu() for p in model.parameters()],
                             "live": live}
+        result.update(_fsdp_running(rank, world, batches, dev))
         if backend == "gloo":
             try:
                 co.step_in_backward(co.AdamW(_llama().parameters()), DistributedDataParallel(_llama()))
@@ -672,6 +667,57 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
 
 
 
+def _fsdp_running(rank, world, batches, dev):
+    """The running estimate on sharded parameters: per-launch scales of every rank (a model bucketed
+    by layers), and one bucket against the ordinary FSDP2 step clipped by the current norm."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def backward(model, ids):
+        with sdpa_kernel(SDPBackend.MATH):
+            _loss(model, ids[rank:rank + 1]).backward()
+
+    out = {}
+    model = _shard(_llama(torch.bfloat16, convert=True).to(dev), world, dev)
+    opt = _opt(model, "bf16_sr")
+    handle = co.step_in_backward(opt, model, max_grad_norm=0.5)
+    scales, last, norms = [], [], []
+    launch = opt._launch
+    opt._launch = lambda key, items, *rest: (scales.append(rest[-3].detach().float().cpu().reshape(())),
+                                             launch(key, items, *rest))[1]
+    for ids in batches:
+        n = len(scales)
+        backward(model, ids)
+        opt.step()
+        opt.zero_grad()
+        last.append(scales[-1] if len(scales) > n else None)
+        norms.append(handle.grad_norm.cpu())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, scales)
+    out["running"] = {"estimate": handle.norm_estimate, "scales": everyone, "last": last, "norms": norms,
+                      "launches": len(scales)}
+
+    params = {}
+    for name, release in (("plain", False), ("release", True)):
+        model = _shard(_llama().to(dev), world, dev)
+        opt = _opt(model)
+        if release:
+            co.step_in_backward(opt, buckets=[model], max_grad_norm=0.5)
+        for t, ids in enumerate(batches):
+            backward(model, ids)
+            if not release:  # clipped by the current norm (release's: fp32 shard norms summed over ranks)
+                grads = [p.grad.to_local() for g in opt.param_groups for p in g["params"]]
+                sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double() ** 2
+                dist.all_reduce(sq)
+                opt.grad_scale = co.release.clip_scale(sq.sum().sqrt().float(), 0.5)
+                if t == 0:
+                    opt.zero_grad()  # first_iteration="skip"
+            opt.step()
+            opt.zero_grad()
+        params[name] = [p.full_tensor().detach().cpu() for p in model.parameters()]
+    out["one-bucket"] = params
+    return out
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fsdp2_release_matches_fsdp2_without_it(tmp_path, backend):
@@ -680,8 +726,18 @@ def test_fsdp2_release_matches_fsdp2_without_it(tmp_path, backend):
     got = torch.load(out)
     if backend == "gloo":
         assert "DistributedDataParallel" in got["ddp"]
-    assert any("norm_estimate='running' is not implemented for sharded" in w for w in got["release-clip-warnings"])
-    assert got["release-clip-estimate"] == "previous" and not got["release-warnings"]
+    # The running estimate on shards: every rank launches with the same scales, the last bucket of
+    # an iteration with the exact norm (summed over the ranks); one bucket matches the ordinary
+    # FSDP2 step clipped by the current norm (up to the rounding of the estimate's fp64 sums).
+    run = got["running"]
+    assert run["estimate"] == "running" and run["launches"] > STEPS
+    assert all(torch.equal(torch.stack(a), torch.stack(b)) for a, b in zip(run["scales"], run["scales"][1:]))
+    assert run["last"][0] is None  # first_iteration="skip": measured only
+    for scale, norm in zip(run["last"][1:], run["norms"][1:]):
+        assert norm > 0.5
+        torch.testing.assert_close(scale, co.release.clip_scale(norm, 0.5), rtol=1e-5, atol=0)
+    for x, y in zip(got["one-bucket"]["plain"], got["one-bucket"]["release"]):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-4)
     assert got["release"]["live"] == [0] * STEPS and all(n > 0 for n in got["plain"]["live"])
     assert got["release-accum"]["live"] == [0, 0] and all(n > 0 for n in got["plain-accum"]["live"])
     for a, b in ((got["plain"], got["release"]), (got["plain-clip"], got["release-clip"]),
