@@ -598,11 +598,12 @@ def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, 
             up to 6.8% mid-run and 1.07% at the end. Under FSDP2 the squared norms of a
             bucket's sharded parameters are summed over the ranks when it launches (one small
             all-reduce per bucket, on the current stream, no host synchronisation), so every
-            rank clips by the same estimate and the last bucket by the exact norm. In both modes, once the norm of the gradients released in
-            an iteration is infinite (an element above ~1.8e19 overflows its tensor's fp32
-            norm, as in ``clip_grad_norm_``) or NaN, that bucket and the later ones clip with
-            coefficient 0 (or NaN), as ``clip_grad_norm_`` clips the whole iteration; the
-            next iteration clips by the last finite norm.
+            rank clips by the same estimate and the last bucket by the exact norm. In both
+            modes, once the norm of the gradients released in an iteration is infinite (an
+            element above ~1.8e19 overflows its tensor's fp32 norm, as in ``clip_grad_norm_``)
+            or NaN, that bucket and the later ones clip with coefficient 0 (or NaN), as
+            ``clip_grad_norm_`` clips the whole iteration; the next iteration clips by the
+            last finite norm.
 
     Returns a ``GradRelease`` handle: ``release.accumulate()``, ``release.grad_norm``,
     ``release.state_dict()`` / ``load_state_dict()`` (the carried norm: save it beside the

@@ -364,7 +364,7 @@ def test_overflowing_norm_zeroes_the_iteration_as_clip_grad_norm_does(estimate):
     # iteration is clipped to nothing, as the clip path clips everything.
     batches, max_norm, at = _batches(5), 0.5, 2
     head = lambda m: m.lm_head.weight  # noqa: E731
-    norms, ref_params = _clip_path(batches, max_norm, head, 3e19, at)
+    norms, _ = _clip_path(batches, max_norm, head, 3e19, at)
     assert math.isinf(norms[at]) and all(math.isfinite(n) for i, n in enumerate(norms) if i != at)
 
     model = _llama()
@@ -385,7 +385,7 @@ def test_overflowing_norm_zeroes_the_iteration_as_clip_grad_norm_does(estimate):
     assert torch.equal(carried[at], carried[at - 1])  # the next iteration's estimate: the last finite norm
     if estimate == "previous":
         # From the previous norm, bit for bit: iteration `at` by coefficient 0, the next by norm at-1.
-        ref, scales = _llama(), []
+        ref = _llama()
         ref_opt = _opt(ref)
         prev = None
         for i, ids in enumerate(batches):
