@@ -6,14 +6,22 @@ Guarantees:
   and a folder in use is locked (``flock``), so two runs never share one.
 - A checkpoint is whole or absent: it is written to ``checkpoints/.tmp-step_N``, synced to disk,
   then renamed to ``checkpoints/step_N`` (one atomic rename); a process killed mid-write leaves
-  only a ``.tmp-`` folder, which resume ignores and the next save removes.
-- metrics.jsonl holds whole JSON lines only (one ``write`` per line); on resume, the records
-  after the checkpoint's step (and any torn last line) are dropped through an atomic rewrite.
+  only a ``.tmp-`` folder, which resume ignores and the next save removes. A save that fails
+  (a full disk) removes its ``.tmp-`` folder and raises ``WriteError``.
+- Every checkpoint ends with ``manifest.json`` (size and sha256 of each of its files, written
+  last); resume verifies it, and ``meta.json``'s record of the run (recipe, optimizer, model),
+  before reading anything else, and reads no file in a way that could run code from it
+  (``torch.load(weights_only=True)``, and ``coat.cli.safe_load`` for DCP checkpoints).
+- metrics.jsonl holds whole JSON lines only (one ``write`` per line; a line cut short by a full
+  disk is truncated away); on resume, the records after the checkpoint's step (and any torn
+  last line) are dropped through an atomic rewrite.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -24,16 +32,43 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from coat.cli.distributed_train import Dist
 
 CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _LOCKS: dict[str, Any] = {}  # folder -> open lock file, held for the life of the process
 
 
 class OutputError(ValueError):
     """The output folder cannot be used (reported against --out or --resume)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from: damaged, incomplete, of another run, or unsafe.
+    ``damaged=False``: whole, but unusable here (another world size), like its older siblings."""
+
+    def __init__(self, message: str, damaged: bool = True) -> None:
+        super().__init__(message)
+        self.damaged = damaged
+
+
+class WriteError(RuntimeError):
+    """A file the run must write could not be written (a full disk); the message says what is kept."""
+
+
+def why_failed(e: BaseException) -> str:
+    """The cause of a failed write in a few words (the OSError inside torch's wrappers, if any)."""
+    while e is not None and not isinstance(e, OSError):
+        if isinstance(e, CheckpointException):  # torch.distributed.checkpoint's: {rank: (exception, trace)}
+            e = next(iter(e.failures.values()), (None,))[0]
+        else:
+            e = e.__cause__ or e.__context__
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return "see the error above"
 
 
 # ---- output folders -----------------------------------------------------------------------------
@@ -156,13 +191,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Writes strict JSON (non-finite floats become null) through a temporary file and a rename."""
+    """Writes strict JSON (non-finite floats become null) through a temporary file and a rename;
+    ``WriteError`` (and no temporary file left) when it cannot."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(finite(obj), indent=2, allow_nan=False, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(finite(obj), indent=2, allow_nan=False, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(f"could not write {path}: {why_failed(e)}") from e
 
 
 def finite(obj: Any) -> Any:
@@ -185,7 +225,7 @@ class MetricsLog:
     def __init__(self, path: Path, upto: int | None = None) -> None:
         self.path = path
         if upto is None:
-            self._f = open(path, "x")  # a new run: never truncates a file that is there
+            self._f = open(path, "xb")  # a new run: never truncates a file that is there
             return
         kept = []
         if path.exists():
@@ -199,30 +239,50 @@ class MetricsLog:
                 if rec.get("step", 0) <= upto:
                     kept.append(line)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
-        self._f = open(path, "a")
+        try:
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise WriteError(f"could not rewrite {path}: {why_failed(e)}") from e
+        self._f = open(path, "ab")
 
     def write(self, rec: dict[str, Any]) -> None:
-        self._f.write(json.dumps(finite(rec), allow_nan=False) + "\n")
-        self._f.flush()  # a crashed or interrupted run still leaves its curve behind
+        """Appends one whole line, or nothing (``WriteError``): a crashed or interrupted run still
+        leaves its curve behind, and a full disk never leaves half a line."""
+        line = (json.dumps(finite(rec), allow_nan=False) + "\n").encode()
+        fd = self._f.fileno()
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            if _write_fd(fd, line) != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            try:
+                os.ftruncate(fd, end)
+            except OSError:
+                pass  # readers drop a torn last line
+            raise WriteError(f"could not write {self.path}: {why_failed(e)}") from e
 
     def close(self) -> None:
         self._f.close()
 
 
-# ---- checkpoints --------------------------------------------------------------------------------
+def _write_fd(fd: int, data: bytes) -> int:
+    return os.write(fd, data)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
 
 
 def checkpoints(out: Path) -> list[tuple[int, Path]]:
-    """The whole checkpoints in ``out``, oldest first."""
+    """The checkpoints in ``out`` (``step_N`` folders, whole unless damaged since), oldest first."""
     root = out / CHECKPOINTS
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and (p / "meta.json").is_file():
+        if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -230,6 +290,35 @@ def checkpoints(out: Path) -> list[tuple[int, Path]]:
 def latest(out: Path) -> Path | None:
     found = checkpoints(out)
     return found[-1][1] if found else None
+
+
+def fingerprint(obj: Any) -> str:
+    """A short hash of a JSON-able object, equal for the object and its JSON round trip."""
+    canonical = json.loads(json.dumps(finite(obj), default=str))
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_identity(run_info: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's state belongs to, from a run's config.json: the model and the parts of
+    the recipe that shape the optimizer state. A resume refuses a checkpoint of another."""
+    train = run_info.get("train", {})
+    keys = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
+    return {k: train.get(k) for k in keys} | {"model": fingerprint(run_info.get("model"))}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Writes ``folder/manifest.json``: size and sha256 of every other file in it."""
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    write_json_atomic(folder / MANIFEST, {"files": files})
 
 
 def _save_file(obj: Any, path: Path) -> None:
@@ -246,45 +335,61 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _on_all_ranks(d: Dist, device: torch.device, fn: Callable[[], None]) -> None:
+    """Runs ``fn``; if it raised on any rank, every rank raises (none waits in a collective)."""
+    err: BaseException | None = None
+    try:
+        fn()
+    except (Exception, CheckpointException) as e:  # the latter is a BaseException
+        err = e
+    if d.any(err is not None, device):
+        raise err if err is not None else WriteError("another rank could not write its part")
+
+
 def save(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          train_state: dict[str, Any], rank_state: dict[str, Any], d: Dist, keep_last: int,
-         before_rename: Callable[[], None] | None = None) -> Path:
+         identity: dict[str, Any] | None = None, before_rename: Callable[[], None] | None = None) -> Path:
     """Writes checkpoint ``step`` (collective under torchrun) and keeps the last ``keep_last``.
 
     ``train_state`` (scheduler, counters) comes from rank 0; ``rank_state`` (RNG states) from
-    every rank. Single process: one ``torch.save`` file of model and optimizer; several: a
-    ``torch.distributed.checkpoint`` of the sharded model and optimizer state.
-    """
+    every rank; ``identity`` (``run_identity``) goes into meta.json. Single process: one
+    ``torch.save`` file of model and optimizer; several: a ``torch.distributed.checkpoint`` of the
+    sharded model and optimizer state. Raises ``WriteError`` on every rank when any part cannot
+    be written (the temporary folder is removed; the checkpoints before it are kept)."""
     root = out / CHECKPOINTS
     name = f"step_{step:08d}"
-    tmp = root / f".tmp-{name}"
-    if d.is_main:
-        root.mkdir(exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # from a killed process (this folder is locked by us)
-            shutil.rmtree(stale, ignore_errors=True)
-        for stale in root.glob(".del-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    d.barrier()
-    if d.enabled:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    tmp, final = root / f".tmp-{name}", root / name
+    device = next(model.parameters()).device
 
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
-                 checkpoint_id=str(tmp))
-    else:
-        _save_file({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp / "model_optim.pt")
-    _save_file(rank_state, tmp / f"rank{d.rank:05d}.pt")
-    d.barrier()
-    final = root / name
-    if d.is_main:
+    def start() -> None:
+        if d.is_main:
+            root.mkdir(exist_ok=True)
+            for stale in [*root.glob(".tmp-*"), *root.glob(".del-*")]:  # a killed process's (we hold the lock)
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+
+    def write_parts() -> None:
+        if d.enabled:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+                     checkpoint_id=str(tmp))
+        else:
+            _save_file({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp / "model_optim.pt")
+        _save_file(rank_state, tmp / f"rank{d.rank:05d}.pt")
+
+    def finish() -> None:
+        if not d.is_main:
+            return
         _save_file(train_state, tmp / "train_state.pt")
         meta = {"step": step, "world_size": d.world, "format": "dcp" if d.enabled else "torch",
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "run": identity}
         with open(tmp / "meta.json", "w") as f:
             f.write(json.dumps(meta) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        write_manifest(tmp)  # last: a folder with a manifest that matches is whole
         _fsync_dir(tmp)
         if before_rename is not None:
             before_rename()
@@ -292,37 +397,137 @@ def save(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
             _remove(final)
         os.replace(tmp, final)
         _fsync_dir(root)
+
+    try:
+        for part in (start, write_parts, finish):
+            _on_all_ranks(d, device, part)
+    except (Exception, CheckpointException) as e:
+        if d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = [s for s, _ in checkpoints(out)]
+        raise WriteError(f"could not write checkpoint {final}: {why_failed(e)}; "
+                         + (f"the checkpoints of steps {', '.join(map(str, kept))} are kept" if kept
+                            else "no earlier checkpoint exists")) from e
+    if d.is_main:
         for _, old in checkpoints(out)[:-keep_last]:
             _remove(old)
     d.barrier()
     return final
 
 
+def set_aside_after(out: Path, resume_from: Path) -> list[Path]:
+    """Renames the checkpoints newer than ``resume_from`` to ``set-aside-step_N`` (kept, never
+    deleted, and no longer resumed or counted by --keep-last); returns their new paths."""
+    step = int(_STEP_DIR.match(resume_from.name).group(1))
+    moved = []
+    for s, path in checkpoints(out):
+        if s > step:
+            target = next(path.with_name(f"set-aside-{path.name}" + (f"-{i}" if i else "")) for i in range(10**6)
+                          if not path.with_name(f"set-aside-{path.name}" + (f"-{i}" if i else "")).exists())
+            os.replace(path, target)
+            moved.append(target)
+    return moved
+
+
+# ---- reading a checkpoint back --------------------------------------------------------------------
+
+
 def read_meta(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / "meta.json").read_text())
+    """meta.json of ``ckpt``; ``CheckpointError`` unless it is a well-formed record of this step."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError("its meta.json is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"its meta.json is not valid JSON ({e})") from None
+    m = _STEP_DIR.match(ckpt.name)
+    ok = isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("world_size"), int) \
+        and meta["world_size"] >= 1 and meta.get("format") == ("dcp" if meta["world_size"] > 1 else "torch")
+    if not ok:
+        raise CheckpointError("its meta.json is not a coat checkpoint record (step, world_size, format)")
+    if m is None or int(m.group(1)) != meta["step"]:
+        raise CheckpointError(f"its meta.json is of step {meta['step']}, not of the folder's step")
+    return meta
+
+
+def _check_files(ckpt: Path) -> dict[str, Any]:
+    try:
+        listed = json.loads((ckpt / MANIFEST).read_text())["files"]
+        assert isinstance(listed, dict) and all(isinstance(v, dict) for v in listed.values())
+    except FileNotFoundError:
+        raise CheckpointError(f"it has no {MANIFEST} (cut short, or written by a coat without checksums)") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(f"its {MANIFEST} is damaged") from None
+    for rel, want in listed.items():
+        path = ckpt / rel
+        if not path.is_file():
+            raise CheckpointError(f"its file {rel} is missing")
+        if path.stat().st_size != want.get("bytes"):
+            raise CheckpointError(f"its file {rel} has {path.stat().st_size} bytes, not the {want.get('bytes')} "
+                                  "written (truncated or damaged)")
+        if _sha256(path) != want.get("sha256"):
+            raise CheckpointError(f"its file {rel} does not match its checksum (damaged or altered)")
+    return listed
+
+
+def verify(ckpt: Path, world: int, identity: dict[str, Any] | None) -> dict[str, Any]:
+    """Checks that ``ckpt`` is whole (every file matches its manifest), that it belongs to this
+    run (``identity``) and world size, and that its DCP metadata holds nothing executable.
+    Returns its meta.json; raises ``CheckpointError`` saying what is wrong."""
+    if not ckpt.is_dir():
+        raise CheckpointError("it is not a folder")
+    listed = _check_files(ckpt)
+    meta = read_meta(ckpt)
+    n = meta["world_size"]
+    if n != world:
+        raise CheckpointError(f"it was written by {n} process(es); resume it with the same number "
+                              f"(this run has {world})", damaged=False)
+    needed = ["meta.json", "train_state.pt", *(f"rank{r:05d}.pt" for r in range(n)),
+              ".metadata" if meta["format"] == "dcp" else "model_optim.pt"]
+    missing = [f for f in needed if f not in listed]
+    if missing:
+        raise CheckpointError(f"its manifest lacks {', '.join(missing)}")
+    if identity is not None and meta.get("run") != identity:
+        theirs = meta.get("run") or {}
+        diff = [f"{k} {theirs.get(k)!r} (this run: {v!r})" for k, v in identity.items() if theirs.get(k) != v]
+        raise CheckpointError("it belongs to another run: " + ", ".join(diff or ["no record of its run"]))
+    if meta["format"] == "dcp":
+        from coat.cli.safe_load import UnsafeCheckpointError, load_metadata
+
+        for rel in listed:
+            if rel.endswith(".metadata"):
+                try:
+                    load_metadata((ckpt / rel).read_bytes())
+                except UnsafeCheckpointError as e:
+                    raise CheckpointError(f"its {rel} cannot be read safely: {e}") from None
+    return meta
 
 
 def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          d: Dist) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restores model and optimizer from ``ckpt``; returns (train_state, this rank's rank_state)."""
-    meta = read_meta(ckpt)
-    if meta["world_size"] != d.world:
-        raise OutputError(f"{ckpt} was written by {meta['world_size']} process(es); resume it with the same "
-                          f"number (this run has {d.world})")
-    if d.enabled:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+    """Restores model and optimizer from ``ckpt`` (checked with ``verify`` first); returns
+    (train_state, this rank's rank_state). Nothing read can run code: ``torch.load`` with
+    ``weights_only=True``, and the allow-list reader of ``coat.cli.safe_load`` for DCP."""
+    try:
+        if d.enabled:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                                 set_model_state_dict, set_optimizer_state_dict)
 
-        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(sd, checkpoint_id=str(ckpt))
-        set_model_state_dict(model, sd["model"])
-        set_optimizer_state_dict(model, optimizer, sd["optim"])
-    else:
-        device = next(model.parameters()).device
-        sd = torch.load(ckpt / "model_optim.pt", map_location=device, weights_only=True)
-        model.load_state_dict(sd["model"])
-        optimizer.load_state_dict(sd["optim"])
-    train_state = torch.load(ckpt / "train_state.pt", weights_only=True)
-    rank_state = torch.load(ckpt / f"rank{d.rank:05d}.pt", weights_only=True)
+            from coat.cli.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
+            sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(sd, storage_reader=SafeFileSystemReader(str(ckpt)), planner=SafeLoadPlanner())
+            set_model_state_dict(model, sd["model"])
+            set_optimizer_state_dict(model, optimizer, sd["optim"])
+        else:
+            device = next(model.parameters()).device
+            sd = torch.load(ckpt / "model_optim.pt", map_location=device, weights_only=True)
+            model.load_state_dict(sd["model"])
+            optimizer.load_state_dict(sd["optim"])
+        train_state = torch.load(ckpt / "train_state.pt", weights_only=True)
+        rank_state = torch.load(ckpt / f"rank{d.rank:05d}.pt", weights_only=True)
+    except (Exception, CheckpointException) as e:
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        raise CheckpointError(f"it could not be loaded ({type(e).__name__}: {lines[-1] if lines else ''})") from e
     return train_state, rank_state

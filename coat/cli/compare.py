@@ -48,9 +48,10 @@ def _set_death_signal() -> None:
         pass
 
 
-def _run_child(cfg: TrainConfig) -> int:
+def _run_child(cfg: TrainConfig, explicit: set[str] | None = None) -> int:
     code = "import sys; from coat.cli.compare import child_main; sys.exit(child_main(sys.argv[1]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(asdict(cfg))], preexec_fn=_set_death_signal)
+    arg = json.dumps({"cfg": asdict(cfg), "explicit": sorted(explicit) if explicit is not None else None})
+    proc = subprocess.Popen([sys.executable, "-c", code, arg], preexec_fn=_set_death_signal)
     forwarded: dict[int, Any] = {}
 
     def forward(signum: int, frame: Any) -> None:
@@ -65,15 +66,23 @@ def _run_child(cfg: TrainConfig) -> int:
             signal.signal(s, h)
 
 
-def child_main(cfg_json: str) -> int:
-    """One recipe of a comparison, in its own process."""
+def child_main(arg: str) -> int:
+    """One recipe of a comparison, in its own process (errors end it with a message, not a traceback)."""
     from coat.cli.train import exit_code, train
 
-    cfg = TrainConfig(**json.loads(cfg_json))
+    spec = json.loads(arg)
+    cfg = TrainConfig(**spec["cfg"])
+    explicit = set(spec["explicit"]) if spec["explicit"] is not None else None
     try:
-        return exit_code(train(cfg))
+        return exit_code(train(cfg, explicit=explicit))
     except KeyboardInterrupt:
         return 130
+    except ConfigError as e:
+        print(f"coat train: error: {e}", file=sys.stderr)
+        return 2
+    except ckpt.WriteError as e:
+        print(f"coat train: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _sub_runs(plan: RunPlan) -> dict[str, Path]:
@@ -123,9 +132,10 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
             log(f"[{recipe}] {folder} had no checkpoint; moved to {aside}, starting again")
         d.barrier()
         if not d.enabled:
-            child = TrainConfig(resume=str(folder), steps=cfg.steps, save_every=cfg.save_every, keep_last=cfg.keep_last,
-                                quiet=cfg.quiet, threads=cfg.threads, cache_dir=cfg.cache_dir) if resume else sub
-            rc = _run_child(child)
+            kept = dict(steps=cfg.steps, save_every=cfg.save_every, keep_last=cfg.keep_last, save=cfg.save,
+                        quiet=cfg.quiet, threads=cfg.threads, cache_dir=cfg.cache_dir)
+            child = TrainConfig(resume=str(folder), **kept) if resume else sub
+            rc = _run_child(child, {"resume", *kept} if resume else None)
             summary = folder / "summary.json"
             if summary.is_file():
                 results[recipe] = json.loads(summary.read_text())

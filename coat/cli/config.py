@@ -90,6 +90,7 @@ class TrainConfig:
     save_every: int | None = None
     keep_last: int = 2
     resume: str | None = None
+    from_step: int | None = None  # --resume from this checkpoint instead of the latest
     cache_dir: str | None = None
     seed: int = 0
     device: str = "auto"
@@ -109,6 +110,9 @@ class TrainConfig:
     cuda_graph: bool = False  # each step replayed from CUDA graphs (coat.CudaGraphStep)
     threads: int | None = None
     quiet: bool = False
+    # Not a flag: set by a resume that changed --steps of a decaying schedule, [step, lr factor]:
+    # from that step the decay continues from that factor (no jump) and reaches --min-lr at --steps.
+    lr_anchor: list | None = None
 
 
 def flag(name: str) -> str:
@@ -116,7 +120,8 @@ def flag(name: str) -> str:
 
 
 def explicit_fields(cfg: TrainConfig) -> set[str]:
-    """Fields set away from their defaults (what a user asked for)."""
+    """Fields set away from their defaults: what a user asked for, as far as a config built in
+    Python tells (the command line records the flags given, defaults included)."""
     default = TrainConfig()
     return {f.name for f in fields(TrainConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
 
@@ -298,19 +303,27 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
             raise ConfigError("--cuda-graph", "needs a CUDA device (--device cuda or auto on a GPU machine)")
     if cfg.keep_last < 1:
         raise ConfigError("--keep-last", f"must be >= 1, got {cfg.keep_last}")
+    if cfg.from_step is not None and cfg.resume is None:
+        raise ConfigError("--from-step", "only applies with --resume DIR")
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    """Multiplier of ``cfg.lr`` after ``step`` optimizer steps: linear warmup, then decay to min_lr."""
+    """Multiplier of ``cfg.lr`` after ``step`` optimizer steps: linear warmup, then decay to min_lr
+    (from ``cfg.lr_anchor`` on, the decay runs from the anchor's factor instead)."""
     floor = cfg.min_lr / cfg.lr if cfg.lr else 1.0
 
+    def decay(progress: float) -> float:
+        progress = min(1.0, progress)
+        return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+
     def factor(step: int) -> float:
+        if cfg.lr_anchor is not None and cfg.schedule != "constant" and step >= cfg.lr_anchor[0]:
+            start, f0 = cfg.lr_anchor
+            return floor + (f0 - floor) * decay((step - start) / max(1, cfg.steps - start))
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         if cfg.schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
-        return floor + (1 - floor) * decay
+        return floor + (1 - floor) * decay((step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
 
     return factor

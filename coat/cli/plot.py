@@ -12,9 +12,13 @@ PathLike = str | os.PathLike
 
 def read_metrics(path: PathLike) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file, in order (blank lines skipped). Non-finite values
-    are written as null, so every line is strict JSON."""
+    are written as null, so every line is strict JSON; a torn last line (a process killed
+    mid-write) is skipped."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    return [json.loads(line) for line in lines]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

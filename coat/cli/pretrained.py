@@ -129,15 +129,19 @@ def save_model(state_dict: dict[str, torch.Tensor], config: Any, out: Path, dtyp
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config)
     sd = {k: v.detach().to("cpu", target) for k, v in state_dict.items()}
-    plain.save_pretrained(tmp, state_dict=sd)
-    cfg_file = tmp / "config.json"
-    cfg = json.loads(cfg_file.read_text())
-    if architecture:
-        cfg["architectures"] = [architecture]
-    for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
-        cfg[key] = dtype  # the meta model was float32; the weights on disk are in dtype
-    cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        plain.save_pretrained(tmp, state_dict=sd)
+        cfg_file = tmp / "config.json"
+        cfg = json.loads(cfg_file.read_text())
+        if architecture:
+            cfg["architectures"] = [architecture]
+        for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+            cfg[key] = dtype  # the meta model was float32; the weights on disk are in dtype
+        cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except BaseException:  # a full disk: nothing half-written left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out

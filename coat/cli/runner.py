@@ -3,6 +3,7 @@ checkpoints and clean stops on SIGINT/SIGTERM. Single process or one rank under 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -24,6 +25,7 @@ from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import ConfigError, TrainConfig, lr_lambda
 from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, HFTokenizer, eval_batches, sample_batch
+from coat.cli.export import export
 from coat.cli.plot import plot_loss
 from coat.cli.pretrained import InitCheckpoint
 
@@ -91,18 +93,6 @@ def _add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
 
         coat.convert(model, recipe="fp8", frozen_weights="fp8" if cfg.frozen_fp8 else "keep")
     return model
-
-
-def _save_adapter(model: torch.nn.Module, out: Path, tokenizer: Any | None) -> Path:
-    """``model.save_pretrained`` of a PEFT model (adapter weights and config only), written to a
-    temporary folder and renamed, so ``out`` is whole or absent."""
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return out
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -368,7 +358,10 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     state: dict[str, Any] = {"step": 0, "pending": [], "train_time": 0.0, "initial_val": None,
                              "last_val": None, "measured_tokens": 0, "measured_time": 0.0}
     if plan.resume is not None:
-        train_state, rank_state = ckpt.load(plan.resume, model, optimizer, d)
+        try:
+            train_state, rank_state = ckpt.load(plan.resume, model, optimizer, d)
+        except ckpt.CheckpointError as e:
+            raise ConfigError("--resume", f"checkpoint {plan.resume} cannot be resumed: {e}") from e
         scheduler.load_state_dict(train_state.pop("scheduler"))
         release_state = train_state.pop("release", None)
         if release is not None and release_state is not None:
@@ -385,6 +378,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
                     "environment": _environment(device)}
         # Rewritten on resume too: a later resume must see the flags this one changed (--steps).
         ckpt.write_json_atomic(paths["config"], run_info)
+        identity = ckpt.run_identity(run_info)  # recorded in each checkpoint; a resume checks it
         metrics = ckpt.MetricsLog(paths["metrics"], upto=state["step"] if resumed else None)
     name = "{:.1f}M".format(n_params / 1e6)
     log(f"[{cfg.recipe}] {name} parameters on {d.world} x {device.type} ({cfg.dtype}); corpus: "
@@ -393,20 +387,34 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     log(f"[{cfg.recipe}] FP8: " + ("; ".join(precision["fp8"]) or "nothing"))
     log(f"[{cfg.recipe}] not FP8: " + "; ".join(precision["not_fp8"]))
 
+    def stopped_at(step: int) -> str:
+        kept = ckpt.latest(out)
+        return f"; the run stopped at step {step}: " + (
+            f"free space, then continue it from {kept.name} with: coat train --resume {out}" if kept
+            else "it wrote no checkpoint to continue from")
+
     def record(rec: dict[str, Any]) -> None:
         if main:
-            metrics.write(rec)
+            try:
+                metrics.write(rec)
+            except ckpt.WriteError as e:
+                raise ckpt.WriteError(str(e) + stopped_at(rec["step"])) from e
 
     def save_checkpoint(step: int) -> None:
         pending = torch.stack(state["pending"]).tolist() if state["pending"] else []
         train_state = {k: v for k, v in state.items() if k != "pending"} | {
             "step": step, "pending": pending, "scheduler": scheduler.state_dict(),
             "release": release.state_dict() if release is not None else None}
-        path = ckpt.save(out, step, model, optimizer, train_state, _rng_state(rng, device), d, cfg.keep_last)
+        try:
+            path = ckpt.save(out, step, model, optimizer, train_state, _rng_state(rng, device), d, cfg.keep_last,
+                             identity if main else None)
+        except ckpt.WriteError as e:
+            raise ckpt.WriteError(str(e) + stopped_at(step)) from e
         state["pending"] = [torch.tensor(p, device=device) for p in pending]
         log(f"[{cfg.recipe}] checkpoint {path}")
 
     state["pending"] = [torch.tensor(p, device=device) for p in state["pending"]]
+    export_only = resumed and state["step"] >= cfg.steps  # `--resume OUT --save` of a finished run
     if state["initial_val"] is None:
         state["initial_val"] = state["last_val"] = evaluate(step_model, val_set, device, autocast, d)
         record({"step": 0, "tokens": 0, "lr": scheduler.get_last_lr()[0], "val_loss": state["initial_val"]})
@@ -454,6 +462,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
                 state["measured_time"] += window[1]
             rec = {"step": step, "tokens": step * tokens_per_step, "loss": train_loss, "lr": lr,
                    "grad_norm": norm, "tokens_per_s": window[0] / window[1], "elapsed_s": state["train_time"]}
+            state["last_train"] = train_loss
             if not math.isfinite(train_loss):
                 diverged_at = step
                 record(rec)
@@ -483,28 +492,13 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
 
     finished = stopped_by is None and diverged_at is None
     memory = peak_memory(device, d, rss_start, rss_reset)  # of the training, before --save copies the weights
-    saved_model = None
-    if finished and cfg.save and cfg.lora:  # the adapter, as PEFT saves it (plus the tokenizer)
-        if main:
-            saved_model = str(_save_adapter(model, out / "adapter", plan.tokenizer))
-            log(f"[{cfg.recipe}] LoRA adapter saved to {saved_model}")
-        d.barrier()
-    elif finished and cfg.save:
-        from coat.cli.pretrained import save_model
-
-        full = dt.full_state_dict(model, d)
-        if main:
-            tok = plan.tokenizer.tokenizer if plan.tokenizer else None
-            dtype = plan.init.dtype if plan.init else "float32"
-            arch = plan.init.architecture if plan.init else "LlamaForCausalLM"
-            saved_model = str(save_model(full, model.config, out / "model", dtype, tok, arch))
-            log(f"[{cfg.recipe}] model saved to {saved_model} ({dtype})")
-        d.barrier()
+    saved_model = export(plan, model, d, device, log, save_checkpoint, state["step"]) \
+        if finished and cfg.save else None
     opt_bytes = d.all_reduce(torch.tensor([optimizer_state_bytes(optimizer)], dtype=torch.float64,
                                           device=device)).item()
     results = {
         "recipe": cfg.recipe, "initial_val_loss": state["initial_val"], "final_val_loss": state["last_val"],
-        "final_train_loss": rec.get("loss"), "steps": state["step"], "planned_steps": cfg.steps,
+        "final_train_loss": state.get("last_train", rec.get("loss")), "steps": state["step"], "planned_steps": cfg.steps,
         "tokens": state["step"] * tokens_per_step, "n_params": n_params, "world_size": d.world,
         "tokens_per_s": state["measured_tokens"] / state["measured_time"] if state["measured_time"] else None,
         "peak_memory_bytes": memory["bytes"], "peak_memory_kind": memory["kind"],
@@ -517,8 +511,12 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         metrics.close()
         plot_loss(paths["metrics"], paths["plot"],
                   title=f"{name} {model.config.model_type}, {cfg.recipe}, {device.type} {cfg.dtype}")
+        if export_only and paths["summary"].is_file():  # the training's own figures stay
+            results = json.loads(paths["summary"].read_text()) | {"model_dir": saved_model, "finished": True}
         ckpt.write_json_atomic(paths["summary"], results)
-    if diverged_at is not None:
+    if export_only:
+        log(f"[{cfg.recipe}] exported the model of {plan.resume}")
+    elif diverged_at is not None:
         log(f"[{cfg.recipe}] the loss became non-finite at step {diverged_at} (training diverged); "
             "lower --lr or raise --warmup-steps")
     elif stopped_by is not None:

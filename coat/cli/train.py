@@ -11,6 +11,7 @@ fine-tunes a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3) instead. Und
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -27,8 +28,10 @@ from coat.cli.runner import RunPlan, build_model, build_optimizer, evaluate, lm_
 __all__ = ["TrainConfig", "ConfigError", "resolve_config", "validate", "lr_lambda", "build_model",
            "build_optimizer", "lm_loss", "evaluate", "train", "prepare", "register"]
 
-#: Flags that may differ from the original run when resuming it.
-RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "quiet", "threads", "cache_dir")
+#: Flags that may differ from the original run when resuming it (any other flag given must
+#: repeat the run's value). A new --steps of a cosine or linear schedule continues the decay from
+#: the lr at the resume point (see ``_continue_schedule``).
+RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "threads", "cache_dir")
 
 
 def _check_imports(cfg: TrainConfig) -> None:
@@ -50,10 +53,13 @@ def _check_imports(cfg: TrainConfig) -> None:
             raise ConfigError("--lora", f"needs peft ({e}): pip install peft") from e
 
 
-def resume_config(cfg: TrainConfig) -> TrainConfig:
-    """The settings of the run in ``cfg.resume``, with the few flags a resume may change."""
+def resume_config(cfg: TrainConfig, explicit: set[str] | None = None) -> tuple[TrainConfig, TrainConfig]:
+    """The settings of the run in ``cfg.resume``, with the few flags a resume may change, and the
+    run's own resolved settings. ``explicit``: the flags given (default: those away from their
+    defaults); each one outside ``RESUME_OVERRIDES`` must repeat the run's value."""
     import json
 
+    explicit = explicit_fields(cfg) if explicit is None else explicit
     folder = Path(cfg.resume)
     if not folder.is_dir():
         raise ConfigError("--resume", f"{folder} is not a folder")
@@ -65,19 +71,32 @@ def resume_config(cfg: TrainConfig) -> TrainConfig:
         known = {f.name for f in fields(TrainConfig)}
         ran = TrainConfig(**{k: v for k, v in saved["train"].items() if k in known})
         flags = TrainConfig(**{k: v for k, v in saved.get("flags", saved["train"]).items() if k in known})
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError("--resume", f"{saved_file} is not a coat train config ({e})") from None
     if cfg.out is not None and Path(cfg.out).resolve() != folder.resolve():
         raise ConfigError("--out", f"a resumed run writes into its own folder ({folder}); drop --out")
-    for name in sorted(explicit_fields(cfg) - {"resume", "out", *RESUME_OVERRIDES}):
-        if getattr(cfg, name) != getattr(ran, name):
+    for name in sorted(explicit - {"resume", "out", "from_step", *RESUME_OVERRIDES}):
+        if getattr(cfg, name) not in (getattr(ran, name), getattr(flags, name)):
             raise ConfigError(flag(name), f"cannot change when resuming (the run in {folder} used "
                               f"{getattr(ran, name)!r}); drop the flag")
-    overrides = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if k in explicit_fields(cfg)}
+    overrides = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if k in explicit}
     # The run's own flags, resolved again; what was derived from the machine or from --steps is
     # pinned to what the run used, so a resume on another machine or to more steps continues it.
-    pinned = {k: getattr(ran, k) for k in ("device", "dtype", "warmup_steps", "eval_every", "min_lr")}
-    return replace(flags, **pinned, **overrides, out=str(folder), resume=str(folder))
+    pinned = {k: getattr(ran, k) for k in ("device", "dtype", "warmup_steps", "eval_every", "min_lr", "lr_anchor")}
+    return replace(flags, **pinned, **overrides, out=str(folder), resume=str(folder), from_step=cfg.from_step), ran
+
+
+def _continue_schedule(cfg: TrainConfig, ran: TrainConfig, step: int, log: Callable[[str], None]) -> list | None:
+    """The ``lr_anchor`` of a resume at ``step`` with a new --steps: None when the lr the run
+    continues with is unchanged (a constant schedule, or inside the warmup); else [step, the run's
+    own factor there], from which the decay continues to --min-lr at the new total."""
+    before, plain = lr_lambda(ran)(step), lr_lambda(cfg)(step)
+    if cfg.steps == ran.steps or math.isclose(before, plain, rel_tol=1e-12):
+        return cfg.lr_anchor
+    log(f"--steps {ran.steps} -> {cfg.steps}: the {cfg.schedule} schedule continues from lr {cfg.lr * before:.4g} "
+        f"at step {step} and now decays to --min-lr {cfg.min_lr:.4g} at step {cfg.steps} (without this the lr "
+        f"would jump to {cfg.lr * plain:.4g})")
+    return [step, before]
 
 
 def _rank0_first(d: dt.Dist, fn: Callable[[], Any]) -> Any:
@@ -97,14 +116,18 @@ def _rank0_first(d: dt.Dist, fn: Callable[[], Any]) -> Any:
     return result if d.is_main else fn()
 
 
-def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None] = print) -> RunPlan:
+def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None] = print,
+            explicit: set[str] | None = None) -> RunPlan:
     """Validates everything that depends on user input: flags, --init, --data, the output folder,
     --resume. Nothing is written to the output folder before all of it passed; then the folder
-    is reserved (created and locked). Raises ``ConfigError`` naming the flag."""
+    is reserved (created and locked). Raises ``ConfigError`` naming the flag. ``explicit``: the
+    flags given on the command line (default: the fields away from their defaults)."""
     from coat.cli import pretrained
 
+    explicit = explicit_fields(cfg) if explicit is None else explicit
+    ran = None
     if cfg.resume is not None:
-        cfg = resume_config(cfg)
+        cfg, ran = resume_config(cfg, explicit)
     flags = cfg
     check_init_flags(cfg)
     init = None
@@ -156,38 +179,74 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
 
     resume_from = None
     if cfg.resume is not None:
-        resume_from = _check_resume(cfg, corpus, d)
-    out = _reserve(cfg, d)
+        resume_from, step = _check_resume(cfg, corpus, d, "save" in explicit)
+        if resume_from is not None and ran is not None:
+            anchor = _continue_schedule(cfg, resolve_config(ran), step, log)
+            # --from-step is used up here: a later resume starts from the latest checkpoint again.
+            cfg, flags = (replace(c, lr_anchor=anchor, from_step=None) for c in (cfg, flags))
+    out = _reserve(cfg, d, resume_from)
     return RunPlan(cfg, corpus, out, init, tokenizer, resume_from, flags)
 
 
-def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist) -> Path | None:
+def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tuple[Path | None, int]:
+    """The checkpoint to resume from (the latest, or --from-step's) and its step, verified whole
+    and of this run (on rank 0: its files are hashed once). A damaged or foreign one is refused,
+    naming the newest earlier checkpoint that is whole. ``export``: --save was given, so a
+    finished run may be "resumed" to export its final checkpoint."""
     import json
 
     folder = Path(cfg.resume)
-    if cfg.compare:
-        return None  # each recipe's sub-run resumes on its own (coat.cli.compare)
+    if cfg.compare:  # each recipe's sub-run resumes on its own (coat.cli.compare)
+        if cfg.from_step is not None:
+            raise ConfigError("--from-step", f"{folder} holds a comparison; resume one recipe's folder instead: "
+                              f"--resume {folder}/<recipe> --from-step N")
+        return None, 0
     saved = json.loads((folder / "config.json").read_text())
     counts = (saved.get("corpus", {}).get("train_tokens"), saved.get("corpus", {}).get("val_tokens"))
     if counts != (len(corpus.train), len(corpus.val)):
         raise ConfigError("--data", f"the data changed since the run in {folder} started ({counts[0]} train / "
                           f"{counts[1]} val tokens then, {len(corpus.train)} / {len(corpus.val)} now)")
-    last = ckpt.latest(folder)
-    if last is None:
+    found = dict(ckpt.checkpoints(folder))
+    if not found:
         raise ConfigError("--resume", f"{folder} holds no whole checkpoint (a run writes them with --save-every N, "
                           "and when Ctrl-C or SIGTERM stops it)")
-    meta = ckpt.read_meta(last)
-    if meta["world_size"] != d.world:
-        raise ConfigError("--resume", f"{last} was written by {meta['world_size']} process(es); resume it with the "
-                          f"same number (this run has {d.world})")
-    step = meta["step"]
-    if step >= cfg.steps:
-        raise ConfigError("--resume", f"the run in {folder} already finished its {cfg.steps} steps; "
-                          "pass --steps with a larger total to train further")
-    return last
+    if cfg.from_step is not None and cfg.from_step not in found:
+        raise ConfigError("--from-step", f"{folder} has no checkpoint of step {cfg.from_step} (it has steps "
+                          f"{', '.join(map(str, found))})")
+    target = cfg.from_step if cfg.from_step is not None else max(found)
+    verdict = _verify_or_offer(folder, found, target, d.world, ckpt.run_identity(saved)) if d.is_main else None
+    verdict = d.broadcast(verdict)
+    if verdict is not None:
+        raise ConfigError("--from-step" if cfg.from_step is not None else "--resume", verdict)
+    if target > cfg.steps or (target == cfg.steps and not export):
+        raise ConfigError("--resume", f"the run in {folder} already finished its {cfg.steps} steps; pass --steps "
+                          "with a larger total to train further, or --save to export its trained model")
+    if target == cfg.steps and (folder / ("adapter" if cfg.lora else "model")).exists():
+        raise ConfigError("--save", f"{folder / ('adapter' if cfg.lora else 'model')} already exists")
+    return found[target], target
 
 
-def _reserve(cfg: TrainConfig, d: dt.Dist) -> Path:
+def _verify_or_offer(folder: Path, found: dict[int, Path], target: int, world: int,
+                     identity: dict[str, Any]) -> str | None:
+    """None if checkpoint ``target`` can be resumed; else why not, and what to do instead."""
+    try:
+        ckpt.verify(found[target], world, identity)
+        return None
+    except ckpt.CheckpointError as e:
+        why = f"checkpoint {found[target]} cannot be resumed: {e}."
+        if not e.damaged:
+            return why  # whole, but unusable here, like the checkpoints before it
+    for step in sorted((s for s in found if s < target), reverse=True):
+        try:
+            ckpt.verify(found[step], world, identity)
+        except ckpt.CheckpointError:
+            continue
+        return (f"{why} The newest whole checkpoint before it is step {step}: resume from it with --resume {folder} "
+                f"--from-step {step} (the later checkpoints are then set aside)")
+    return f"{why} No earlier checkpoint of this run is whole; start a new run"
+
+
+def _reserve(cfg: TrainConfig, d: dt.Dist, resume_from: Path | None = None) -> Path:
     """Creates and locks the output folder on rank 0 and tells every rank where it is."""
     result: Any = None
     if d.is_main:
@@ -195,10 +254,12 @@ def _reserve(cfg: TrainConfig, d: dt.Dist) -> Path:
             if cfg.resume is not None:
                 out = Path(cfg.resume)
                 ckpt.lock(out)
+                if resume_from is not None:
+                    ckpt.set_aside_after(out, resume_from)
             else:
                 out = ckpt.reserve_out(Path(cfg.out) if cfg.out else None)
             result = ("ok", str(out))
-        except (ckpt.OutputError, OSError) as e:
+        except (ckpt.OutputError, ckpt.WriteError, OSError) as e:
             result = ("error", "--resume" if cfg.resume else "--out", str(e))
     result = d.broadcast(result)
     if result[0] == "error":
@@ -206,16 +267,18 @@ def _reserve(cfg: TrainConfig, d: dt.Dist) -> Path:
     return Path(result[1])
 
 
-def train(cfg: TrainConfig, d: dt.Dist | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, d: dt.Dist | None = None, explicit: set[str] | None = None) -> dict[str, Any]:
     """Runs ``coat train`` with ``cfg`` in this process (and, for --compare, child processes).
 
     Returns the run's summary; with --compare, ``{"runs": {recipe: summary}, "table": ...}``.
-    Raises ``ConfigError`` for settings that cannot work, before anything is written."""
+    Raises ``ConfigError`` for settings that cannot work, before anything is written, and
+    ``checkpoint.WriteError`` when the run cannot write what it must (a full disk).
+    ``explicit``: the flags given on the command line (default: the fields away from their defaults)."""
     from coat.cli import compare, runner
 
     d = d or dt.Dist()
     log: Callable[[str], None] = (lambda _: None) if cfg.quiet or not d.is_main else print
-    plan = prepare(cfg, d, log)
+    plan = prepare(cfg, d, log, explicit)
     try:
         if plan.cfg.compare:
             return compare.run_compare(plan, d, log)
@@ -242,9 +305,12 @@ def exit_code(result: dict[str, Any]) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` subcommand to the ``coat`` parser."""
     p = subparsers.add_parser("train", help="train with COAT's FP8 recipe beside BF16 (or fine-tune with --init)",
-                              description=__doc__)
+                              description=__doc__, argument_default=argparse.SUPPRESS)
     cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
     n, x = dict(type=int, metavar="N"), dict(type=float, metavar="X")
+
+    def default(name: str) -> str:  # flags default to "not given"; TrainConfig holds the value
+        return f" (default: {getattr(TrainConfig, name)})"
 
     def by_device(name: str) -> str:
         return f"(default: {cpu[name]} on CPU, {gpu[name]} on GPU)"
@@ -269,7 +335,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--tokenizer", choices=TOKENIZERS, help="byte: 256 byte values + EOS (default); bpe: byte-level "
                    "BPE trained on the training text. With --init, the checkpoint's own tokenizer")
     g.add_argument("--vocab-size", **n, help="vocabulary size of --tokenizer bpe (default: 4096)")
-    g.add_argument("--val-fraction", **x, default=0.05, help="held-out share (last documents, else last tokens)")
+    g.add_argument("--val-fraction", **x, help="held-out share (last documents, else last tokens)" + default("val_fraction"))
     g.add_argument("--cache-dir", metavar="DIR", help="tokenized corpus cache (default: ~/.cache/coat/corpus)")
 
     g = p.add_argument_group("optimization")
@@ -280,20 +346,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--min-lr", **x, help="final learning rate (default: lr / 10)")
     g.add_argument("--warmup-steps", **n, help="linear warmup steps (default: steps / 10, at most "
                    f"{cpu['warmup_steps']} on CPU, {gpu['warmup_steps']} on GPU)")
-    g.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="decay after warmup")
-    g.add_argument("--weight-decay", **x, default=0.1, help="AdamW weight decay (matrices only)")
-    g.add_argument("--beta1", **x, default=0.9, help="AdamW beta1")
-    g.add_argument("--beta2", **x, default=0.95, help="AdamW beta2")
-    g.add_argument("--grad-clip", **x, default=1.0, help="max gradient norm (0 disables clipping)")
+    g.add_argument("--schedule", choices=SCHEDULES, help="decay after warmup" + default("schedule"))
+    g.add_argument("--weight-decay", **x, help="AdamW weight decay (matrices only)" + default("weight_decay"))
+    g.add_argument("--beta1", **x, help="AdamW beta1" + default("beta1"))
+    g.add_argument("--beta2", **x, help="AdamW beta2" + default("beta2"))
+    g.add_argument("--grad-clip", **x, help="max gradient norm (0 disables clipping)" + default("grad_clip"))
     g.add_argument("--optim", choices=OPTIMIZERS, help="torch: torch.optim.AdamW; coat: coat.optim.AdamW with FP8 "
                    "states (default: from --recipe)")
-    g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default="fp32",
-                   help="master weight format of --optim coat (bf16_sr: bf16 with stochastic rounding)")
-    g.add_argument("--lora", type=int, default=0, metavar="RANK",
+    g.add_argument("--master-weights", choices=MASTER_WEIGHTS, help="master weight format of --optim coat "
+                   "(bf16_sr: bf16 with stochastic rounding)" + default("master_weights"))
+    g.add_argument("--lora", type=int, metavar="RANK",
                    help="fine-tune PEFT LoRA adapters of this rank instead of every weight (needs --init); "
-                        "--save then writes the adapter")
-    g.add_argument("--lora-alpha", **n, default=8, help="LoRA alpha (PEFT's default)")
-    g.add_argument("--lora-dropout", **x, default=0.0, help="LoRA dropout (PEFT's default)")
+                        "--save then writes the adapter (default: 0, no LoRA)")
+    g.add_argument("--lora-alpha", **n, help="LoRA alpha (PEFT's default)" + default("lora_alpha"))
+    g.add_argument("--lora-dropout", **x, help="LoRA dropout (PEFT's default)" + default("lora_dropout"))
     g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module names to adapt, e.g. "
                    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default: PEFT's for the model type)")
     g.add_argument("--frozen-fp8", action="store_true", help="with --lora and the FP8 layers: keep the frozen "
@@ -313,34 +379,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "--recipe is not given)")
     g.add_argument("--activations", choices=ACTIVATIONS, help="fp8: decoder layers converted with coat.convert "
                    "(default: from --recipe)")
-    g.add_argument("--dtype", choices=DTYPES, default="auto", help="autocast dtype (auto: bf16 on GPU, fp32 on CPU)")
-    g.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda when available")
+    g.add_argument("--dtype", choices=DTYPES, help="autocast dtype (auto: bf16 on GPU, fp32 on CPU)" + default("dtype"))
+    g.add_argument("--device", choices=DEVICES, help="auto: cuda when available" + default("device"))
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--cuda-graph", action="store_true", help="capture each training step (forward, backward, "
                    "clipping, optimizer step) in CUDA graphs after 3 eager steps and replay it "
                    "(coat.CudaGraphStep): much less host time per step, for small batches where the GPU waits "
                    "on Python; one GPU, no --release-grads / --compile")
     g.add_argument("--threads", **n, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
-    g.add_argument("--seed", **n, default=0, help="seeds model init and batch sampling")
+    g.add_argument("--seed", **n, help="seeds model init and batch sampling" + default("seed"))
 
     g = p.add_argument_group("evaluation, output and checkpoints")
     g.add_argument("--eval-every", **n, help="steps between validation evaluations (default: steps / 10)")
     g.add_argument("--eval-batches", **n, help="validation batches per evaluation " + by_device("eval_batches"))
-    g.add_argument("--log-every", **n, default=10, help="steps per metrics.jsonl record")
+    g.add_argument("--log-every", **n, help="steps per metrics.jsonl record" + default("log_every"))
     g.add_argument("--out", metavar="DIR", help="output folder, new or empty (default: a new runs/<timestamp>)")
     g.add_argument("--save", action=argparse.BooleanOptionalAction, help="write the trained model with "
                    "save_pretrained (and the tokenizer) to OUT/model (default: on with --init)")
     g.add_argument("--save-every", **n, help="write a checkpoint (model, optimizer, scheduler, RNG, data "
                    "position) every N steps and at the end")
-    g.add_argument("--keep-last", **n, default=2, help="checkpoints kept (older ones are deleted)")
-    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest whole checkpoint "
-                   "(may change only " + ", ".join(flag(k) for k in RESUME_OVERRIDES) + ")")
+    g.add_argument("--keep-last", **n, help="checkpoints kept (older ones are deleted)" + default("keep_last"))
+    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, "
+                   "verified whole and of this run (may change only " + ", ".join(flag(k) for k in RESUME_OVERRIDES)
+                   + "; any other flag given must repeat the run's value). A new --steps of a cosine or linear "
+                   "schedule continues the decay from the lr at the resume point to --min-lr at the new total "
+                   "(no jump). On a finished run, --save exports the model from its final checkpoint")
+    g.add_argument("--from-step", **n, help="with --resume: continue from the checkpoint of step N instead of the "
+                   "latest (the later ones are set aside, renamed set-aside-step_*)")
     g.add_argument("--quiet", action="store_true", help="no progress bar or messages")
     p.set_defaults(handler=lambda args: _run(args, p))
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    # Every flag defaults to "not given" (argparse.SUPPRESS): what is in ``args`` was typed, so a
+    # resume can tell "--seed 0" from no --seed.
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    cfg = TrainConfig(**given)
     d = dt.from_env()
     if d.enabled:
         from coat.cli.distributed_train import init, shutdown
@@ -352,12 +426,16 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         init(d, device)
     clean = False
     try:
-        result = train(cfg, d)
+        result = train(cfg, d, set(given))
         clean = True
     except ConfigError as e:
         if d.is_main:
             parser.error(str(e))
         return 2
+    except ckpt.WriteError as e:
+        if d.is_main:
+            print(f"coat train: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\naborted; the latest whole checkpoint in the output folder (if any) is kept", file=sys.stderr)
         return 130

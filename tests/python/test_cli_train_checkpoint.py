@@ -109,7 +109,9 @@ def test_keep_last_and_resume_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "is not a coat train output folder" in usage_error("--resume", str(tmp_path / "cache"))
     # A checkpoint from another world size is refused, naming the count.
     meta = run / "checkpoints" / "step_00000010" / "meta.json"
-    meta.write_text(json.dumps(json.loads(meta.read_text()) | {"world_size": 2}))
+    meta.write_text(json.dumps(json.loads(meta.read_text()) | {"world_size": 2, "format": "dcp"}))
+    (meta.parent / ".metadata").write_bytes(b"")
+    ckpt.write_manifest(meta.parent)  # a whole checkpoint of two processes, as far as its files tell
     assert "written by 2 process(es)" in usage_error("--resume", str(run), "--steps", "12")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from coat.cli import checkpoint as ckpt
+
+from test_cli_train_resume_safety import _WritesMarker  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STDLIB_JSON = Path(sysconfig.get_paths()["stdlib"]) / "json"
@@ -107,6 +110,18 @@ def test_fsdp2_two_ranks_train_checkpoint_and_resume_exactly(tmp_path: Path, rec
                          capture_output=True, text=True, timeout=300,
                          env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
     assert one.returncode == 2 and "written by 2 process(es)" in one.stderr
+
+    # A checkpoint folder someone hands over, its .metadata a pickle that writes a file when
+    # loaded (its manifest updated to match): the resume refuses it, and nothing ran.
+    marker = tmp_path / "marker"
+    last = half / "checkpoints" / "step_00000006"
+    (last / ".metadata").write_bytes(pickle.dumps(_WritesMarker(marker)))
+    ckpt.write_manifest(last)
+    proc = torchrun("--resume", str(half), "--steps", "9", "--quiet")
+    assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # One usage error; torchrun's own traceback follows it, none from coat's code.
+    assert "its .metadata cannot be read safely: it refers to io.open" in proc.stderr and "coat/" not in proc.stderr
+    assert "--from-step 3" in proc.stderr and not marker.exists()
 
 
 @pytest.mark.gpu

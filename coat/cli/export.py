@@ -1,0 +1,69 @@
+"""--save at the end of ``coat train``: the trained model (or LoRA adapter) written as Hugging
+Face writes it, whole or absent; when that fails, the weights stay in a checkpoint to export
+later with ``coat train --resume OUT --save``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from coat.cli import checkpoint as ckpt
+from coat.cli import distributed_train as dt
+
+if TYPE_CHECKING:
+    from coat.cli.runner import RunPlan
+
+
+def _save_adapter(model: torch.nn.Module, out: Path, tokenizer: Any | None) -> Path:
+    """``model.save_pretrained`` of a PEFT model (adapter weights and config only), written to a
+    temporary folder and renamed, so ``out`` is whole or absent."""
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.device, log: Callable[[str], None],
+            save_checkpoint: Callable[[int], None], step: int) -> str | None:
+    """--save: the trained model (or LoRA adapter) as Hugging Face writes it, in OUT/model (OUT/adapter).
+    If that fails, the weights are kept in a checkpoint of the last step (written now if there is
+    none) and ``WriteError`` says how to export them later."""
+    from coat.cli.pretrained import save_model
+
+    cfg, out = plan.cfg, plan.out
+    error: BaseException | None = None
+    saved = None
+    full = None if cfg.lora else dt.full_state_dict(model, d)  # collective
+    if d.is_main:
+        try:
+            if cfg.lora:  # the adapter, as PEFT saves it (plus the tokenizer)
+                saved = str(_save_adapter(model, out / "adapter", plan.tokenizer))
+                log(f"[{cfg.recipe}] LoRA adapter saved to {saved}")
+            else:
+                tok = plan.tokenizer.tokenizer if plan.tokenizer else None
+                dtype = plan.init.dtype if plan.init else "float32"
+                arch = plan.init.architecture if plan.init else "LlamaForCausalLM"
+                saved = str(save_model(full, model.config, out / "model", dtype, tok, arch))
+                log(f"[{cfg.recipe}] model saved to {saved} ({dtype})")
+        except OSError as e:
+            error = e
+    if not d.any(error is not None, device):
+        return saved
+    target = out / ("adapter" if cfg.lora else "model")
+    final = out / ckpt.CHECKPOINTS / f"step_{step:08d}"
+    if not final.is_dir():
+        save_checkpoint(step)  # a WriteError here says what is kept
+    raise ckpt.WriteError(f"could not write {target}: {ckpt.why_failed(error) if error else 'failed on rank 0'}; the "
+                          f"trained weights are kept in {final}: free space, then export them with: "
+                          f"coat train --resume {out} --save") from error
