@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from typing import Any
 
@@ -22,6 +24,56 @@ from coat.memory import GiB, MiB
 #: Memory torch reports for common GPUs (GiB), for --gpu / --gpu-memory without the GPU at hand.
 GPU_MEMORY_GIB = {"h100": 79.2, "h200": 139.8, "a100-80gb": 79.1, "a100-40gb": 39.4, "l40s": 44.4, "rtx4090": 23.6}
 DEFAULT_MEMORY_GIB = 80.0
+#: Largest size a config field or flag may hold: far above any real model, far below float overflow.
+MAX_SIZE = 2**31 - 1
+_SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "head_dim")
+#: Recipes whose decoder layers coat.convert rewrites (it supports SwiGLU MLPs only), and whose
+#: optimizer is coat.optim.AdamW (the only one gradient release steps inside backward).
+_COAT_RECIPES = ("coat", "coat-lean")
+
+
+def check_model(model: str, recipe: str) -> None:
+    """What coat.memory's shape reader lets through but no estimate can use, as ``ValueError``
+    naming the config field: a null ``text_config``, booleans or huge numbers as sizes, zero
+    KV heads, an MLP that coat.convert refuses under a coat recipe."""
+    from coat import memory
+
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if model in memory.PRESETS or not os.path.isfile(path):
+        return  # load_shape explains a bad path
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    if not isinstance(cfg, dict):
+        return
+    where = f"--model {model!r}" + (f" ({path})" if path != model else "")
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        cfg = cfg["text_config"]
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{where}: text_config is {json.dumps(cfg)}, not the language model's config (an object)")
+        where += " text_config"
+    for key in _SIZE_FIELDS:
+        v = cfg.get(key)
+        if key == "head_dim" and v is None:
+            continue
+        if key in cfg and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE):
+            shown = json.dumps(v)
+            raise ValueError(f"{where}: {key} must be an integer in [1, {MAX_SIZE}], got "
+                             + (shown if len(shown) <= 24 else shown[:20] + "..."))
+    act = cfg.get("hidden_act", "silu")
+    if recipe.split("+")[0] in _COAT_RECIPES and act != "silu":
+        raise ValueError(f"{where}: hidden_act {act!r}: recipe {recipe} converts the decoder layers with coat.convert, "
+                         "which supports SwiGLU MLPs (hidden_act 'silu') only; estimate --recipe amp or bf16")
+
+
+def check_recipe(recipe: str) -> None:
+    base, *mods = recipe.split("+")
+    if "release" in mods and base not in _COAT_RECIPES:
+        raise ValueError(f"--recipe {recipe!r}: gradient release steps coat.optim.AdamW inside backward; recipe "
+                         f"{base} uses torch.optim.AdamW (use {' or '.join(r + '+release' for r in _COAT_RECIPES)})")
 
 
 def _gpu_here() -> tuple[str, float] | None:
@@ -169,15 +221,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--gpus", args.gpus)):
-        if v <= 0:
-            parser.error(f"argument {flag}: must be a positive integer, got {v}")
-    if args.gpu_memory is not None and args.gpu_memory <= 0:
-        parser.error(f"argument --gpu-memory: must be positive, got {args.gpu_memory:g}")
+        if not 1 <= v <= MAX_SIZE:
+            parser.error(f"argument {flag}: must be a positive integer up to {MAX_SIZE}, got {v}")
+    if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
+        parser.error(f"argument --gpu-memory: must be a positive number of GiB, got {args.gpu_memory:g}")
     try:
+        check_recipe(args.recipe)
+        check_model(args.model, args.recipe)
         r = report(args)
     except ValueError as e:  # coat.memory names the flag: "--model ...", "--recipe ..."
         msg = str(e)
         parser.error(f"argument {msg}" if msg.startswith("--") else msg)
+    except OverflowError:  # sizes that pass every check but multiply past a float
+        parser.error(f"argument --model: {args.model!r} at --batch {args.batch} x --seq {args.seq} is too large to "
+                     "estimate (its byte counts overflow)")
     if args.json:
         json.dump(r, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -68,12 +68,42 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
     (["--model", "llama2-7b", "--gpus", "-1"], "--gpus"),
     (["--model", "llama2-7b", "--gpu-memory", "0"], "--gpu-memory"),
     (["--model", "llama2-7b", "--gpu", "tpu"], "--gpu"),
+    (["--model", "llama2-7b", "--gpu-memory", "nan"], "--gpu-memory: must be a positive number of GiB, got nan"),
+    (["--model", "llama2-7b", "--gpu-memory", "inf"], "--gpu-memory: must be a positive number of GiB, got inf"),
+    (["--model", "llama2-7b", "--recipe", "amp+release"], "gradient release steps coat.optim.AdamW inside backward"),
+    (["--model", "llama2-7b", "--batch", str(2**80)], "--batch: must be a positive integer up to"),
 ])
 def test_bad_flags_are_named(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
         main(["estimate", *argv])
     assert e.value.code == 2
-    assert flag in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+
+
+_LLAMA = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "intermediate_size": 688, "vocab_size": 1000}
+
+
+@pytest.mark.parametrize("cfg, recipe, why", [
+    ({"model_type": "llava", "text_config": None}, "coat", "text_config is null, not the language model's config"),
+    (_LLAMA | {"vocab_size": 10**400}, "coat", "vocab_size must be an integer in [1, 2147483647], got 1000"),
+    (_LLAMA | {"num_hidden_layers": 10**12}, "amp", "num_hidden_layers must be an integer in [1, 2147483647]"),
+    (_LLAMA | {"num_hidden_layers": True}, "coat", "num_hidden_layers must be an integer in [1, 2147483647], got true"),
+    (_LLAMA | {"num_key_value_heads": 0}, "coat", "num_key_value_heads must be an integer in [1, 2147483647], got 0"),
+    (_LLAMA | {"hidden_act": "gelu"}, "coat-lean", "hidden_act 'gelu': recipe coat-lean converts the decoder layers"),
+])
+def test_bad_model_configs_are_named(tmp_path, capsys, cfg, recipe, why):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--model", str(tmp_path), "--recipe", recipe])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and f"argument --model '{tmp_path}' ({tmp_path}/config.json" in err and why in err, err
+
+
+def test_a_gelu_model_is_estimated_for_recipes_that_keep_its_layers(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(_LLAMA | {"hidden_act": "gelu"}))
+    assert json.loads(_run(capsys, "--model", str(tmp_path), "--recipe", "amp", "--json"))["peak_gib"] > 0
 
 
 def test_every_preset_and_recipe_well_under_a_second():
