@@ -110,7 +110,8 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
     group scales), "fp8-e8m0" (power-of-two group scales), an ``Fp8Recipe``, or "bf16" (no change).
     ``frozen_weights="fp8"`` stores every projection group whose weights are all frozen
     (requires_grad False: a LoRA base, frozen layers) as FP8 codes only, 1 byte per parameter
-    (``coat/nn/frozen.py``); call convert again after freezing more (e.g. after
+    (``coat/nn/frozen.py``; the state dict and ``save_pretrained`` hold them dequantized to their
+    dtype, as plain transformers loads them); call convert again after freezing more (e.g. after
     ``peft.get_peft_model``). ``fused_loss`` (default on): a causal LM called with ``labels`` runs its
     final norm, LM head and cross-entropy chunk by chunk (``coat/nn/loss.py``): the [tokens, vocab]
     logits never exist, and the output's ``logits`` is None; call without labels (or set

@@ -18,10 +18,17 @@ weight its own storage: still correct, but every forward then concatenates the g
 after moving the model.
 
 A group is stored in FP8 only when every member is frozen (requires_grad False); a group with a
-trainable member stays as it is. The state dict then holds the codes and scales (plain
-transformers cannot load it: save adapters with ``save_pretrained`` of the PEFT model, or call
-``dequantize_frozen`` first); ``dequantize_frozen`` turns the codes back into floating-point
+trainable member stays as it is. ``dequantize_frozen`` turns the codes back into floating-point
 weights (the dequantized FP8 values), e.g. before PEFT's ``merge_and_unload``.
+
+State dicts: ``state_dict()`` (and so ``save_pretrained``, which plain transformers loads) holds
+each FP8-frozen weight dequantized, in the dtype it had before freezing, under its own key, and no
+scale: the weights the model computes with. They are made one at a time on the model's device and
+kept on the CPU: a state dict costs host memory (2 bytes per frozen parameter of a bf16 model),
+not GPU memory. ``load_state_dict`` into an FP8-frozen projection accepts exactly the weight its
+codes dequantize to (a state dict of this model: the codes stay, the round trip is exact) or FP8
+codes with a ``weight_scale`` (coat's earlier checkpoints); any other weight is refused, naming
+it: load such weights before ``coat.convert(frozen_weights="fp8")``.
 """
 
 from __future__ import annotations
@@ -66,15 +73,55 @@ def freeze_to_fp8(layers) -> int:
                     row += w.shape[0]
                     freed += w.numel() * w.element_size() - codes.numel()
                     b.weight = nn.Parameter(codes, requires_grad=False)
-                    b.register_buffer("weight_scale", scale.clone())
+                    # Not persistent: the state dict holds the dequantized weight instead (hooks below).
+                    b.register_buffer("weight_scale", scale.clone(), persistent=False)
+                    b.coat_frozen_dtype = w.dtype
+                    if not getattr(b, "_coat_state_dict_hooks", False):
+                        b.register_state_dict_post_hook(_dequantized_state)
+                        b.register_load_state_dict_pre_hook(_load_frozen_state)
+                        b._coat_state_dict_hooks = True
     return freed
 
 
-def dequantize_frozen(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Turns FP8-frozen projection weights back into ``dtype`` weights (the FP8 values, scaled)."""
+def _dequantized(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return (linear.weight.detach().float() * linear.weight_scale).to(dtype or getattr(linear, "coat_frozen_dtype", torch.bfloat16))
+
+
+def _dequantized_state(linear, state_dict, prefix, local_metadata) -> None:
+    """state_dict hook of an FP8-frozen projection: its weight as the model computes with it."""
+    if A.is_frozen_fp8(linear) and prefix + "weight" in state_dict:
+        w = _dequantized(linear)
+        # On the host: a whole model's dequantized weights would not fit beside it on the GPU.
+        state_dict[prefix + "weight"] = w if w.device.type in ("cpu", "meta") else w.cpu()
+
+
+def _load_frozen_state(linear, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                       error_msgs) -> None:
+    """load_state_dict pre-hook of an FP8-frozen projection (see the module docstring)."""
+    key = prefix + "weight"
+    w = state_dict.get(key)
+    if not A.is_frozen_fp8(linear) or w is None:
+        return
+    scale = state_dict.pop(prefix + "weight_scale", None)
+    if w.dtype == linear.weight.dtype and scale is not None:  # codes and scale: loaded as they are
+        with torch.no_grad():
+            linear.weight_scale.copy_(scale.reshape(linear.weight_scale.shape))
+        return
+    if not (w.shape == linear.weight.shape and w.is_floating_point()
+            and torch.equal(w.to(linear.weight.device), _dequantized(linear).to(w.dtype))):
+        error_msgs.append(
+            f"{key}: this projection is frozen in FP8 (coat.convert(frozen_weights='fp8')) and takes only "
+            "the weight its codes dequantize to (a state dict of this model); load other weights into the "
+            "model before converting it with frozen_weights='fp8'")
+    state_dict[key] = linear.weight.detach()  # the codes stay as they are
+
+
+def dequantize_frozen(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Turns FP8-frozen projection weights back into ``dtype`` weights (the FP8 values, scaled);
+    ``dtype`` defaults to each weight's dtype before freezing."""
     for mod in model.modules():
         if isinstance(mod, nn.Linear) and A.is_frozen_fp8(mod):
-            w = (mod.weight.float() * mod.weight_scale).to(dtype)
+            w = _dequantized(mod, dtype)
             del mod.weight_scale
             mod.weight = nn.Parameter(w, requires_grad=False)
     return model
