@@ -220,8 +220,8 @@ template <typename Src, typename Gr>
 __device__ __forceinline__ void load_meta(const AdamwTensor& d, const LanePos& at, LaneIn<Src, Gr>& in) {
   in.m_mx = at.ok ? __ldcs(d.m_gmax + at.lg) : 0.0f;
   in.v_mx = at.ok ? __ldcs(d.v_gmax + at.lg) : 0.0f;
-  in.m_k16 = at.ok ? __ldcs(d.m_k16 + at.lg) : kDreMinK16;
-  in.v_k16 = at.ok ? __ldcs(d.v_k16 + at.lg) : kDreMinK16;
+  in.m_k16 = at.ok ? __ldcs(d.m_k16 + at.lg) : kDreUnitK16;
+  in.v_k16 = at.ok ? __ldcs(d.v_k16 + at.lg) : kDreUnitK16;
 }
 
 // ---- the vector path: cp.async into per-lane slots of shared memory ---------------------------
@@ -492,16 +492,16 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
     v_lo = __uint_as_float(half_min(__float_as_uint(vl), upper));
   }
   const float m_l = fast_log2(m_hi), v_l = fast_log2(v_hi);
-  const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, m_l, c.expansion, c.m_log2_range);
-  const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, v_l, c.expansion, c.v_log2_range);
+  const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, m_l, c.expansion, c.m_log2_range, MF);
+  const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, v_l, c.expansion, c.v_log2_range, VF);
   const DreGroupFast m_new = dre_group_fast_l(m_hi, m_l, m_k16, MF);
   const DreGroupFast v_new = dre_group_fast_l(v_hi, v_l, v_k16, VF);
   uint32_t mq[2], vq[2];
   if (!nonfinite) {
 #pragma unroll
     for (int j = 0; j < kE; ++j) {
-      m[j] = dre_encode_value_fast(m[j], m_new);
-      v[j] = dre_encode_value_fast(v[j], v_new);
+      m[j] = dre_encode_value_fast(m[j], m_new, MF);
+      v[j] = dre_encode_value_fast(v[j], v_new, VF);
     }
     float_to_fp8x8<MF>(m, mq);
     float_to_fp8x8<VF>(v, vq);
@@ -692,8 +692,12 @@ void launch_formats(const AdamwTensor* tensors, int64_t n_tensors, int64_t n_gro
                     : (v4 ? adamw_kernel<P, Gr, M, E5, E4> : adamw_kernel<P, Gr, M, E5, E5>);
   using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
   constexpr int smem = kStagesBytes<Src, Gr, kLutDecode<M>>;
-  static bool configured[4] = {false, false, false, false};  // per format pair; benign race
-  bool& done = configured[(m4 ? 0 : 2) + (v4 ? 0 : 1)];
+  // Function attributes are set per device (each device has its own context): per device and
+  // format pair, once. Racing threads set the same values (benign).
+  static bool configured[cuda::kMaxDevices][4] = {};
+  const int dev = current_device();
+  COAT_CHECK(dev >= 0 && dev < cuda::kMaxDevices, "adamw_step: CUDA device " + std::to_string(dev) + " out of range");
+  bool& done = configured[dev][(m4 ? 0 : 2) + (v4 ? 0 : 1)];
   if (!done) {
     COAT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     // The block needs nearly all of it (stages + decode tables).

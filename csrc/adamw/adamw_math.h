@@ -66,7 +66,7 @@ COAT_HD float inv_grad_scale(const float* grad_scale) {
 COAT_HD float update(float p, float g, float& m, float& v, const Scalars& s) {
   p = p * s.wd_factor;
   m = m + s.w1 * (g - m);
-  v = v * s.beta2 + s.w2 * (g * g);
+  v = v * s.beta2 + (s.w2 * g) * g;  // torch's addcmul order: g g alone overflows from |g| ~ 1.8e19
 #if defined(__CUDA_ARCH__)
   float root;  // sqrt(0) = 0, sqrt(NaN) = NaN
   asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(root) : "f"(v));
@@ -74,7 +74,12 @@ COAT_HD float update(float p, float g, float& m, float& v, const Scalars& s) {
   const float root = sqrtf(v);
 #endif
   const float denom = root * s.inv_bc2_sqrt + s.eps;
-  return p - s.step_size * fast_div(m, denom);
+  p = p - s.step_size * fast_div(m, denom);
+  // Moments below fp32's normal range are stored as zero on both sides (the device's log2/exp2
+  // flush them anyway): a v that small comes with an m whose m / eps is below 1e-9 lr.
+  m = fabsf(m) < 1.17549435e-38f ? 0.0f : m;  // NaN compares false and stays
+  v = v < 1.17549435e-38f ? 0.0f : v;
+  return p;
 }
 
 // Fold |x| into a group's max and non-zero min: finite values only (NaN and inf never enter).
@@ -90,8 +95,9 @@ COAT_HD void group_minmax(float x, float& mx, float& mn) {
 // CPU and GPU steps therefore agree to ~1e-7 relative in the fp32 math; a code differs by one step
 // only where a value sits within an ulp of an FP8 rounding boundary.
 // log2_mx = fast_log2(mx), shared with the group's encoding parameters (dre_group_fast_l).
-COAT_HD uint8_t group_k16(float mx, float mn, float log2_mx, bool expansion, float log2_range) {
-  return expansion ? dre_k16_fast_l(mx, mn, log2_mx, log2_range) : static_cast<uint8_t>(kDreMinK16);
+// Without expansion k is 1, or below 1 where the group is wider than the format (compression).
+COAT_HD uint8_t group_k16(float mx, float mn, float log2_mx, bool expansion, float log2_range, Fp8Format fmt) {
+  return dre_k16_fast_l(mx, mn, log2_mx, expansion ? log2_range : 0.0f, fmt);
 }
 
 // The decode table of a format (dre_fast_lut_entry: identical on host and device).

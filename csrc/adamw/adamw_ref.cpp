@@ -56,8 +56,8 @@ void step_group(const AdamwTensor& d, int64_t lg, const adamw::Scalars& s, const
     adamw::group_minmax(v[i], v_hi, v_lo);
   }
   const float m_l = fast_log2(m_hi), v_l = fast_log2(v_hi);
-  const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, m_l, c.expansion, c.m_log2_range);
-  const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, v_l, c.expansion, c.v_log2_range);
+  const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, m_l, c.expansion, c.m_log2_range, c.m_fmt);
+  const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, v_l, c.expansion, c.v_log2_range, c.v_fmt);
   d.m_gmax[lg] = m_hi;
   d.m_k16[lg] = m_k16;
   d.v_gmax[lg] = v_hi;

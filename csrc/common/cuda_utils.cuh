@@ -27,12 +27,19 @@ __host__ __device__ inline bool aligned(const void* p, size_t bytes) {
   return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
 }
 
+// Per-device caches (attributes, function settings) hold this many devices.
+constexpr int kMaxDevices = 64;
+
 // Multiprocessor count of the current device, cached: launchers ask on every call.
 inline int sm_count() {
-  static int cache[64] = {0};
+  static int cache[kMaxDevices] = {0};
   int dev = 0;
   COAT_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) dev = 0;
+  if (dev < 0 || dev >= kMaxDevices) {
+    int n = 0;  // beyond the cache: ask every time
+    COAT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }
   if (cache[dev] == 0) {
     int n = 0;
     COAT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));

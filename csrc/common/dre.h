@@ -18,15 +18,34 @@ COAT_HD uint8_t fp8_max_code(Fp8Format f) { return f == Fp8Format::kE4M3 ? 0x7E 
 // |x| that may enter a group's max/min: finite values only.
 COAT_HD bool dre_counts(float a) { return a <= 3.40282347e38f; }
 
-// k16 from the group's largest and smallest non-zero finite |x| (mn = +inf when there is none).
-COAT_HD uint8_t dre_k16(float mx, float mn, float log2_range) {
+// log2 of the span from the format's max to its smallest normal: compression (k < 1) maps a group's
+// smallest value there, where the format still has all its mantissa bits.
+COAT_HD float fp8_log2_normal_range(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? 14.807354922f : 29.807354922f;  // log2(448 / 2^-6), log2(57344 / 2^-14)
+}
+// The smallest non-zero magnitude of a format: where a non-zero value that would round to zero goes.
+COAT_HD float fp8_min_subnormal(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? 0.001953125f : 1.52587890625e-05f;  // 2^-9, 2^-16
+}
+
+// k16 from 16 log2_range / span and 16 log2_normal_range / span (span = log2(mx / mn) > 0):
+// expansion where the group fits the range (>= 16), else compression down to the normal range,
+// never above 1; floored, clamped to [kDreMinK16, kDreMaxK16] (a zero span -> +inf -> the max).
+COAT_HD float dre_k16_choose(float k16_expand, float k16_compress) {
+  const float k16 = k16_expand >= 16.0f ? k16_expand : fminf(k16_compress, 16.0f);
+  return fminf(fmaxf(k16, static_cast<float>(kDreMinK16)), static_cast<float>(kDreMaxK16));
+}
+
+// k16 from the group's largest and smallest non-zero finite |x| (mn = +inf when there is none);
+// log2_range <= 0 turns expansion off (k <= 1: compression only where the group needs it).
+COAT_HD uint8_t dre_k16(float mx, float mn, float log2_range, Fp8Format fmt) {
   using namespace detail;
-  if (!(mx > mn) || !(mn > 0.0f)) return kDreMinK16;  // constant, empty or all-zero group: k is moot
+  if (!(mx > mn) || !(mn > 0.0f)) return kDreUnitK16;  // constant, empty or all-zero group: k is moot
   const float span = fsub(det_log2(mx), det_log2(mn));
   if (!(span > 0.0f)) return kDreMaxK16;
-  const float k16 = floorf(fdiv(fmul(16.0f, log2_range), span));
-  if (!(k16 < static_cast<float>(kDreMaxK16))) return kDreMaxK16;
-  return k16 < static_cast<float>(kDreMinK16) ? kDreMinK16 : static_cast<uint8_t>(k16);
+  const float e = floorf(fdiv(fmul(16.0f, fmaxf(log2_range, 0.0f)), span));
+  const float c = floorf(fdiv(fmul(16.0f, fp8_log2_normal_range(fmt)), span));
+  return static_cast<uint8_t>(dre_k16_choose(e, c));
 }
 
 struct DreGroup {
@@ -58,7 +77,7 @@ COAT_HD uint8_t dre_encode(float x, const DreGroup& g, Fp8Format fmt) {
   const uint8_t sign = x < 0.0f ? 0x80 : 0x00;
   if (a >= g.mx) return sign | fp8_max_code(fmt);  // the group max (and +-inf) decode to mx exactly
   const float t = fadd(fmul(g.k, fsub(det_log2(a), g.log2_mx)), fp8_log2_max(fmt));
-  const float y = det_exp2(t);
+  const float y = fmaxf(det_exp2(t), fp8_min_subnormal(fmt));  // never the zero code
   return encode_fp8(sign ? -y : y, fmt);
 }
 
@@ -137,13 +156,12 @@ COAT_HD float floor_biased(float x) {
 }
 
 // Branch-free (the kernel computes it once per group and lane): a zero span gives +inf and clamps
-// to the largest k16; a constant, empty or all-zero group gets the smallest (NaN spans clamp
-// there too). log2_mx = fast_log2(mx), which the caller also needs for encoding.
-COAT_HD uint8_t dre_k16_fast_l(float mx, float mn, float log2_mx, float log2_range) {
-  const float span = log2_mx - fast_log2(mn);
-  float k16 = fminf(fmaxf(fast_div(16.0f * log2_range, span), static_cast<float>(kDreMinK16)),
-                    static_cast<float>(kDreMaxK16));
-  k16 = mx > mn && mn > 0.0f ? k16 : static_cast<float>(kDreMinK16);
+// to the largest k16; a constant, empty or all-zero group gets k = 1. log2_range <= 0 turns
+// expansion off. log2_mx = fast_log2(mx), which the caller also needs for encoding.
+COAT_HD uint8_t dre_k16_fast_l(float mx, float mn, float log2_mx, float log2_range, Fp8Format fmt) {
+  const float inv = fast_div(16.0f, log2_mx - fast_log2(mn));
+  float k16 = dre_k16_choose(fmaxf(log2_range, 0.0f) * inv, fp8_log2_normal_range(fmt) * inv);
+  k16 = mx > mn && mn > 0.0f ? k16 : static_cast<float>(kDreUnitK16);
   return static_cast<uint8_t>(bits_of(floor_biased(k16)));
 }
 
@@ -173,15 +191,18 @@ COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
   return dre_group_fast_l(mx, fast_log2(mx), k16, fmt);
 }
 
-// The value whose FP8 rounding is x's code, sign(x) fmt_max (|x| / mx)^k. Branch-free: log2(0) =
-// -inf maps a zero to 0; NaN stays NaN; |x| == mx lands on fmt_max (the top code after rounding).
-// Kernels round pairs of these with one packed conversion.
-COAT_HD float dre_encode_value_fast(float x, const DreGroupFast& g) {
-  return copysignf(fast_exp2(g.k * fast_log2(fabsf(x)) + g.c_enc), x);
+// The value whose FP8 rounding is x's code, sign(x) fmt_max (|x| / mx)^k. log2(0) = -inf maps a
+// zero to 0; NaN stays NaN; |x| == mx lands on fmt_max (the top code after rounding); any other
+// non-zero x lands at least on the smallest code, never on zero. Kernels round pairs of these with
+// one packed conversion.
+COAT_HD float dre_encode_value_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
+  float y = fast_exp2(g.k * fast_log2(fabsf(x)) + g.c_enc);
+  y = y < fp8_min_subnormal(fmt) && x != 0.0f ? fp8_min_subnormal(fmt) : y;  // NaN compares false
+  return copysignf(y, x);
 }
 
 COAT_HD uint8_t dre_encode_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
-  return encode_fp8(dre_encode_value_fast(x, g), fmt);
+  return encode_fp8(dre_encode_value_fast(x, g, fmt), fmt);
 }
 
 // x from q, the FP8 value of its code (decode_fp8): sign(q) mx (|q| / fmt_max)^(1/k). The top code

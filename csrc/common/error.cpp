@@ -45,4 +45,20 @@ void set_current_device(int device) {
 #endif
 }
 
+int current_device() noexcept {
+#ifdef COAT_WITH_CUDA
+  int cur = -1;
+  return cudaGetDevice(&cur) == cudaSuccess ? cur : -1;
+#else
+  return -1;
+#endif
+}
+
+DeviceRestore::~DeviceRestore() {
+#ifdef COAT_WITH_CUDA
+  int cur = -1;
+  if (device_ >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != device_) (void)cudaSetDevice(device_);
+#endif
+}
+
 }  // namespace coat

@@ -214,9 +214,12 @@ COAT_HD float finite_abs(float v) {
   return a <= 3.4028234663852886e38f ? a : 0.0f;  // NaN and inf compare false
 }
 
-// fp32 per-tensor / per-group scale: amax / fmt_max, 1 when amax is 0 (or not finite).
+// fp32 per-tensor / per-group scale: max(amax / fmt_max, 2^-126), 1 when amax is 0 (or not
+// finite). The floor keeps 1 / scale finite: below it a tiny amax would give an infinite inverse,
+// zeros would become NaN codes (0 * inf) and everything else would saturate.
+constexpr float kMinScale = 1.17549435e-38f;  // 2^-126
 COAT_HD float scale_for(float amax, Fp8Format fmt) {
-  return (amax > 0.0f && amax <= 3.4028234663852886e38f) ? amax / fp8_max(fmt) : 1.0f;
+  return (amax > 0.0f && amax <= 3.4028234663852886e38f) ? fmaxf(amax / fp8_max(fmt), kMinScale) : 1.0f;
 }
 
 }  // namespace coat

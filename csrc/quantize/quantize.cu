@@ -380,7 +380,7 @@ __global__ void dre_quantize_kernel(const float* __restrict__ x, int64_t n, bool
     }
     mx = cuda::warp_max_nonneg(mx);  // finite magnitudes; mn may be +inf
     mn = cuda::warp_min_nonneg(mn);
-    const uint8_t k = dre_k16(mx, mn, log2_range);
+    const uint8_t k = dre_k16(mx, mn, log2_range, fmt);
     if (lane == 0) {
       gmax[g] = mx;
       k16[g] = k;

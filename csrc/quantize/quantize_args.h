@@ -28,8 +28,8 @@ inline void check_ptr(const void* p, int64_t n, const char* name) {
 
 inline void check_dre(int64_t n, float log2_range) {
   COAT_CHECK_ARG(n >= 0, "n must be >= 0");
-  COAT_CHECK_ARG(log2_range > 0.0f && log2_range < 64.0f,
-                 "log2_range must be in (0, 64), got " + std::to_string(log2_range));
+  COAT_CHECK_ARG(log2_range >= 0.0f && log2_range < 64.0f,
+                 "log2_range must be in [0, 64) (0: no expansion), got " + std::to_string(log2_range));
 }
 
 // Checks the parts of a stacked matrix; returns its row count.

@@ -175,7 +175,7 @@ void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, ui
       mx = std::max(mx, a);
       if (a > 0.0f) mn = std::min(mn, a);
     }
-    const uint8_t k = dre_k16(mx, mn, log2_range);
+    const uint8_t k = dre_k16(mx, mn, log2_range, fmt);
     gmax[g] = mx;
     k16[g] = k;
     const DreGroup grp = dre_group(mx, k);

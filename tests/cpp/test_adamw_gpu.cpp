@@ -70,7 +70,7 @@ TEST(AdamwGpu, MatchesReferenceBitExactly) {
         b.param = random_bytes_of(p, cb.p);
         if (cb.m == MasterKind::kFp32) b.master = random_bytes_of(p, DType::kFloat32);
         const int64_t ng = (n + G - 1) / G;
-        b.mq.assign(n, 0); b.vq.assign(n, 0); b.mk.assign(ng, kDreMinK16); b.vk.assign(ng, kDreMinK16);
+        b.mq.assign(n, 0); b.vq.assign(n, 0); b.mk.assign(ng, kDreUnitK16); b.vk.assign(ng, kDreUnitK16);
         b.mg.assign(ng, 0.0f); b.vg.assign(ng, 0.0f);
         groups += ng;
         host.push_back(std::move(b));

@@ -30,7 +30,7 @@ struct Slot {
   explicit Slot(int64_t n_) : n(n_) {
     const int64_t g = (n + G - 1) / G;
     mq.assign(n, 0); vq.assign(n, 0); mg.assign(g, 0.0f); vg.assign(g, 0.0f);
-    mk.assign(g, kDreMinK16); vk.assign(g, kDreMinK16);
+    mk.assign(g, kDreUnitK16); vk.assign(g, kDreUnitK16);
   }
   AdamwTensor desc(bool bf16_param, bool bf16_grad, bool with_master, int64_t begin) {
     AdamwTensor d{};
@@ -72,7 +72,7 @@ void fast_quantize(const std::vector<float>& x, int64_t n, Fp8Format f, bool exp
     float mx = 0.0f, mn = INFINITY;
     for (int64_t j = g * G; j < std::min<int64_t>(n, g * G + G); ++j) adamw::group_minmax(x[j], mx, mn);
     gm[g] = mx;
-    k[g] = adamw::group_k16(mx, mn, fast_log2(mx), expansion, range);
+    k[g] = adamw::group_k16(mx, mn, fast_log2(mx), expansion, range, f);
     const DreGroupFast grp = dre_group_fast(mx, k[g], f);
     for (int64_t j = g * G; j < std::min<int64_t>(n, g * G + G); ++j) q[j] = adamw::encode_state(x[j], grp, f);
   }

@@ -125,6 +125,33 @@ TEST(PerTensor, EmptyAndZeroTensors) {
   for (auto c : q) EXPECT_EQ(c, 0);
 }
 
+// amax near fp32's smallest normal (or subnormal): the scale is floored at 2^-126, so 1 / scale is
+// finite, zeros stay the zero code and the rest are not saturated NaN-adjacent codes.
+TEST(PerTensor, TinyAmaxKeepsScaleFinite) {
+  for (auto fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (float tiny : {1e-37f, 1e-39f, 1.4e-45f}) {
+      std::vector<float> x = {0.0f, tiny, -tiny, 0.5f * tiny};
+      std::vector<uint8_t> q(4, 0xAA);
+      float amax = -1, scale = -1;
+      ref::quantize_per_tensor_amax(x.data(), DType::kFloat32, 1, 4, fmt, &amax, &scale, q.data(), nullptr);
+      EXPECT_EQ(amax, tiny);
+      EXPECT_EQ(scale, std::max(tiny / fp8_max(fmt), 1.17549435e-38f));
+      EXPECT_TRUE(std::isfinite(1.0f / scale));
+      EXPECT_EQ(q[0], 0) << "zero stays zero";
+      for (auto c : q) EXPECT_NE(c & 0x7F, 0x7F) << "no NaN code";
+      EXPECT_EQ(q[1] & 0x80, 0);
+      EXPECT_EQ(q[2] & 0x80, 0x80);
+      std::vector<float> s(1);
+      std::vector<uint8_t> qg(16, 0xAA);
+      std::vector<float> xg(16, 0.0f);
+      xg[3] = tiny;
+      ref::quantize_per_group(xg.data(), DType::kFloat32, 1, 16, 16, fmt, ScaleKind::kFloat32, s.data(), qg.data());
+      EXPECT_TRUE(std::isfinite(1.0f / s[0]));
+      for (int i = 0; i < 16; ++i) EXPECT_EQ(qg[i], i == 3 ? qg[3] : 0) << "group zeros stay zero";
+    }
+  }
+}
+
 TEST(PerTensor, DequantizeToBf16AndHalf) {
   std::vector<uint8_t> q(256);
   for (int i = 0; i < 256; ++i) q[i] = static_cast<uint8_t>(i);
@@ -198,7 +225,7 @@ TEST(Dre, ZerosConstantsAndMaximaAreExact) {
     if (std::fabs(x[i]) == gmax[i / 128]) EXPECT_EQ(y[i], x[i]) << "the group max decodes exactly";
     if (i >= 128 && i < 256) EXPECT_EQ(y[i], x[i]) << "constant-magnitude group is exact";
   }
-  EXPECT_GT(k[0], kDreMinK16) << "a zero in the group must not collapse k";
+  EXPECT_GT(k[0], kDreUnitK16) << "a zero in the group must not collapse k";
   for (int g = 0; g < 4; ++g) {
     EXPECT_GE(k[g], kDreMinK16);
     EXPECT_LE(k[g], kDreMaxK16);
@@ -238,11 +265,55 @@ TEST(Dre, BeatsPlainGroupQuantizationOnNarrowGroups) {
   EXPECT_LT(rel_err(y, x), 0.8 * rel_err(yp, x));
 }
 
+// The bound on |decoded / x - 1| of one element: half the FP8 quantum at y = fmt_max (|x|/mx)^k,
+// relative to y, either way, through the k-th root that decoding takes, plus fp32 slack.
+double dre_bound(float x, float mx, int k16, Fp8Format fmt) {
+  const double k = k16 / 16.0, fmax = fmt == Fp8Format::kE4M3 ? 448.0 : 57344.0;
+  const int mant = fmt == Fp8Format::kE4M3 ? 3 : 2, emin = fmt == Fp8Format::kE4M3 ? -6 : -14;
+  const double y = fmax * std::pow(std::fabs(x) / mx, k);
+  const double quantum = std::ldexp(1.0, std::max(static_cast<int>(std::floor(std::log2(y))), emin) - mant);
+  const double e = 0.5 * quantum / y;
+  if (e >= 1.0) return std::pow(quantum / y, 1.0 / k) - 1.0 + 1e-4;  // lifted to the smallest code
+  return std::max(std::pow(1.0 + e, 1.0 / k) - 1.0, 1.0 - std::pow(1.0 - e, 1.0 / k)) + 1e-4;
+}
+
+// Groups wider than the format (an outlier beside small values, geometric spans up to 2^60): no
+// non-zero value is stored as the zero code or decodes to zero, and every element keeps the
+// accuracy its exponent allows (compression, k < 1, puts the smallest value in the normal range).
+TEST(Dre, WideGroupsKeepEveryValue) {
+  std::mt19937 rng(5);
+  for (auto fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (float range : {dre_default_log2_range(fmt), 0.0f}) {
+      for (int span = 8; span <= 60; span += 4) {
+        std::vector<float> x(256);
+        for (int i = 0; i < 128; ++i)  // geometric: 2^0 .. 2^span
+          x[i] = std::exp2(span * i / 127.0f) * ((rng() & 1) ? -1.0f : 1.0f);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (int i = 128; i < 256; ++i) x[i] = nd(rng) * 1e-3f;  // a single outlier 2^span larger
+        x[128 + 77] = 1e-3f * std::exp2(static_cast<float>(span));
+        std::vector<uint8_t> q(256), k(2);
+        std::vector<float> gmax(2), y(256);
+        ref::dre_quantize(x.data(), 256, fmt, range, q.data(), gmax.data(), k.data());
+        ref::dre_dequantize(q.data(), gmax.data(), k.data(), 256, fmt, y.data());
+        for (int i = 0; i < 256; ++i) {
+          ASSERT_NE(q[i] & 0x7F, 0) << "span 2^" << span << " element " << i << " stored as zero";
+          ASSERT_EQ(std::signbit(y[i]), std::signbit(x[i]));
+          const double err = std::fabs(y[i] / x[i] - 1.0);
+          ASSERT_LE(err, dre_bound(x[i], gmax[i / 128], k[i / 128], fmt))
+              << "fmt " << int(fmt) << " range " << range << " span 2^" << span << " element " << i
+              << " k16 " << int(k[i / 128]);
+        }
+        if (span > (fmt == Fp8Format::kE4M3 ? 17 : 30)) EXPECT_LT(k[0], kDreUnitK16) << "compressed";
+      }
+    }
+  }
+}
+
 TEST(Dre, RejectsBadArguments) {
   std::vector<float> x(10);
   std::vector<uint8_t> q(10), k(1);
   std::vector<float> g(1);
-  EXPECT_THROW(ref::dre_quantize(x.data(), 10, Fp8Format::kE4M3, 0.0f, q.data(), g.data(), k.data()),
+  EXPECT_THROW(ref::dre_quantize(x.data(), 10, Fp8Format::kE4M3, -1.0f, q.data(), g.data(), k.data()),
                std::invalid_argument);
   EXPECT_THROW(ref::dre_quantize(x.data(), 10, Fp8Format::kE4M3, 8.0f, nullptr, g.data(), k.data()),
                std::invalid_argument);

@@ -44,6 +44,22 @@ bool built_with_cuda();
 // Make `device` current for this thread's CUDA runtime calls (throws in a build without CUDA).
 void set_current_device(int device);
 
+// This thread's current CUDA device; -1 in a build without CUDA or where none can be read.
+int current_device() noexcept;
+
+// Puts back, on scope exit, the CUDA device that was current at construction (if coat changed it):
+// every binding call runs under one, so a call on cuda:1 tensors leaves the caller on cuda:0.
+class DeviceRestore {
+ public:
+  DeviceRestore() noexcept : device_(current_device()) {}
+  ~DeviceRestore();
+  DeviceRestore(const DeviceRestore&) = delete;
+  DeviceRestore& operator=(const DeviceRestore&) = delete;
+
+ private:
+  int device_;
+};
+
 }  // namespace coat
 
 // COAT_CHECK_ARG: argument validation -> std::invalid_argument (Python ValueError).

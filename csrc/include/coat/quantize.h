@@ -26,8 +26,11 @@ constexpr int kDreGroupSize = 128;
 // E4M3: 448^2/2 as NVlabs COAT chose; E5M2: the span from its max to its smallest normal.
 constexpr float kDreLog2RangeE4M3 = 16.6147098441f;
 constexpr float kDreLog2RangeE5M2 = 29.807354922f;
-// k is stored as k16 = round_down(16 k) in one byte, so k lies in [1, 255/16].
-constexpr int kDreMinK16 = 16;
+// k is stored as k16 = round_down(16 k) in one byte, so k lies in [1/16, 255/16]: k > 1 expands a
+// narrow group onto the format's range, k < 1 compresses a group wider than the format can hold
+// (an outlier beside small values). k = 1 (kDreUnitK16) is plain per-group FP8.
+constexpr int kDreMinK16 = 1;
+constexpr int kDreUnitK16 = 16;
 constexpr int kDreMaxK16 = 255;
 
 // ---- per-tensor ------------------------------------------------------------------------------
@@ -85,9 +88,13 @@ void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t
 
 // ---- Dynamic Range Expansion (groups of kDreGroupSize consecutive elements) ----------------------
 
-// For each group g: gmax[g] = max |x| and k16[g] = 16 k, where
-// k = clamp(log2_range / log2(max/min), 1, 255/16) over the group's non-zero |x|, rounded down to
-// a multiple of 1/16. Each element is stored as q = fp8(sign(x) fmt_max (|x|/gmax)^k): DRE's
+// For each group g: gmax[g] = max |x| and k16[g] = 16 k, where, with span = log2(max/min) over the
+// group's non-zero |x|: k = log2_range / span when that is >= 1 (expansion; log2_range <= 0 turns
+// it off), else k = min(1, log2_normal_range(fmt) / span) (compression: a group wider than the
+// format keeps its smallest value in the format's normal range instead of flushing it to zero),
+// rounded down to a multiple of 1/16 and clamped to [1/16, 255/16]. A non-zero x is never stored
+// as the zero code (the smallest code instead). Each element is stored as
+// q = fp8(sign(x) fmt_max (|x|/gmax)^k): DRE's
 // y = (|x|/c)^k with its per-group scale s = (gmax/c)^k / fmt_max folded in, so c cancels and
 // each group costs 5 bytes of metadata. Zeros stay zero, |x| == gmax is stored as +-fmt_max and
 // decodes to gmax exactly (so constant groups are exact), non-finite inputs never enter gmax or
