@@ -73,7 +73,7 @@ void adamw_step_py(MutArray descs_, int64_t n_groups, double lr, std::optional<A
 
 void register_adamw(nb::module_& m) {
   m.attr("ADAMW_DESC_WORDS") = 16;
-  m.def("adamw_step", &adamw_step_py, arg("descs"), arg("n_groups"), arg("lr"), arg("lr_tensor").none(),
+  m.def("adamw_step", &adamw_step_py, restore_device(), arg("descs"), arg("n_groups"), arg("lr"), arg("lr_tensor").none(),
         arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("grad_scale").none(),
         arg("found_inf").none(), arg("param_dtype"), arg("grad_dtype"), arg("master"), arg("m_fmt"),
         arg("v_fmt"), arg("expansion"), arg("m_log2_range"), arg("v_log2_range"), arg("cpu_threads"),

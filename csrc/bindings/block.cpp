@@ -147,10 +147,10 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
 }
 
 void register_block(nb::module_& m) {
-  m.def("block_fwd", &block_fwd_py, arg("x"), arg("pre"), arg("norm_weight").none(), arg("eps"), arg("e8m0"),
+  m.def("block_fwd", &block_fwd_py, restore_device(), arg("x"), arg("pre"), arg("norm_weight").none(), arg("eps"), arg("e8m0"),
         arg("weights"), arg("save_input_t"), arg("out_type"), arg("fast_accum"), arg("workspace"), arg("force_bf16"),
         arg("stream"));
-  m.def("block_bwd", &block_bwd_py, arg("dout"), arg("pre"), arg("need_w"), arg("weights"), arg("w_scale"),
+  m.def("block_bwd", &block_bwd_py, restore_device(), arg("dout"), arg("pre"), arg("need_w"), arg("weights"), arg("w_scale"),
         arg("s0").none(), arg("s1").none(), arg("s2").none(), arg("norm_weight").none(), arg("y_dtype"), arg("wgrad_type"),
         arg("workspace"), arg("force_bf16"), arg("stream"));
 }

@@ -47,10 +47,10 @@ bool gemm_fp8_native_py(int device) {
 
 void register_gemm(nb::module_& m) {
   m.attr("GEMM_WORKSPACE_BYTES") = kGemmDefaultWorkspace;
-  m.def("gemm_fp8", &gemm_fp8_py, arg("a"), arg("a_fmt"), arg("scale_a"), arg("b"), arg("b_fmt"),
+  m.def("gemm_fp8", &gemm_fp8_py, restore_device(), arg("a"), arg("a_fmt"), arg("scale_a"), arg("b"), arg("b_fmt"),
         arg("scale_b"), arg("bias").none(), arg("out_type"), arg("out_scale").none(), arg("want_amax"),
         arg("workspace").none(), arg("force_bf16"), arg("fast_accum"), arg("stream"));
-  m.def("gemm_fp8_native", &gemm_fp8_native_py, arg("device"));
+  m.def("gemm_fp8_native", &gemm_fp8_native_py, restore_device(), arg("device"));
 }
 
 }  // namespace

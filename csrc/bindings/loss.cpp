@@ -39,7 +39,7 @@ nb::tuple cross_entropy_rows_py(MutArray logits_, const Array& labels_, std::opt
 }
 
 void register_loss(nb::module_& m) {
-  m.def("cross_entropy_rows", &cross_entropy_rows_py, arg("logits"), arg("labels"), arg("inv").none(), arg("stream"));
+  m.def("cross_entropy_rows", &cross_entropy_rows_py, restore_device(), arg("logits"), arg("labels"), arg("inv").none(), arg("stream"));
 }
 
 }  // namespace

@@ -58,11 +58,11 @@ nb::tuple rmsnorm_bwd_py(const Array& q_, const Array& scales_, const Array& rst
 }
 
 void register_norm(nb::module_& m) {
-  m.def("rmsnorm_fwd", &rmsnorm_fwd_py, arg("x"), arg("weight"), arg("eps"), arg("quantize"), arg("fmt"),
+  m.def("rmsnorm_fwd", &rmsnorm_fwd_py, restore_device(), arg("x"), arg("weight"), arg("eps"), arg("quantize"), arg("fmt"),
         arg("e8m0"), arg("stream"));
-  m.def("rmsnorm_fwd_fp8", &rmsnorm_fwd_fp8_py, arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dtype"),
+  m.def("rmsnorm_fwd_fp8", &rmsnorm_fwd_fp8_py, restore_device(), arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dtype"),
         arg("fmt"), arg("stream"));
-  m.def("rmsnorm_bwd", &rmsnorm_bwd_py, arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dy"), arg("fmt"),
+  m.def("rmsnorm_bwd", &rmsnorm_bwd_py, restore_device(), arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dy"), arg("fmt"),
         arg("stream"));
 }
 

@@ -235,21 +235,21 @@ void register_quantize(nb::module_& m) {
   m.attr("DRE_GROUP_SIZE") = kDreGroupSize;
   m.attr("DRE_LOG2_RANGE_E4M3") = kDreLog2RangeE4M3;
   m.attr("DRE_LOG2_RANGE_E5M2") = kDreLog2RangeE5M2;
-  m.def("quantize_per_tensor", &quantize_per_tensor_py, arg("x"), arg("scale"), arg("fmt"), arg("transpose"),
+  m.def("quantize_per_tensor", &quantize_per_tensor_py, restore_device(), arg("x"), arg("scale"), arg("fmt"), arg("transpose"),
         arg("stream"));
-  m.def("quantize_per_tensor_amax", &quantize_per_tensor_amax_py, arg("x"), arg("fmt"), arg("transpose"),
+  m.def("quantize_per_tensor_amax", &quantize_per_tensor_amax_py, restore_device(), arg("x"), arg("fmt"), arg("transpose"),
         arg("stream"));
-  m.def("quantize_stacked", &quantize_stacked_py, arg("parts"), arg("scale").none(), arg("fmt"), arg("rowmajor"),
+  m.def("quantize_stacked", &quantize_stacked_py, restore_device(), arg("parts"), arg("scale").none(), arg("fmt"), arg("rowmajor"),
         arg("transpose"), arg("stream"));
-  m.def("transpose_stacked_codes", &transpose_stacked_codes_py, arg("parts"), arg("stream"));
-  m.def("dequantize_per_tensor", &dequantize_per_tensor_py, arg("q"), arg("scale"), arg("fmt"), arg("dtype"),
+  m.def("transpose_stacked_codes", &transpose_stacked_codes_py, restore_device(), arg("parts"), arg("stream"));
+  m.def("dequantize_per_tensor", &dequantize_per_tensor_py, restore_device(), arg("q"), arg("scale"), arg("fmt"), arg("dtype"),
         arg("stream"));
-  m.def("quantize_per_group", &quantize_per_group_py, arg("x"), arg("group_size"), arg("fmt"), arg("scale_kind"),
+  m.def("quantize_per_group", &quantize_per_group_py, restore_device(), arg("x"), arg("group_size"), arg("fmt"), arg("scale_kind"),
         arg("stream"));
-  m.def("dequantize_per_group", &dequantize_per_group_py, arg("q"), arg("scales"), arg("group_size"), arg("fmt"),
+  m.def("dequantize_per_group", &dequantize_per_group_py, restore_device(), arg("q"), arg("scales"), arg("group_size"), arg("fmt"),
         arg("dtype"), arg("stream"));
-  m.def("dre_quantize", &dre_quantize_py, arg("x"), arg("fmt"), arg("log2_range"), arg("stream"));
-  m.def("dre_dequantize", &dre_dequantize_py, arg("q"), arg("gmax"), arg("k16"), arg("fmt"), arg("stream"));
+  m.def("dre_quantize", &dre_quantize_py, restore_device(), arg("x"), arg("fmt"), arg("log2_range"), arg("stream"));
+  m.def("dre_dequantize", &dre_dequantize_py, restore_device(), arg("q"), arg("gmax"), arg("k16"), arg("fmt"), arg("stream"));
 }
 
 }  // namespace

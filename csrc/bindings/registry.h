@@ -7,10 +7,16 @@
 #include <map>
 #include <string>
 
+#include "coat/common.h"
+
 namespace coat {
 namespace bind {
 
 using RegisterFn = void (*)(nanobind::module_&);
+
+// Every binding is defined with this guard (m.def(name, fn, restore_device(), args...)): bindings
+// make a tensor's device current before they touch it, and the guard puts the caller's back.
+inline auto restore_device() { return nanobind::call_guard<::coat::DeviceRestore>(); }
 
 inline std::map<std::string, RegisterFn>& registry() {
   static std::map<std::string, RegisterFn> r;

@@ -131,10 +131,10 @@ nb::object rope_py(const Array& x_, const Array& cos_, const Array& sin_, bool b
 }
 
 void register_rope(nb::module_& m) {
-  m.def("rope_qkv", &rope_qkv_py, arg("qkv"), arg("cos"), arg("sin"), arg("hq"), arg("hk"), arg("dim"),
+  m.def("rope_qkv", &rope_qkv_py, restore_device(), arg("qkv"), arg("cos"), arg("sin"), arg("hq"), arg("hk"), arg("dim"),
         arg("stream"));
-  m.def("rope_qkv_bwd", &rope_qkv_bwd_py, arg("dq"), arg("dk"), arg("dv"), arg("cos"), arg("sin"), arg("stream"));
-  m.def("rope", &rope_py, arg("x"), arg("cos"), arg("sin"), arg("backward"), arg("stream"));
+  m.def("rope_qkv_bwd", &rope_qkv_bwd_py, restore_device(), arg("dq"), arg("dk"), arg("dv"), arg("cos"), arg("sin"), arg("stream"));
+  m.def("rope", &rope_py, restore_device(), arg("x"), arg("cos"), arg("sin"), arg("backward"), arg("stream"));
 }
 
 }  // namespace

@@ -42,8 +42,8 @@ nb::tuple swiglu_bwd_py(const Array& q_, const Array& scales_, const Array& dh_,
 }
 
 void register_swiglu(nb::module_& m) {
-  m.def("swiglu_fwd", &swiglu_fwd_py, arg("gate_up"), arg("quantize"), arg("fmt"), arg("e8m0"), arg("stream"));
-  m.def("swiglu_bwd", &swiglu_bwd_py, arg("q"), arg("scales"), arg("dh"), arg("recompute_h"), arg("fmt"),
+  m.def("swiglu_fwd", &swiglu_fwd_py, restore_device(), arg("gate_up"), arg("quantize"), arg("fmt"), arg("e8m0"), arg("stream"));
+  m.def("swiglu_bwd", &swiglu_bwd_py, restore_device(), arg("q"), arg("scales"), arg("dh"), arg("recompute_h"), arg("fmt"),
         arg("stream"));
 }
 

@@ -118,7 +118,7 @@ DeviceState& device_state(int dev) {
   return s;
 }
 
-int current_device() {
+int device_now() {
   int dev = 0;
   COAT_CUDA_CHECK(cudaGetDevice(&dev));
   return dev;
@@ -302,6 +302,7 @@ bool use_bf16_path(const DeviceState& ds, bool force_bf16) { return force_bf16 |
 }  // namespace
 
 bool gemm_fp8_native(int device) {
+  const DeviceRestore keep;
   set_current_device(device);
   return !use_bf16_path(device_state(device), false);
 }
@@ -309,6 +310,7 @@ bool gemm_fp8_native(int device) {
 size_t gemm_fp8_scratch_bytes(int device, int64_t m, int64_t n, int64_t k, GemmOut out_type,
                               bool force_bf16) {
   COAT_CHECK_ARG(m >= 0 && n >= 0 && k >= 0, "GEMM sizes must be >= 0");
+  const DeviceRestore keep;
   set_current_device(device);
   if (!use_bf16_path(device_state(device), force_bf16) || m == 0 || n == 0 || k == 0) return 0;
   size_t bytes = align256(static_cast<size_t>(m * k) * 2) + align256(static_cast<size_t>(n * k) * 2);
@@ -324,7 +326,7 @@ void gemm_fp8(const Fp8GemmArgs& g, void* workspace, size_t workspace_bytes, voi
                      alignment_of(workspace) == 256,
                  "workspace must be a 256-byte aligned device buffer of at least " +
                      std::to_string(kGemmWorkspaceReserve) + " bytes");
-  const int dev = current_device();
+  const int dev = device_now();
   DeviceState& ds = device_state(dev);
   const bool bf16_path = use_bf16_path(ds, force_bf16);
   const size_t need = gemm_fp8_scratch_bytes(dev, g.m, g.n, g.k, g.out_type, force_bf16);
