@@ -320,10 +320,12 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 def _e4m3_scale(w: torch.Tensor) -> torch.Tensor:
-    """Per-tensor E4M3 scale of w (amax / 448; 1 when w is all zeros) without an |w| temporary."""
+    """Per-tensor E4M3 scale of w (max(amax / 448, 2^-126); 1 when w is all zeros) without an |w|
+    temporary: the numerics contract of csrc/common/fp8.h scale_for."""
     lo, hi = torch.aminmax(w)
     amax = torch.maximum(hi, -lo).float().reshape(1)
-    return torch.where(amax > 0, amax / torch.finfo(ACT_DTYPE).max, torch.ones_like(amax))
+    scale = (amax / torch.finfo(ACT_DTYPE).max).clamp_min(2.0**-126)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
 def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -408,8 +410,17 @@ def fused_lm_head_loss(
     x2 = hidden.reshape(-1, h)
     lab = targets.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     _check_labels_in_range(lab, lab != ignore_index, lm_head_weight.shape[0], ignore_index)
-    meta = (float(eps), ignore_index, int(chunk_mib * 2**20), compute_dtype(hidden), fp8_backward,
-            torch.is_grad_enabled())
+    cdt = compute_dtype(hidden)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, norm_weight, lm_head_weight))
+    if cdt == torch.float16 and wants_grad:
+        # The gradient is formed in the forward, before GradScaler's scale reaches it: in fp16 most
+        # softmax-gradient entries (below 2^-24 once divided by the token count) would flush to zero.
+        raise ValueError("fused_lm_head_loss cannot compute gradients in float16 (its logit gradients are "
+                         "formed before GradScaler scales them and would underflow): train in bfloat16 "
+                         "(torch.autocast(dtype=torch.bfloat16) or model.to(torch.bfloat16)), or set "
+                         "model.coat_fused_loss = False to use Hugging Face's unfused loss")
+    meta = (float(eps), ignore_index, int(chunk_mib * 2**20), cdt, fp8_backward, torch.is_grad_enabled())
     return _NormHeadCrossEntropyFn.apply(meta, x2, norm_weight, lm_head_weight, lab, num_items_in_batch)
 
 

@@ -558,3 +558,20 @@ def test_gpu_bf16_agrees_and_saves_memory():
     assert fused[4] < ref[4] - 2 * logits_bytes  # HF holds bf16 + fp32 logits and their gradients
     assert fused[4] < 4 * 64 * 2**20 + 6 * (t * h * 4 + v * h * 2)
 
+
+
+def test_float16_gradients_are_refused_and_float16_loss_is_right():
+    # fp16 would flush most of the logit gradient (formed before GradScaler's scale) to zero:
+    # training through the fused loss in fp16 is refused; evaluating in fp16 is fine.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 32, generator=g).half()
+    w = (torch.randn(100, 32, generator=g) * 0.1).half()
+    labels = torch.randint(0, 100, (2, 9), generator=g)
+    with pytest.raises(ValueError, match="float16.*bfloat16.*coat_fused_loss"):
+        fused_lm_head_loss(x.clone().requires_grad_(), w, labels)
+    with pytest.raises(ValueError, match="float16"):
+        fused_lm_head_loss(x, w.clone().requires_grad_(), labels)
+    with torch.no_grad():
+        loss = fused_lm_head_loss(x, w, labels)
+    ref = F.cross_entropy((x.float() @ w.float().t())[:, :-1].reshape(-1, 100), labels[:, 1:].reshape(-1))
+    assert abs(loss.item() - ref.item()) < 1e-2 * ref.item()
