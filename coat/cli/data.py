@@ -34,7 +34,7 @@ BUILTIN_PACKAGES = ("torch", "transformers", "numpy")
 #: vocabularies are ~262k); a larger id would only build an absurd embedding table.
 MAX_TOKEN_ID = (1 << 20) - 1
 # Bump when the tokenized layout changes so stale cache entries are never reused.
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 @dataclass
@@ -230,11 +230,40 @@ def hf_vocab_size(hf: HFTokenizer) -> int:
 # ---- caching ----------------------------------------------------------------------------------
 
 
-def _cache_key(files: list[Path], parts: list) -> str:
-    h = hashlib.sha256(json.dumps([_CACHE_VERSION, *parts]).encode())
+def _content_hashes(files: list[Path], cache_dir: Path) -> list[str]:
+    """A hash of each file's bytes. Memoized in ``cache_dir`` by path and stat (size, mtime, ctime,
+    inode): an edit changes ctime even where the mtime is set back afterwards, so a memo entry
+    never outlives its content, and a file whose stat changed is read again."""
+    memo_path = cache_dir / "content-hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    out, changed = [], False
     for f in files:
         st = f.stat()
-        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        key = str(f.resolve())
+        entry = memo.get(key)
+        if not (isinstance(entry, list) and entry[:4] == stamp):
+            entry, changed = [*stamp, hashlib.blake2b(f.read_bytes(), digest_size=16).hexdigest()], True
+            memo[key] = entry
+        out.append(entry[4])
+    if changed:
+        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(memo))
+            os.replace(tmp, memo_path)
+        except OSError:  # only a memo: the next run hashes again
+            tmp.unlink(missing_ok=True)
+    return out
+
+
+def _cache_key(files: list[Path], parts: list, cache_dir: Path) -> str:
+    """The cache entry of ``files`` tokenized with ``parts``: by their paths and contents."""
+    h = hashlib.sha256(json.dumps([_CACHE_VERSION, *parts]).encode())
+    for f, digest in zip(files, _content_hashes(files, cache_dir)):
+        h.update(f"{f.resolve()}\0{digest}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -256,8 +285,8 @@ def _load_text_corpus(
     if not files:
         raise ValueError(f"no text files found in {source}")
     vocab = {"byte": BYTE_VOCAB_SIZE, "bpe": vocab_size}.get(tokenizer) or (hf_vocab_size(hf) if hf else 0)
-    key = _cache_key(files, [tokenizer, vocab, val_fraction, hf.fingerprint if hf else None, list(groups)])
     cache_dir.mkdir(parents=True, exist_ok=True)
+    key = _cache_key(files, [tokenizer, vocab, val_fraction, hf.fingerprint if hf else None, list(groups)], cache_dir)
     train_path, val_path = cache_dir / f"{key}.train.npy", cache_dir / f"{key}.val.npy"
     tok_path = cache_dir / f"{key}.tokenizer.json"
     info: dict[str, Any] = {"source": source, "tokenizer": tokenizer, "files": len(files),

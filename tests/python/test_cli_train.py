@@ -122,6 +122,22 @@ def test_corpus_is_deterministic_and_cached(text_folder: Path, tmp_path: Path) -
     assert len(list((tmp_path / "a").glob("*.npy"))) == 2
 
 
+def test_corpus_cache_follows_the_content_not_the_mtime(tmp_path: Path) -> None:
+    doc = tmp_path / "data.txt"
+    doc.write_text("abcdefgh" * 64)
+    messages: list[str] = []
+    first = data.load_corpus(doc, cache_dir=tmp_path / "cache", log=messages.append)
+    st = doc.stat()
+    doc.write_text("ABCDEFGH" * 64)  # same size, its mtime set back: only the content tells
+    os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns))
+    edited = data.load_corpus(doc, cache_dir=tmp_path / "cache", log=messages.append)
+    assert messages[1].startswith("Tokenizing") and edited.train[:8].tolist() == list(b"ABCDEFGH")
+    assert not np.array_equal(first.train, edited.train)
+    os.utime(doc)  # touched, content unchanged: the entry is reused
+    data.load_corpus(doc, cache_dir=tmp_path / "cache", log=messages.append)
+    assert messages[2].startswith("Using cached")
+
+
 def test_single_file_splits_by_tokens(tmp_path: Path) -> None:
     path = tmp_path / "one.txt"
     path.write_bytes(bytes(range(32, 127)) * 20)
