@@ -104,7 +104,10 @@ def _same_value(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
-    return bool(a == b)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # no single truth value (a NumPy array): by identity
+        return a is b
 
 
 def _same_entry(a: Optional[tuple], b: Optional[tuple]) -> bool:
