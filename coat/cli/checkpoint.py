@@ -170,12 +170,30 @@ def check_new_out_after_lock(out: Path) -> None:
         raise OutputError(f"{out} was taken by another run while this one started")
 
 
+#: What a run writes before its first step: a folder holding only these can be neither resumed
+#: nor reused, so a start that fails or is aborted removes it.
+_BEFORE_FIRST_STEP = {".lock", "config.json", "metrics.jsonl", "compare.json"}
+
+
+def _trained(metrics: Path) -> bool:
+    try:
+        return any(json.loads(line).get("step", 0) > 0 for line in metrics.read_text().splitlines()
+                   if line.endswith("}"))
+    except (OSError, ValueError):
+        return False
+
+
 def release_if_unused(out: Path) -> None:
-    """Removes a folder this run created but never wrote a result into (a failed start)."""
+    """Removes a folder this run created that holds nothing to keep (a start that failed or was
+    aborted before its first training step: the curve of a run that trained stays)."""
     unlock(out)
-    lock_file = out / ".lock"
-    if out.is_dir() and {e.name for e in out.iterdir()} <= {".lock"}:
-        lock_file.unlink(missing_ok=True)
+    if not out.is_dir():
+        return
+    entries = list(out.iterdir())
+    if not _trained(out / "metrics.jsonl") and all(
+            e.name in _BEFORE_FIRST_STEP or (e.name.startswith(".") and e.name.endswith(".tmp")) for e in entries):
+        for e in entries:
+            e.unlink(missing_ok=True)
         try:
             out.rmdir()
         except OSError:

@@ -48,19 +48,25 @@ def _set_death_signal() -> None:
         pass
 
 
-def _run_child(cfg: TrainConfig, explicit: set[str] | None = None) -> int:
-    code = "import sys; from coat.cli.compare import child_main; sys.exit(child_main(sys.argv[1]))"
+def _run_child(cfg: TrainConfig, explicit: set[str] | None = None) -> tuple[int, str | None]:
+    """Runs one recipe in a child process; returns its exit status and the name of the signal
+    the parent forwarded to it (if any: the comparison then stops after this child)."""
+    # A Ctrl-C while the child still imports torch ends it quietly (the parent reports it).
+    code = ("import sys\ntry:\n    from coat.cli.compare import child_main\nexcept KeyboardInterrupt:\n"
+            "    sys.exit(130)\nsys.exit(child_main(sys.argv[1]))")
     arg = json.dumps({"cfg": asdict(cfg), "explicit": sorted(explicit) if explicit is not None else None})
     proc = subprocess.Popen([sys.executable, "-c", code, arg], preexec_fn=_set_death_signal)
     forwarded: dict[int, Any] = {}
+    got: list[str] = []
 
     def forward(signum: int, frame: Any) -> None:
+        got.append(signal.Signals(signum).name)
         proc.send_signal(signum)
 
     for s in (signal.SIGINT, signal.SIGTERM):
         forwarded[s] = signal.signal(s, forward)
     try:
-        return proc.wait()
+        return proc.wait(), (got[0] if got else None)
     finally:
         for s, h in forwarded.items():
             signal.signal(s, h)
@@ -75,14 +81,18 @@ def child_main(arg: str) -> int:
     explicit = set(spec["explicit"]) if spec["explicit"] is not None else None
     try:
         return exit_code(train(cfg, explicit=explicit))
-    except KeyboardInterrupt:
-        return 130
     except ConfigError as e:
         print(f"coat train: error: {e}", file=sys.stderr)
         return 2
     except ckpt.WriteError as e:
         print(f"coat train: error: {e}", file=sys.stderr)
         return 1
+    except BaseException as e:
+        from coat.cli.main import interrupted
+
+        if interrupted(e):
+            return 130
+        raise
 
 
 def _sub_runs(plan: RunPlan) -> dict[str, Path]:
@@ -135,7 +145,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
             kept = dict(steps=cfg.steps, save_every=cfg.save_every, keep_last=cfg.keep_last, save=cfg.save,
                         quiet=cfg.quiet, threads=cfg.threads, cache_dir=cfg.cache_dir)
             child = TrainConfig(resume=str(folder), **kept) if resume else sub
-            rc = _run_child(child, {"resume", *kept} if resume else None)
+            rc, signalled = _run_child(child, {"resume", *kept} if resume else None)
             summary = folder / "summary.json"
             if summary.is_file():
                 results[recipe] = json.loads(summary.read_text())
@@ -143,6 +153,11 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
                 results[recipe] = {"finished": False, "exit_status": rc,
                                    "stopped_by": {130: "SIGINT", 143: "SIGTERM"}.get(rc)}
                 log(f"[{recipe}] ended with exit status {rc} before writing {summary}")
+                if rc in (130, 143) and not folder.exists():
+                    print(f"[{recipe}] interrupted before its first step; nothing was kept", file=sys.stderr)
+            if signalled and results[recipe].get("finished"):  # the signal came as it ended: stop here
+                log(f"stopped by {signalled} after the {recipe} run; continue with: coat train --resume {plan.out}")
+                return {"runs": results, "out_dir": str(plan.out), "stopped_by": signalled}
         else:
             if d.is_main and resume is None:
                 folder.mkdir()

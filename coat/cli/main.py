@@ -43,9 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted(e: BaseException) -> bool:
+    """Whether ``e`` is, or was raised while handling, a Ctrl-C (libraries such as transformers'
+    lazy imports turn a KeyboardInterrupt into another error)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        args = build_parser().parse_args(argv)  # imports every command's module: seconds, for torch
+        return args.handler(args)
+    except BaseException as e:
+        if not interrupted(e):
+            raise
+        print("\ncoat: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -279,20 +279,25 @@ def train(cfg: TrainConfig, d: dt.Dist | None = None, explicit: set[str] | None 
     d = d or dt.Dist()
     log: Callable[[str], None] = (lambda _: None) if cfg.quiet or not d.is_main else print
     plan = prepare(cfg, d, log, explicit)
+    new = plan.resume is None and not plan.cfg.resume
     try:
         if plan.cfg.compare:
-            return compare.run_compare(plan, d, log)
-        return runner.run(plan, d, log)
+            result = compare.run_compare(plan, d, log)
+        else:
+            result = runner.run(plan, d, log)
     except BaseException:
-        if d.is_main and plan.resume is None and not plan.cfg.resume:
-            ckpt.release_if_unused(plan.out)  # a start that failed before writing anything leaves no folder
+        if d.is_main and new:  # a start that failed or was aborted before its first step leaves no folder
+            ckpt.release_if_unused(plan.out)
         raise
+    if d.is_main and new and plan.cfg.compare:  # both recipes stopped before writing anything
+        ckpt.release_if_unused(plan.out)
+    return result
 
 
 def exit_code(result: dict[str, Any]) -> int:
     """0 for a finished run; 128 + signal for a stopped one (the shell's convention); 1 if it diverged."""
     runs = result["runs"].values() if "runs" in result else [result]
-    for r in runs:
+    for r in [*runs, *([result] if "runs" in result and result.get("stopped_by") else [])]:
         if r.get("diverged_at") is not None:
             return 1
         if r.get("exit_status") and not r.get("stopped_by"):
@@ -436,8 +441,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if d.is_main:
             print(f"coat train: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\naborted; the latest whole checkpoint in the output folder (if any) is kept", file=sys.stderr)
+    except BaseException as e:
+        from coat.cli.main import interrupted
+
+        if not interrupted(e):
+            raise
+        print("\naborted; the output folder keeps its whole checkpoints (continue with --resume), and is removed "
+              "if the run had written none", file=sys.stderr)
         return 130
     finally:
         if d.enabled:
