@@ -61,6 +61,7 @@ class WriteError(RuntimeError):
 
 def why_failed(e: BaseException) -> str:
     """The cause of a failed write in a few words (the OSError inside torch's wrappers, if any)."""
+    first = e
     while e is not None and not isinstance(e, OSError):
         if isinstance(e, CheckpointException):  # torch.distributed.checkpoint's: {rank: (exception, trace)}
             e = next(iter(e.failures.values()), (None,))[0]
@@ -68,7 +69,8 @@ def why_failed(e: BaseException) -> str:
             e = e.__cause__ or e.__context__
     if isinstance(e, OSError):
         return e.strerror or str(e)
-    return "see the error above"
+    lines = [line for line in str(first).strip().splitlines() if line.strip()]
+    return f"{type(first).__name__}: {lines[-1] if lines else ''}"
 
 
 # ---- output folders -----------------------------------------------------------------------------

@@ -270,9 +270,13 @@ def _cache_key(files: list[Path], parts: list, cache_dir: Path) -> str:
 def _save_atomic(path: Path, arr: np.ndarray) -> None:
     # Write-then-rename so an interrupted run never leaves a truncated cache entry behind.
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no partial file left in the cache
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _load_text_corpus(

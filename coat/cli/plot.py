@@ -61,7 +61,13 @@ def _save(fig, axes, out_png: PathLike) -> Path:
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:  # whole or absent: a full disk leaves no truncated image
+        fig.savefig(tmp, format=out.suffix.lstrip(".") or "png")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return out
 
 

@@ -509,8 +509,11 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     } | {k: str(p) for k, p in paths.items()}
     if main:
         metrics.close()
-        plot_loss(paths["metrics"], paths["plot"],
-                  title=f"{name} {model.config.model_type}, {cfg.recipe}, {device.type} {cfg.dtype}")
+        try:
+            plot_loss(paths["metrics"], paths["plot"],
+                      title=f"{name} {model.config.model_type}, {cfg.recipe}, {device.type} {cfg.dtype}")
+        except OSError as e:
+            raise ckpt.WriteError(f"could not write {paths['plot']}: {ckpt.why_failed(e)}") from e
         if export_only and paths["summary"].is_file():  # the training's own figures stay
             results = json.loads(paths["summary"].read_text()) | {"model_dir": saved_model, "finished": True}
         ckpt.write_json_atomic(paths["summary"], results)

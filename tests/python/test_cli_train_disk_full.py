@@ -7,6 +7,7 @@ CPU, a ~0.1M-parameter model, seconds per run."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 from pathlib import Path
@@ -40,15 +41,22 @@ def whole_lines(path: Path) -> list[dict]:
 
 def test_a_checkpoint_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture) -> None:
-    real = ckpt._save_file
+    class FullDisk(io.FileIO):
+        """A file on a disk with room for 100 more bytes: torch.save then fails in its C++
+        writer (a RuntimeError with the OSError as its context), as on a real full disk."""
 
-    def full_disk(obj, path: Path) -> None:
-        if "step_00000004" in str(path):
-            path.write_bytes(b"the first bytes")  # what a write cut short leaves
-            raise ENOSPC
-        real(obj, path)
+        def write(self, data) -> int:
+            if self.tell() + len(data) > 100:
+                raise ENOSPC
+            return super().write(data)
 
-    monkeypatch.setattr(ckpt, "_save_file", full_disk)
+    def open_on_full_disk(path, mode="r", *args, **kwargs):
+        if "step_00000004" in str(path) and "w" in mode:
+            return io.BufferedWriter(FullDisk(path, "w")) if "b" in mode else \
+                io.TextIOWrapper(io.BufferedWriter(FullDisk(path, "w")))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "open", open_on_full_disk, raising=False)
     cfg = tiny(tmp_path, "run", steps=6, save_every=2, eval_every=3)
     code, err = run_cli(_argv(cfg), capsys)
     run = tmp_path / "run"
@@ -59,7 +67,7 @@ def test_a_checkpoint_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.Monk
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]  # no .tmp- left
     assert max(r["step"] for r in whole_lines(run / "metrics.jsonl")) == 4
 
-    monkeypatch.setattr(ckpt, "_save_file", real)
+    monkeypatch.undo()
     resumed = train(TrainConfig(resume=str(run), quiet=True, cache_dir=str(tmp_path / "cache")))
     assert resumed["finished"] and [s for s, _ in ckpt.checkpoints(run)] == [4, 6]
 

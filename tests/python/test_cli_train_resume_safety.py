@@ -77,6 +77,7 @@ def bad_meta(ckpt_dir: Path) -> None:
     (lambda c: (c / "train_state.pt").write_bytes(b""), "its file train_state.pt has 0 bytes"),
     (lambda c: (c / "rank00000.pt").unlink(), "its file rank00000.pt is missing"),
     (lambda c: (c / "manifest.json").unlink(), "it has no manifest.json"),
+    (lambda c: (shutil.rmtree(c), c.mkdir()), "it has no manifest.json"),  # an empty folder
     (bad_meta, "its meta.json is not valid JSON"),
 ])
 def test_a_damaged_latest_checkpoint_is_refused_with_the_previous_offered(
