@@ -319,11 +319,12 @@ def fingerprint(obj: Any) -> str:
 
 
 def run_identity(run_info: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint's state belongs to, from a run's config.json: the model and the parts of
-    the recipe that shape the optimizer state. A resume refuses a checkpoint of another."""
+    """What a checkpoint's state belongs to, from a run's config.json: the run's id, its model and
+    the parts of the recipe that shape the optimizer state. A resume refuses a checkpoint of another."""
     train = run_info.get("train", {})
     keys = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
-    return {k: train.get(k) for k in keys} | {"model": fingerprint(run_info.get("model"))}
+    return {"run_id": run_info.get("run_id")} | {k: train.get(k) for k in keys} | {
+        "model": fingerprint(run_info.get("model"))}
 
 
 def _sha256(path: Path) -> str:

@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -370,7 +371,10 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         _set_rng_state(rng, rank_state, device)
     resumed = plan.resume is not None
     if main:
-        run_info = {"train": asdict(cfg), "flags": asdict(plan.flags or cfg), "model": model.config.to_dict(),
+        # One id per run, kept across resumes: a checkpoint of any other run is refused on resume.
+        run_id = json.loads(paths["config"].read_text()).get("run_id") if resumed else None
+        run_info = {"run_id": run_id or uuid.uuid4().hex, "train": asdict(cfg), "flags": asdict(plan.flags or cfg),
+                    "model": model.config.to_dict(),
                     "n_params": n_params, "world_size": d.world, "precision": precision,
                     "init": plan.init.summary() if plan.init else None,
                     "corpus": corpus.info | {"train_tokens": len(corpus.train), "val_tokens": len(corpus.val),

@@ -108,8 +108,14 @@ def test_a_checkpoint_of_another_run_is_refused(base: Path, tmp_path: Path, caps
     run = damaged_copy(base, tmp_path, lambda c: (shutil.rmtree(c), shutil.copytree(
         tmp_path / "other" / "checkpoints" / "step_00000006", c)))
     err = usage_error(capsys, "--resume", str(run), "--steps", "8")
-    assert "it belongs to another run: recipe 'coat' (this run: 'bf16')" in err and "model" in err
-    assert "--from-step 4" in err
+    assert "it belongs to another run: run_id" in err and "recipe 'coat' (this run: 'bf16')" in err
+    assert "model" in err and "--from-step 4" in err
+    # The same settings, another run (its own id): refused too.
+    train(tiny(tmp_path, "twin", steps=6, save_every=6))
+    twin = damaged_copy(base, tmp_path / "x", lambda c: (shutil.rmtree(c), shutil.copytree(
+        tmp_path / "twin" / "checkpoints" / "step_00000006", c)))
+    err = usage_error(capsys, "--resume", str(twin), "--steps", "8")
+    assert "it belongs to another run: run_id" in err and "recipe '" not in err.split('coat train: error:')[1]
 
 
 # ---- nothing read runs code -----------------------------------------------------------------------
