@@ -24,21 +24,18 @@ def _no_eos(*models):
         m.generation_config.pad_token_id = 0
 
 
-@pytest.mark.parametrize("cache_impl", ["dynamic", "static"])
-@pytest.mark.parametrize("spec", MODELS, ids=[m[0] for m in MODELS])
-def test_greedy_cached_generate_matches_full_forwards(spec, cache_impl, gen):
-    ref, m = _pair(*spec)
+def _check_cached_generate(ref, m, prompt, cache_impl):
+    """Greedy generate with the KV cache against full forwards without one, token by token."""
     _no_eos(ref, m)
-    prompt = torch.randint(0, V, (2, PROMPT), generator=gen)
     with torch.no_grad():
         g = m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
                        do_sample=False, use_cache=True, cache_implementation=cache_impl,
                        return_dict_in_generate=True, output_logits=True)
         seq = g.sequences
         # position PROMPT - 1 + i of the full forward predicts generated token i
-        full = m(input_ids=seq, use_cache=False).logits[:, PROMPT - 1:-1]
-        fp8_err = (full - ref(input_ids=seq, use_cache=False).logits[:, PROMPT - 1:-1]).abs().amax(-1)
-    assert seq.shape == (2, PROMPT + NEW)
+        full = m(input_ids=seq, use_cache=False).logits[:, PROMPT - 1:-1].float()
+        fp8_err = (full - ref(input_ids=seq, use_cache=False).logits[:, PROMPT - 1:-1].float()).abs().amax(-1)
+    assert seq.shape == (prompt.shape[0], PROMPT + NEW)
     steps = torch.stack(g.logits, 1)  # the prefill's last position, then each one-token step
     errs = [rel(steps[:, i], full[:, i]) for i in range(NEW)]
     assert max(errs) < STEP_TOL, errs
@@ -48,6 +45,19 @@ def test_greedy_cached_generate_matches_full_forwards(spec, cache_impl, gen):
     gap = full.amax(-1) - full.gather(-1, seq[:, PROMPT:, None]).squeeze(-1)
     assert ((gap == 0) | (gap <= 2 * fp8_err)).all(), (gap, fp8_err)
     assert (gap == 0).float().mean() >= 0.5, gap  # the ties are the exception
+
+
+@pytest.mark.parametrize("cache_impl", ["dynamic", "static"])
+@pytest.mark.parametrize("spec", MODELS, ids=[m[0] for m in MODELS])
+def test_greedy_cached_generate_matches_full_forwards(spec, cache_impl, gen):
+    _check_cached_generate(*_pair(*spec), torch.randint(0, V, (2, PROMPT), generator=gen), cache_impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [MODELS[0], MODELS[3]], ids=["llama", "qwen3"])
+def test_gpu_bf16_greedy_cached_generate_matches_full_forwards(spec, gen):
+    ref, m = _pair(*spec, dtype=torch.bfloat16)
+    _check_cached_generate(ref.cuda(), m.cuda(), torch.randint(0, V, (2, PROMPT), generator=gen).cuda(), "dynamic")
 
 
 @pytest.mark.parametrize("name", ["past_key_values", "cache"])

@@ -16,9 +16,9 @@ import transformers as tf
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _frozen_fp8(dtype, seed=0):
+def _frozen_fp8(dtype, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    ref = _cfg("llama", 48, 3, 1, 80).to(dtype)
+    ref = _cfg("llama", 48, 3, 1, 80).to(device, dtype)
     ref.requires_grad_(False)
     return ref, coat.convert(copy.deepcopy(ref), frozen_weights="fp8")
 
@@ -100,3 +100,21 @@ def test_dequantize_frozen_keeps_the_dtype(gen):
         assert all(p.dtype == torch.bfloat16 for p in m.parameters())
         assert all(torch.equal(v, sd[k]) for k, v in m.state_dict().items())
         assert torch.equal(m(input_ids=ids).logits, before)  # the dequantized weights quantize back to the codes
+
+
+@pytest.mark.gpu
+def test_gpu_state_dict_on_host_round_trip_and_plain_load(tmp_path, gen):
+    ref, m = _frozen_fp8(torch.bfloat16, device="cuda")
+    frozen = _frozen_projections(m)
+    sd = m.state_dict()
+    assert all(sd[n + ".weight"].device.type == "cpu" for n in frozen)  # dequantized on the host
+    assert sd["model.embed_tokens.weight"].is_cuda
+    _, fresh = _frozen_fp8(torch.bfloat16, device="cuda")
+    fresh.load_state_dict(sd)
+    ids = torch.randint(0, V, (2, 11), generator=gen).cuda()
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, m(input_ids=ids).logits)
+    m.save_pretrained(tmp_path)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        assert rel(plain(input_ids=ids).logits, m(input_ids=ids).logits) < 0.10
