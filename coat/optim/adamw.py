@@ -63,10 +63,10 @@ class AdamW(torch.optim.Optimizer):
             nothing (the step is always one fused multi-tensor launch without host
             synchronisation); ``amsgrad`` and ``differentiable`` must be False. Combinations torch
             refuses are refused with torch's exception.
-        m_format, v_format: FP8 format of m and v: "e4m3" or "e5m2". v defaults to E5M2: on
-            moments of a real run, E4M3 lets a few v values underflow to 0 in groups spanning more
-            than its range, and m / (0 + eps) then dominates the error
-            (tests/python/test_optim_state_error.py has the numbers).
+        m_format, v_format: FP8 format of m and v: "e4m3" or "e5m2". v defaults to E5M2: v
+            spans twice m's range (squared gradients), and a group wider than the format is
+            compressed (k < 1, coarser steps; docs/numerics.md), which E5M2's range makes rarer
+            (tests/python/test_optim_state_error.py measures both on a real run's moments).
         group_size: elements per quantization group; only 128 (the kernel's compile-time size).
         expansion: Dynamic Range Expansion (``False``: plain per-group FP8, scale gmax / fmt_max).
         master_weights: for bf16/fp16 parameters, "fp32" keeps an fp32 master copy (as COAT

@@ -75,10 +75,13 @@ COAT_HD float update(float p, float g, float& m, float& v, const Scalars& s) {
 #endif
   const float denom = root * s.inv_bc2_sqrt + s.eps;
   p = p - s.step_size * fast_div(m, denom);
-  // Moments below fp32's normal range are stored as zero on both sides (the device's log2/exp2
-  // flush them anyway): a v that small comes with an m whose m / eps is below 1e-9 lr.
-  m = fabsf(m) < 1.17549435e-38f ? 0.0f : m;  // NaN compares false and stays
-  v = v < 1.17549435e-38f ? 0.0f : v;
+  // Moments below fp32's normal range are zero (signed) on both sides: the kernel is compiled with
+  // -ftz=true, so its arithmetic flushes them; the host does it here. A v that small comes with an
+  // m whose m / eps is below 1e-9 lr.
+#if !defined(__CUDA_ARCH__)
+  m = fabsf(m) < 1.17549435e-38f ? copysignf(0.0f, m) : m;  // NaN compares false and stays
+  v = fabsf(v) < 1.17549435e-38f ? copysignf(0.0f, v) : v;
+#endif
   return p;
 }
 
