@@ -524,6 +524,27 @@ def verify(ckpt: Path, world: int, identity: dict[str, Any] | None) -> dict[str,
     return meta
 
 
+def verify_or_offer(out: Path, step: int, world: int, identity: dict[str, Any] | None) -> str | None:
+    """None if checkpoint ``step`` of the run in ``out`` can be resumed; else why not, and the
+    newest earlier checkpoint that can (checked the same way)."""
+    found = dict(checkpoints(out))
+    try:
+        verify(found[step], world, identity)
+        return None
+    except CheckpointError as e:
+        why = f"checkpoint {found[step]} cannot be resumed: {e}."
+        if not e.damaged:
+            return why  # whole, but unusable here, like the checkpoints before it
+    for earlier in sorted((s for s in found if s < step), reverse=True):
+        try:
+            verify(found[earlier], world, identity)
+        except CheckpointError:
+            continue
+        return (f"{why} The newest whole checkpoint before it is step {earlier}: resume from it with --resume {out} "
+                f"--from-step {earlier} (the later checkpoints are then set aside)")
+    return f"{why} No earlier checkpoint of this run is whole; start a new run"
+
+
 def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          d: Dist) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restores model and optimizer from ``ckpt`` (checked with ``verify`` first); returns

@@ -128,7 +128,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
     results: dict[str, dict[str, Any]] = {}
     for recipe, folder in runs.items():
         done = _finished(folder)
-        if done is not None:
+        if done is not None and not (cfg.save and not done.get("model_dir")):  # else: --save exports it now
             log(f"[{recipe}] already finished in {folder}")
             results[recipe] = done
             continue
@@ -161,6 +161,12 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
         else:
             if d.is_main and resume is None:
                 folder.mkdir()
+            if resume is not None:  # as a resume in one process checks it (coat.cli.train)
+                identity = ckpt.run_identity(json.loads((folder / "config.json").read_text()))
+                step = int(resume.name.removeprefix("step_"))
+                verdict = d.broadcast(ckpt.verify_or_offer(folder, step, d.world, identity) if d.is_main else None)
+                if verdict is not None:
+                    raise ConfigError("--resume", verdict)
             resolved = resolve_config(sub, plan.init.max_positions if plan.init else None)
             sub_plan = RunPlan(resolved, plan.corpus, folder, plan.init, plan.tokenizer, resume, sub)
             results[recipe] = runner.run(sub_plan, d, log)

@@ -214,7 +214,7 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tu
         raise ConfigError("--from-step", f"{folder} has no checkpoint of step {cfg.from_step} (it has steps "
                           f"{', '.join(map(str, found))})")
     target = cfg.from_step if cfg.from_step is not None else max(found)
-    verdict = _verify_or_offer(folder, found, target, d.world, ckpt.run_identity(saved)) if d.is_main else None
+    verdict = ckpt.verify_or_offer(folder, target, d.world, ckpt.run_identity(saved)) if d.is_main else None
     verdict = d.broadcast(verdict)
     if verdict is not None:
         raise ConfigError("--from-step" if cfg.from_step is not None else "--resume", verdict)
@@ -224,26 +224,6 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tu
     if target == cfg.steps and (folder / ("adapter" if cfg.lora else "model")).exists():
         raise ConfigError("--save", f"{folder / ('adapter' if cfg.lora else 'model')} already exists")
     return found[target], target
-
-
-def _verify_or_offer(folder: Path, found: dict[int, Path], target: int, world: int,
-                     identity: dict[str, Any]) -> str | None:
-    """None if checkpoint ``target`` can be resumed; else why not, and what to do instead."""
-    try:
-        ckpt.verify(found[target], world, identity)
-        return None
-    except ckpt.CheckpointError as e:
-        why = f"checkpoint {found[target]} cannot be resumed: {e}."
-        if not e.damaged:
-            return why  # whole, but unusable here, like the checkpoints before it
-    for step in sorted((s for s in found if s < target), reverse=True):
-        try:
-            ckpt.verify(found[step], world, identity)
-        except ckpt.CheckpointError:
-            continue
-        return (f"{why} The newest whole checkpoint before it is step {step}: resume from it with --resume {folder} "
-                f"--from-step {step} (the later checkpoints are then set aside)")
-    return f"{why} No earlier checkpoint of this run is whole; start a new run"
 
 
 def _reserve(cfg: TrainConfig, d: dt.Dist, resume_from: Path | None = None) -> Path:

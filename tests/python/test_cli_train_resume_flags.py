@@ -62,3 +62,13 @@ def test_more_steps_continue_the_cosine_decay_without_a_jump(tmp_path: Path, cap
     assert main(["train", "--resume", str(half), "--steps", "14", "--quiet"]) == 0
     again = {r["step"]: r["lr"] for r in records(half) if "loss" in r}
     assert again[13] <= lrs[12] and again[14] <= again[13]
+
+
+def test_save_on_a_finished_comparison_exports_both_recipes(tmp_path: Path) -> None:
+    cfg = tiny(tmp_path, "cmp", recipe=None, compare=True, steps=2, save_every=2, eval_every=2)
+    assert train(cfg)["runs"]["coat"]["finished"]
+    assert not list((tmp_path / "cmp").glob("*/model"))
+    assert main(["train", "--resume", str(tmp_path / "cmp"), "--save", "--quiet"]) == 0  # honoured, not ignored
+    assert sorted(p.parent.name for p in (tmp_path / "cmp").glob("*/model")) == ["bf16", "coat"]
+    summary = json.loads((tmp_path / "cmp" / "coat" / "summary.json").read_text())
+    assert summary["finished"] and summary["model_dir"] == str(tmp_path / "cmp" / "coat" / "model")
