@@ -1,10 +1,14 @@
-// CUDA fused AdamW step against the CPU reference: bit-identical parameters, masters and states
-// for every (param, grad, master) combination, odd sizes, misaligned tensors and several steps.
+// CUDA fused AdamW step against the CPU reference for every (param, grad, master) combination, odd
+// sizes, misaligned tensors and several steps, to the contract of coat/adamw.h: the kernel takes
+// sqrt, rcp, log2 and exp2 from the hardware and keeps fma, so fp32 values agree to a few ulp and an
+// FP8 state code may sit one step away where its value lies on a rounding boundary.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "coat/adamw.h"
@@ -43,7 +47,53 @@ std::vector<uint8_t> random_bytes_of(const std::vector<float>& x, DType t) {
   return out;
 }
 
-TEST(AdamwGpu, MatchesReferenceBitExactly) {
+float value_at(const std::vector<uint8_t>& bytes, size_t i, DType t) {
+  if (t == DType::kFloat32) {
+    float f;
+    std::memcpy(&f, &bytes[4 * i], 4);
+    return f;
+  }
+  uint16_t b;
+  std::memcpy(&b, &bytes[2 * i], 2);
+  return t == DType::kBFloat16 ? host_bf16_to_float(b) : host_half_to_float(b);
+}
+
+// Parameters / masters: one ulp of the storage type (the fp32 results differ by a few fp32 ulp,
+// which can round a 16-bit value the other way), 2^-18 relative for fp32.
+void expect_values_close(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, DType t,
+                         const std::string& where) {
+  const double rel = t == DType::kFloat32 ? std::ldexp(1.0, -18) : t == DType::kBFloat16 ? std::ldexp(1.0, -7)
+                                                                                            : std::ldexp(1.0, -10);
+  for (size_t i = 0; i < want.size() / dtype_size(t); ++i) {
+    const double a = value_at(got, i, t), b = value_at(want, i, t);
+    ASSERT_LE(std::fabs(a - b), rel * std::fabs(b) + 1e-30) << where << " element " << i;
+  }
+}
+
+// State codes and metadata: gmax to 2^-18 relative; k16 equal, or one apart (its floor may fall
+// either side, then the group's codes are not compared); codes of the same sign within one step.
+void expect_states_close(const std::vector<uint8_t>& q, const std::vector<uint8_t>& q_ref,
+                         const std::vector<float>& gmax, const std::vector<float>& gmax_ref,
+                         const std::vector<uint8_t>& k16, const std::vector<uint8_t>& k16_ref,
+                         const std::string& where) {
+  int64_t k_off = 0;
+  for (size_t g = 0; g < k16_ref.size(); ++g) {
+    ASSERT_LE(std::fabs(gmax[g] - gmax_ref[g]), std::ldexp(1.0, -18) * gmax_ref[g]) << where << " group " << g;
+    ASSERT_LE(std::abs(int(k16[g]) - int(k16_ref[g])), 1) << where << " group " << g;
+    if (k16[g] != k16_ref[g]) {
+      ++k_off;
+      continue;
+    }
+    for (size_t i = g * G; i < std::min(q_ref.size(), (g + 1) * G); ++i) {
+      const int a = q[i] & 0x7F, b = q_ref[i] & 0x7F;
+      ASSERT_LE(std::abs(a - b), 1) << where << " code " << i;
+      if (a != 0 && b != 0) ASSERT_EQ(q[i] & 0x80, q_ref[i] & 0x80) << where << " sign of code " << i;
+    }
+  }
+  EXPECT_LE(k_off, 1 + static_cast<int64_t>(k16_ref.size()) / 100) << where << ": k16 one apart in many groups";
+}
+
+TEST(AdamwGpu, MatchesReferenceToItsContract) {
   const Combo combos[] = {{DType::kFloat32, DType::kFloat32, MasterKind::kNone},
                           {DType::kFloat32, DType::kBFloat16, MasterKind::kNone},
                           {DType::kBFloat16, DType::kBFloat16, MasterKind::kFp32},
@@ -138,15 +188,18 @@ TEST(AdamwGpu, MatchesReferenceBitExactly) {
         };
         const std::string where = "tensor " + std::to_string(i) + " n=" + std::to_string(b.n) +
                                   " combo p" + std::to_string(int(cb.p)) + " m" + std::to_string(int(cb.m));
-        EXPECT_EQ(back(dt[i].param, b.param.size()), b.param) << where;
-        if (cb.m == MasterKind::kFp32) EXPECT_EQ(back(dt[i].master, b.master.size()), b.master) << where;
-        EXPECT_EQ(back(dt[i].m_q, b.n), b.mq) << where;
-        EXPECT_EQ(back(dt[i].v_q, b.n), b.vq) << where;
-        EXPECT_EQ(back(dt[i].m_k16, b.mk.size()), b.mk) << where;
-        EXPECT_EQ(back(dt[i].v_k16, b.vk.size()), b.vk) << where;
-        std::vector<uint8_t> mg(b.mg.size() * 4);
-        std::memcpy(mg.data(), b.mg.data(), mg.size());
-        EXPECT_EQ(back(dt[i].m_gmax, mg.size()), mg) << where;
+        expect_values_close(back(dt[i].param, b.param.size()), b.param, cb.p, where + " param");
+        if (cb.m == MasterKind::kFp32)
+          expect_values_close(back(dt[i].master, b.master.size()), b.master, DType::kFloat32, where + " master");
+        auto floats = [&](const float* d, size_t n) {
+          std::vector<float> out(n);
+          EXPECT_EQ(cudaMemcpy(out.data(), d, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+          return out;
+        };
+        expect_states_close(back(dt[i].m_q, b.n), b.mq, floats(dt[i].m_gmax, b.mg.size()), b.mg,
+                            back(dt[i].m_k16, b.mk.size()), b.mk, where + " m");
+        expect_states_close(back(dt[i].v_q, b.n), b.vq, floats(dt[i].v_gmax, b.vg.size()), b.vg,
+                            back(dt[i].v_k16, b.vk.size()), b.vk, where + " v");
       }
       for (void* p : allocs) cudaFree(p);
     }

@@ -1,6 +1,8 @@
-// CUDA FP8 GEMM (cuBLASLt FP8 path and the bf16 path) against the CPU reference. Both accumulate
-// in fp32; they differ by summation order only, so fp32 outputs agree to
-// (K + 4) * 2^-23 * sum |terms| and bf16 outputs to one bf16 ulp on top of that.
+// CUDA FP8 GEMM (cuBLASLt FP8 path and the bf16 path) against the CPU reference. The bf16 path
+// accumulates in fp32 and differs by summation order only: fp32 outputs agree to
+// (K + 8) * 2^-23 * sum |terms|, bf16 outputs to one bf16 ulp on top of that. Hopper's FP8 tensor
+// cores add the products of one instruction's K slice with fewer mantissa bits (measured on an
+// H200: up to 2^-14 of the sum of |terms|, m = 1, K = 16), so the FP8 path is held to 2^-13.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -82,7 +84,8 @@ TEST_P(GemmGpu, MatchesReference) {
       for (int64_t t = 0; t < c.k; ++t)
         mag += std::fabs(double(decode_fp8(a[i * c.k + t], c.fa)) * decode_fp8(b[j * c.k + t], Fp8Format::kE4M3));
       mag = mag * sa[0] * sb[0] + (c.bias ? std::fabs(host_bf16_to_float(bias[j])) : 0.0);
-      const double acc_tol = double(c.k + 8) * std::ldexp(1.0, -23) * mag + 1e-30;
+      const bool tensor_cores = !c.force_bf16 && gemm_fp8_native(0);
+      const double acc_tol = (tensor_cores ? std::ldexp(1.0, -13) : double(c.k + 8) * std::ldexp(1.0, -23)) * mag + 1e-30;
       const int64_t o = i * c.n + j;
       double r, x, tol;
       if (c.out == GemmOut::kFloat32) {

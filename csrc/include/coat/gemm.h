@@ -21,7 +21,10 @@
 //   inputs are FP8). For bf16/fp32 output a separate pass reads the stored output, so on the GPU
 //   that amax carries the output's rounding (one bf16 ulp at most).
 // - Devices with FP8 tensor cores (compute capability >= 8.9) run cuBLASLt FP8 kernels with fp32
-//   accumulation (no "fast accumulation" unless args.fast_accum). Others (sm80) keep the same API: both operands are
+//   accumulation (no "fast accumulation" unless args.fast_accum), except that the tensor cores add
+//   the products inside one instruction's K slice with fewer mantissa bits: measured on an H200, up
+//   to 2^-14 of the sum of |terms| (tests/cpp/test_gemm_gpu.cpp holds it to 2^-13; DeepSeek-V3
+//   reports ~14 bits on H800). Others (sm80) keep the same API: both operands are
 //   decoded exactly to bf16 in `scratch` (FP8 values are bf16 values) and a bf16 cuBLASLt GEMM with
 //   fp32 accumulation and alpha = a_scale * b_scale computes the same sum: results match within
 //   accumulation order. `force_bf16` takes that path on any device (tests, comparisons).
