@@ -335,10 +335,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: Path) -> None:
-    """Writes ``folder/manifest.json``: size and sha256 of every other file in it."""
-    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+def _entry(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def write_manifest(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> None:
+    """Writes ``folder/manifest.json``: size and sha256 of every other file in it (``known``:
+    entries already computed, by relative path, e.g. by the ranks that wrote those files)."""
+    known = known or {}
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and p.name != MANIFEST:
+            hit = known.get(rel)
+            files[rel] = hit if hit and hit["bytes"] == p.stat().st_size else _entry(p)
     write_json_atomic(folder / MANIFEST, {"files": files})
 
 
@@ -399,6 +409,10 @@ def save(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         else:
             _save_file({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp / "model_optim.pt")
         _save_file(rank_state, tmp / f"rank{d.rank:05d}.pt")
+        # Each rank hashes what it wrote (DCP: __<rank>_*.distcp), in parallel, while it is in the page cache.
+        own = [f"rank{d.rank:05d}.pt", *(p.name for p in tmp.glob(f"__{d.rank}_*"))] if d.enabled else \
+            ["model_optim.pt", "rank00000.pt"]
+        hashed.update({name: _entry(tmp / name) for name in own})
 
     def finish() -> None:
         if not d.is_main:
@@ -410,7 +424,7 @@ def save(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
             f.write(json.dumps(meta) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        write_manifest(tmp)  # last: a folder with a manifest that matches is whole
+        write_manifest(tmp, hashed)  # last: a folder with a manifest that matches is whole
         _fsync_dir(tmp)
         if before_rename is not None:
             before_rename()
@@ -419,9 +433,12 @@ def save(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         os.replace(tmp, final)
         _fsync_dir(root)
 
+    hashed: dict[str, dict[str, Any]] = {}
     try:
-        for part in (start, write_parts, finish):
+        for part in (start, write_parts):
             _on_all_ranks(d, device, part)
+        hashed = d.merge(hashed)  # every rank's entries on every rank (collective: outside the parts)
+        _on_all_ranks(d, device, finish)
     except (Exception, CheckpointException) as e:
         if d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)

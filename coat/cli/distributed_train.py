@@ -49,6 +49,14 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def merge(self, d: dict) -> dict:
+        """The union of every rank's dictionary ``d`` (collective)."""
+        if not self.enabled:
+            return d
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, d)
+        return {k: v for part in parts for k, v in part.items()}
+
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.enabled:
             dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
