@@ -19,10 +19,11 @@ from . import functional  # noqa: E402
 from .convert import convert  # noqa: E402
 from .fp8.tensor import DreTensor, Fp8Tensor  # noqa: E402
 from .graphs import CudaGraphStep  # noqa: E402
+from .nn.stats import Fp8Stats, fp8_stats  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "CudaGraphStep", "functional", "Fp8Tensor", "DreTensor", "built_with_cuda", "__version__"]
+__all__ = ["convert", "CudaGraphStep", "Fp8Stats", "fp8_stats", "functional", "Fp8Tensor", "DreTensor", "built_with_cuda", "__version__"]
 
 
 def built_with_cuda() -> bool:

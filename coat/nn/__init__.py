@@ -6,6 +6,7 @@ from .linear import Fp8Linear, fp8_linear
 from .mlp import Fp8SwiGLUMixin, Fp8SwiGLUMLP, swiglu_down
 from .norm import Fp8RMSNorm, rms_norm
 from .recipe import RECIPES, Fp8Recipe
+from .stats import Fp8Stats, fp8_stats
 from .frozen import dequantize_frozen
 from .weights import cached_bytes, invalidate_weight_cache
 
@@ -25,4 +26,6 @@ __all__ = [
     "invalidate_weight_cache",
     "cached_bytes",
     "dequantize_frozen",
+    "Fp8Stats",
+    "fp8_stats",
 ]

@@ -21,6 +21,7 @@ from .._ops import block as blk
 from .._ops import gemm as gops
 from .._ops import quantize as qops
 from .._ops._util import fmt_id
+from . import stats as S
 
 _BACKEND = os.environ.get("COAT_LAYER_GEMM", "coat")
 _SCALED_MM = _BACKEND == "scaled_mm"
@@ -39,8 +40,9 @@ def quantize(x2d: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool):
 def one_call(t: torch.Tensor, w: torch.Tensor, dims, *dtypes: torch.dtype) -> bool:
     """Whether a fused block's forward or backward runs as one core call (``coat._ops.block``:
     the same kernels as the step-by-step path below, bit-identical, for a fraction of the host
-    time). ``dims``: its GEMM dimensions; ``dtypes``: its GEMM output dtypes."""
-    return not _SCALED_MM and blk.usable(t, w, dims, *dtypes)
+    time). ``dims``: its GEMM dimensions; ``dtypes``: its GEMM output dtypes. Not while an
+    ``Fp8Stats`` records: its statistics read GEMM inputs that exist only on the op-by-op path."""
+    return not _SCALED_MM and S.active is None and blk.usable(t, w, dims, *dtypes)
 
 
 def _use_scaled_mm(t: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ import torch
 from .._ops import block as blk
 from .._ops import norm as nops
 from . import _fp8mm as mm
+from . import stats as S
 from . import weights as W
 from .norm import fp8_norm_ok, hf_rms_norm
 from .recipe import ACT_DTYPE, GRAD_DTYPE, Fp8Recipe
@@ -72,13 +73,19 @@ class _NormLinearFn(torch.autograd.Function):
                 yq, _, ys = mm.quantize(y, ACT_DTYPE, False)
                 saved = (xq, xs, rstd)
             elif norm_w is not None:  # width not a multiple of 16: BF16 norm, input kept for recompute
-                y = hf_rms_norm(x2, norm_w, eps)
-                yq, _, ys = mm.quantize(y.contiguous(), ACT_DTYPE, False)
+                y = hf_rms_norm(x2, norm_w, eps).contiguous()
+                yq, _, ys = mm.quantize(y, ACT_DTYPE, False)
                 saved = (x2,)
             else:  # the GEMM input itself, transposed for dW (not kept when no weight trains)
+                y = x2
                 yq, yq_t, ys = mm.quantize(x2, ACT_DTYPE, need_wgrad)
                 saved = (yq_t, ys)
             w8 = W.forward_weight(weights, cache, frozen_scales)
+            if S.active is not None:
+                S.active.record(weights, "x", y, ys, ACT_DTYPE)
+                if frozen_scales is None:  # FP8-frozen weights are codes already
+                    S.active.record(weights, "w", list(weights), w8.scale, ACT_DTYPE)
+            del y
             out = mm.fp8_mm(yq, ys, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
             w_scale = w8.scale
         if biases:
@@ -127,6 +134,8 @@ class _NormLinearFn(torch.autograd.Function):
 def _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt, eps, wdt):
     """The block's backward op by op (every case the one-call path does not take): (dx, dnorm, dw)."""
     dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
+    if S.active is not None:
+        S.active.record(weights, "dy", d2, ds, GRAD_DTYPE)
     w8_t = W.backward_weight(weights, w_scale, cache)
     dy = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, K]
     del w8_t, dq
@@ -136,11 +145,14 @@ def _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt
         if ctx.mode == "fp8norm":
             xq, xs, rstd = saved
             y = nops.rmsnorm_fwd_fp8(xq, xs, rstd, norm_w, ctx.x_dtype)
-            _, y_t, ys = mm.quantize(y, ACT_DTYPE, True)
-            del y
         elif ctx.mode == "bf16norm":
             norm_graph = _recompute_bf16_norm(saved[0], norm_w, eps)
-            _, y_t, ys = mm.quantize(norm_graph[0].detach().contiguous(), ACT_DTYPE, True)
+            y = norm_graph[0].detach().contiguous()
+        if ctx.mode != "none":
+            _, y_t, ys = mm.quantize(y, ACT_DTYPE, True)
+            if S.active is not None:
+                S.active.record(weights, "x_wgrad", y, ys, ACT_DTYPE)
+            del y
         else:
             y_t, ys = saved
         dw = mm.fp8_mm(dq_t, ds, y_t, ys, wdt)

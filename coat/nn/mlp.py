@@ -17,6 +17,7 @@ from .._ops import block as blk
 from .._ops import swiglu as sops
 from . import _fp8mm as mm
 from . import adapters as A
+from . import stats as S
 from . import weights as W
 from .fused import compute_dtype, norm_linear, wgrad_dtype
 from .norm import rms_norm
@@ -55,8 +56,12 @@ class _SwiGLUDownFn(torch.autograd.Function):
                 h = _silu_mul(gu2)
                 saved = (gu2,)
             hq, _, hs = mm.quantize(h, ACT_DTYPE, False)
-            del h
             w8 = W.forward_weight((w_down,), cache, None if w_scale is None else (w_scale,))
+            if S.active is not None:
+                S.active.record((w_down,), "x", h, hs, ACT_DTYPE)
+                if w_scale is None:  # FP8-frozen weights are codes already
+                    S.active.record((w_down,), "w", w_down, w8.scale, ACT_DTYPE)
+            del h
             out = mm.fp8_mm(hq, hs, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
             scale = w8.scale
         if b_down is not None:
@@ -93,6 +98,8 @@ class _SwiGLUDownFn(torch.autograd.Function):
 def _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache, cdt, wdt):
     """_SwiGLUDownFn's backward op by op (every case the one-call path does not take): (dgu, dw)."""
     dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
+    if S.active is not None:
+        S.active.record((w_down,), "dy", d2, ds, GRAD_DTYPE)
     w8_t = W.backward_weight((w_down,), w_scale, cache)
     dh = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, I]
     del w8_t, dq
@@ -108,7 +115,10 @@ def _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache, 
     del dh
     dw = None
     if need_w:
-        _, h_t, hs = mm.quantize(h.contiguous(), ACT_DTYPE, True)
+        h = h.contiguous()
+        _, h_t, hs = mm.quantize(h, ACT_DTYPE, True)
+        if S.active is not None:
+            S.active.record((w_down,), "x_wgrad", h, hs, ACT_DTYPE)
         del h
         dw = mm.fp8_mm(dq_t, ds, h_t, hs, wdt)
     return dgu, dw
