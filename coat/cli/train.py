@@ -93,9 +93,11 @@ def _continue_schedule(cfg: TrainConfig, ran: TrainConfig, step: int, log: Calla
     before, plain = lr_lambda(ran)(step), lr_lambda(cfg)(step)
     if cfg.steps == ran.steps or math.isclose(before, plain, rel_tol=1e-12):
         return cfg.lr_anchor
-    log(f"--steps {ran.steps} -> {cfg.steps}: the {cfg.schedule} schedule continues from lr {cfg.lr * before:.4g} "
-        f"at step {step} and now decays to --min-lr {cfg.min_lr:.4g} at step {cfg.steps} (without this the lr "
-        f"would jump to {cfg.lr * plain:.4g})")
+    floor = cfg.min_lr / cfg.lr
+    how = (f"stays at --min-lr {cfg.min_lr:.4g}, which it had reached," if math.isclose(before, floor) else
+           f"continues from lr {cfg.lr * before:.4g} at step {step} and now decays to --min-lr {cfg.min_lr:.4g}")
+    log(f"--steps {ran.steps} -> {cfg.steps}: the {cfg.schedule} schedule {how} until step {cfg.steps} (without "
+        f"this the lr would jump to {cfg.lr * plain:.4g} at step {step + 1})")
     return [step, before]
 
 
@@ -218,7 +220,10 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tu
     verdict = d.broadcast(verdict)
     if verdict is not None:
         raise ConfigError("--from-step" if cfg.from_step is not None else "--resume", verdict)
-    if target > cfg.steps or (target == cfg.steps and not export):
+    if target > cfg.steps:
+        raise ConfigError("--steps", f"{cfg.steps} is before the checkpoint to resume from (step {target}); "
+                          "give a larger total")
+    if target == cfg.steps and not export:
         raise ConfigError("--resume", f"the run in {folder} already finished its {cfg.steps} steps; pass --steps "
                           "with a larger total to train further, or --save to export its trained model")
     if target == cfg.steps and (folder / ("adapter" if cfg.lora else "model")).exists():

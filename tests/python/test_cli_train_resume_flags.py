@@ -34,6 +34,8 @@ def test_flags_at_their_default_values_are_checked_too(tmp_path: Path, capsys: p
     # The run's own values are accepted (and change nothing): this resume goes on to say it is finished.
     assert "already finished its 4 steps" in usage_error(capsys, "--resume", str(run), "--grad-clip", "0.5",
                                                          "--seed", "3", "--recipe", "bf16")
+    assert "argument --steps: 3 is before the checkpoint to resume from (step 4)" in usage_error(
+        capsys, "--resume", str(run), "--steps", "3")
     # --keep-last is honoured, also at its default value (2, where the run kept 3).
     assert main(["train", "--resume", str(run), "--steps", "6", "--keep-last", "2", "--quiet"]) == 0
     assert [s for s, _ in ckpt.checkpoints(run)] == [5, 6]
@@ -52,14 +54,15 @@ def test_more_steps_continue_the_cosine_decay_without_a_jump(tmp_path: Path, cap
     cfg = json.loads((half / "config.json").read_text())["train"]
     assert cfg["lr_anchor"] == [4, pytest.approx(before[5] / cfg["lr"])]
     assert (f"--steps 8 -> 12: the cosine schedule continues from lr {before[5]:.4g} at step 4 and now decays to "
-            f"--min-lr {cfg['min_lr']:.4g} at step 12 (without this the lr would jump to") in out
+            f"--min-lr {cfg['min_lr']:.4g} until step 12 (without this the lr would jump to") in out
     assert [lrs[s] for s in range(1, 6)] == [before[s] for s in range(1, 6)]  # step 5: the lr it would have had
     steps = sorted(lrs)
     assert all(lrs[a] > lrs[b] for a, b in zip(steps[4:], steps[5:]))  # then a smooth decay ...
     assert cfg["min_lr"] < lrs[12] < 1.3 * cfg["min_lr"]  # ... to --min-lr after the new last step
 
     # Extended again: the decay goes on from the lr it reached, never up.
-    assert main(["train", "--resume", str(half), "--steps", "14", "--quiet"]) == 0
+    assert main(["train", "--resume", str(half), "--steps", "14"]) == 0
+    assert "the cosine schedule stays at --min-lr" in " ".join(capsys.readouterr().out.split())
     again = {r["step"]: r["lr"] for r in records(half) if "loss" in r}
     assert again[13] <= lrs[12] and again[14] <= again[13]
 
