@@ -29,9 +29,20 @@ not GPU memory. ``load_state_dict`` into an FP8-frozen projection accepts exactl
 codes dequantize to (a state dict of this model: the codes stay, the round trip is exact) or FP8
 codes with a ``weight_scale`` (coat's earlier checkpoints); any other weight is refused, naming
 it: load such weights before ``coat.convert(frozen_weights="fp8")``.
+
+Casts and moves: ``model.to(dtype)``, ``.half()``, ``.float()``, ``.bfloat16()`` leave the codes and
+the fp32 scale as they are (the projection stays FP8-frozen; its GEMMs take the cast model's
+activations and return that dtype), and its state-dict weight takes the new dtype; device moves
+(``.to(device)``, ``.cuda()``, ``.cpu()``) move them. Without that, the casts would turn the codes
+into numbers read without their scale. What FP8 codes cannot do is refused, naming what to do
+instead: training them (``requires_grad`` set on them again, e.g. by ``model.requires_grad_(True)``:
+the forward raises where gradients are recorded) and merging a LoRA adapter into them (PEFT's
+``merge_and_unload``/``merge_adapter``): call ``dequantize_frozen(model)`` first for either.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -57,30 +68,96 @@ def freeze_to_fp8(layers) -> int:
     the bytes freed."""
     freed = 0
     for layer in layers:
+        if not getattr(layer, "_coat_frozen_hook", False):
+            layer.register_forward_pre_hook(_refuse_training_codes)
+            layer._coat_frozen_hook = True
         for block, groups in GROUPS.items():
             for names in groups:
                 bases = _bases(layer, block, names)
-                if any(A.is_frozen_fp8(b) for b in bases) or any(b.weight.requires_grad for b in bases):
-                    continue
-                ws = [b.weight.detach() for b in bases]
-                q, _, scale = qops.quantize_stacked_amax(ws, 0, True, False)
-                q = q.view(ACT_DTYPE)
-                row = 0
-                for b, w in zip(bases, ws):
-                    # Each projection's codes are a view of the group's one buffer, so the fused
-                    # forward GEMM reads the group where it lies (``group_codes``: no copy).
-                    codes = q[row:row + w.shape[0]]
-                    row += w.shape[0]
-                    freed += w.numel() * w.element_size() - codes.numel()
-                    b.weight = nn.Parameter(codes, requires_grad=False)
-                    # Not persistent: the state dict holds the dequantized weight instead (hooks below).
-                    b.register_buffer("weight_scale", scale.clone(), persistent=False)
-                    b.coat_frozen_dtype = w.dtype
-                    if not getattr(b, "_coat_state_dict_hooks", False):
-                        b.register_state_dict_post_hook(_dequantized_state)
-                        b.register_load_state_dict_pre_hook(_load_frozen_state)
-                        b._coat_state_dict_hooks = True
+                if not any(A.is_frozen_fp8(b) or b.weight.requires_grad for b in bases):
+                    freed += _freeze_group(bases)
+                # LoRA wrappers of a group frozen now or before (convert again after get_peft_model)
+                for n in names:
+                    mod = getattr(getattr(layer, block), n)
+                    if A.is_lora(mod) and A.is_frozen_fp8(mod.base_layer):
+                        mod.merge = functools.partial(_merge_refused, mod)
     return freed
+
+
+def _freeze_group(bases) -> int:
+    """Stores one projection group as E4M3 codes (views of one buffer) + its shared scale."""
+    ws = [b.weight.detach() for b in bases]
+    q, _, scale = qops.quantize_stacked_amax(ws, 0, True, False)
+    q = q.view(ACT_DTYPE)
+    row, freed = 0, 0
+    for b, w in zip(bases, ws):
+        # Each projection's codes are a view of the group's one buffer, so the fused
+        # forward GEMM reads the group where it lies (``group_codes``: no copy).
+        codes = q[row:row + w.shape[0]]
+        row += w.shape[0]
+        freed += w.numel() * w.element_size() - codes.numel()
+        b.weight = nn.Parameter(codes, requires_grad=False)
+        # Not persistent: the state dict holds the dequantized weight instead (hooks below).
+        b.register_buffer("weight_scale", scale.clone(), persistent=False)
+        b.coat_frozen_dtype = w.dtype
+        b._apply = functools.partial(_apply_keeping_codes, b)  # casts keep the codes (see the docstring)
+        if not getattr(b, "_coat_state_dict_hooks", False):
+            b.register_state_dict_post_hook(_dequantized_state)
+            b.register_load_state_dict_pre_hook(_load_frozen_state)
+            b._coat_state_dict_hooks = True
+    return freed
+
+
+def _apply_keeping_codes(linear: nn.Linear, fn, recurse: bool = True) -> nn.Module:
+    """``_apply`` of an FP8-frozen projection (what ``to``, ``half``, ``cuda``, ... call): the codes and
+    the scale go through ``fn`` as integer views, which floating-point casts leave alone and device
+    moves move; the dtype of the state-dict weight follows the cast."""
+    if not A.is_frozen_fp8(linear):  # dequantized or replaced since
+        return type(linear)._apply(linear, fn, recurse)
+    w, scale = linear.weight, linear.weight_scale
+    with torch.no_grad():
+        dtype = fn(torch.empty(0, dtype=linear.coat_frozen_dtype, device=w.device)).dtype
+    linear._parameters["weight"] = nn.Parameter(w.detach().view(torch.uint8), requires_grad=False)
+    linear._buffers["weight_scale"] = scale.view(torch.int32)
+    try:
+        type(linear)._apply(linear, fn, recurse)
+    finally:
+        codes = linear._parameters["weight"].detach().view(w.dtype)
+        linear._buffers["weight_scale"] = linear._buffers["weight_scale"].view(scale.dtype)
+        if codes.device == w.device:
+            w.data = codes  # the same Parameter (and, unmoved, the same view of its group's buffer)
+        else:
+            w = nn.Parameter(codes, requires_grad=w.requires_grad)
+        linear._parameters["weight"] = w
+    linear.coat_frozen_dtype = dtype
+    return linear
+
+
+def _refuse_training_codes(layer: nn.Module, args) -> None:
+    """Forward pre-hook of a layer with FP8-frozen projections: codes that require grad (e.g. after
+    ``model.requires_grad_(True)``) cannot train; refused where gradients are recorded."""
+    if not torch.is_grad_enabled():
+        return
+    for block, groups in GROUPS.items():
+        for names in groups:
+            for n, b in zip(names, _bases(layer, block, names)):
+                if b.weight.requires_grad and A.is_frozen_fp8(b):
+                    idx = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+                    raise ValueError(
+                        f"{block}.{n}.weight" + (f" of decoder layer {idx}" if idx is not None else "")
+                        + " is frozen in FP8 (coat.convert(frozen_weights='fp8')) but has requires_grad=True: "
+                        "FP8 codes cannot train. Call requires_grad_(False) on it again (unfreeze only what "
+                        "trains), or coat.nn.dequantize_frozen(model) before unfreezing it")
+
+
+def _merge_refused(lora: nn.Module, *args, **kwargs) -> None:
+    """``merge`` of a PEFT LoRA layer around an FP8-frozen projection (``merge_and_unload``,
+    ``merge_adapter``): the adapter cannot be added to FP8 codes."""
+    if A.is_frozen_fp8(lora.base_layer):
+        raise ValueError(
+            "cannot merge a LoRA adapter into a projection frozen in FP8 (coat.convert(frozen_weights='fp8')): "
+            "call coat.nn.dequantize_frozen(model) before merge_and_unload() or merge_adapter()")
+    return type(lora).merge(lora, *args, **kwargs)
 
 
 def _dequantized(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -123,7 +200,10 @@ def dequantize_frozen(model: nn.Module, dtype: torch.dtype | None = None) -> nn.
         if isinstance(mod, nn.Linear) and A.is_frozen_fp8(mod):
             w = _dequantized(mod, dtype)
             del mod.weight_scale
+            mod.__dict__.pop("_apply", None)
             mod.weight = nn.Parameter(w, requires_grad=False)
+        if A.is_lora(mod):
+            mod.__dict__.pop("merge", None)
     return model
 
 

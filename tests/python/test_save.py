@@ -118,3 +118,29 @@ def test_gpu_state_dict_on_host_round_trip_and_plain_load(tmp_path, gen):
     plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
     with torch.no_grad():
         assert rel(plain(input_ids=ids).logits, m(input_ids=ids).logits) < 0.10
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_state_dict_and_save_pretrained_after_a_cast(dtype, tmp_path, gen):
+    """``model.to(dtype)`` keeps the codes and scales (test_frozen.py); the state dict then holds
+    the dequantized weights in the new dtype, like every other weight."""
+    ref, m = _frozen_fp8(torch.float32)
+    m.to(dtype)
+    sd = m.state_dict()
+    assert list(sd) == list(ref.state_dict()) and all(v.dtype == dtype for v in sd.values())
+    for n, mod in _frozen_projections(m).items():
+        assert torch.equal(sd[n + ".weight"], (mod.weight.float() * mod.weight_scale).to(dtype))
+    # Round trip into a model frozen and cast the same way: the same codes, the same logits.
+    _, fresh = _frozen_fp8(torch.float32)
+    fresh.to(dtype)
+    before = {n: mod.weight.detach().view(torch.uint8).clone() for n, mod in _frozen_projections(fresh).items()}
+    fresh.load_state_dict(sd, strict=True)
+    assert all(torch.equal(mod.weight.view(torch.uint8), before[n]) for n, mod in _frozen_projections(fresh).items())
+    ids = torch.randint(0, V, (2, 9), generator=gen)
+    with torch.no_grad():
+        want = m(input_ids=ids).logits
+        assert torch.equal(fresh(input_ids=ids).logits, want)
+    m.save_pretrained(tmp_path)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    with torch.no_grad():  # FP8 tolerance, as in test_save_pretrained_loads_in_plain_transformers
+        assert rel(plain(input_ids=ids).logits.float(), want.float()) < 0.10
