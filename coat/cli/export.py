@@ -56,7 +56,7 @@ def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.devi
                 arch = plan.init.architecture if plan.init else "LlamaForCausalLM"
                 saved = str(save_model(full, model.config, out / "model", dtype, tok, arch))
                 log(f"[{cfg.recipe}] model saved to {saved} ({dtype})")
-        except OSError as e:
+        except Exception as e:  # a full disk: OSError, or a writer's RuntimeError caused by one
             error = e
     if not d.any(error is not None, device):
         return saved

@@ -8,7 +8,6 @@ import math
 import os
 import platform
 import random
-import shutil
 import signal
 import sys
 import time
