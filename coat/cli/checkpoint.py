@@ -587,6 +587,8 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         train_state = torch.load(ckpt / "train_state.pt", weights_only=True)
         rank_state = torch.load(ckpt / f"rank{d.rank:05d}.pt", weights_only=True)
     except (Exception, CheckpointException) as e:
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        raise CheckpointError(f"it could not be loaded ({type(e).__name__}: {lines[-1] if lines else ''})") from e
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        # torch's refusal of a pickle that would run code puts its cause on one line among advice
+        cause = next((line for line in lines if "Unpickler error" in line), lines[-1] if lines else "")
+        raise CheckpointError(f"it could not be loaded safely ({type(e).__name__}: {cause})") from e
     return train_state, rank_state

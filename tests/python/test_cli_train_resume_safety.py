@@ -164,3 +164,18 @@ def test_dcp_metadata_and_entries_are_read_without_running_code(tmp_path: Path) 
     with pytest.raises(ckpt.CheckpointError, match=r"its \.metadata cannot be read safely: it refers to io\.open"):
         ckpt.verify(step, 2, None)
     assert not marker.exists()
+
+
+def test_a_pickle_that_runs_code_in_a_checkpoint_file_is_refused(
+        base: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    marker = tmp_path / "marker"
+
+    def plant(ckpt_dir: Path) -> None:
+        torch.save({"step": 6, "payload": _WritesMarker(marker)}, ckpt_dir / "train_state.pt")
+        ckpt.write_manifest(ckpt_dir)  # a folder handed over whole, checksums and all
+
+    run = damaged_copy(base, tmp_path, plant)
+    err = usage_error(capsys, "--resume", str(run), "--steps", "8")
+    assert "step_00000006 cannot be resumed: it could not be loaded safely (UnpicklingError: WeightsUnpickler " \
+           "error: Unsupported global: GLOBAL io.open" in err
+    assert not marker.exists()
