@@ -552,14 +552,20 @@ def verify_or_offer(out: Path, step: int, world: int, identity: dict[str, Any] |
         why = f"checkpoint {found[step]} cannot be resumed: {e}."
         if not e.damaged:
             return why  # whole, but unusable here, like the checkpoints before it
+    return why + offer_earlier(out, step, world, identity)
+
+
+def offer_earlier(out: Path, step: int, world: int, identity: dict[str, Any] | None) -> str:
+    """What to do when checkpoint ``step`` cannot be used: resume the newest earlier whole one."""
+    found = dict(checkpoints(out))
     for earlier in sorted((s for s in found if s < step), reverse=True):
         try:
             verify(found[earlier], world, identity)
         except CheckpointError:
             continue
-        return (f"{why} The newest whole checkpoint before it is step {earlier}: resume from it with --resume {out} "
+        return (f" The newest whole checkpoint before it is step {earlier}: resume from it with --resume {out} "
                 f"--from-step {earlier} (the later checkpoints are then set aside)")
-    return f"{why} No earlier checkpoint of this run is whole; start a new run"
+    return " No earlier checkpoint of this run is whole; start a new run"
 
 
 def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -361,7 +361,9 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         try:
             train_state, rank_state = ckpt.load(plan.resume, model, optimizer, d)
         except ckpt.CheckpointError as e:
-            raise ConfigError("--resume", f"checkpoint {plan.resume} cannot be resumed: {e}") from e
+            offer = ckpt.offer_earlier(out, int(plan.resume.name.removeprefix("step_")), d.world, ckpt.run_identity(
+                json.loads((out / "config.json").read_text()))) if main else ""
+            raise ConfigError("--resume", f"checkpoint {plan.resume} cannot be resumed: {e}.{offer}") from e
         scheduler.load_state_dict(train_state.pop("scheduler"))
         release_state = train_state.pop("release", None)
         if release is not None and release_state is not None:

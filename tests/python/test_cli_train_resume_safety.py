@@ -178,4 +178,4 @@ def test_a_pickle_that_runs_code_in_a_checkpoint_file_is_refused(
     err = usage_error(capsys, "--resume", str(run), "--steps", "8")
     assert "step_00000006 cannot be resumed: it could not be loaded safely (UnpicklingError: WeightsUnpickler " \
            "error: Unsupported global: GLOBAL io.open" in err
-    assert not marker.exists()
+    assert f"resume from it with --resume {run} --from-step 4" in err and not marker.exists()
