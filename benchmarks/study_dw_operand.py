@@ -11,7 +11,8 @@ same bf16 output gradient dY (from an fp32 backward through the layer):
   ref      dY^T Y in fp32 from the bf16 operands (what BF16 training computes, up to order)
   current  coat's path: E5M2 dY (per tensor) x E4M3 of Y recomputed from the 1x16 copy
   fwd-op   E5M2 dY x the forward's own per-tensor E4M3 copy of Y
-and reports ||dW - ref|| / ||ref||, plus two parts of it: the operand's own error
+and reports ||dW - ref|| / ||ref|| (over the whole matrix, and the median over input channels of
+each column's ratio, which outlier channels cannot dominate), plus two parts of it: the operand's own error
 ||Y~ - Y|| / ||Y|| and the error of E5M2 dY alone (exact Y). Every FP8 step is coat's own op
 (coat._ops, coat.nn._fp8mm); the first seed of each configuration also checks that "current"
 equals the weight gradient of the real blocks (coat.nn.fused.norm_linear, coat.nn.mlp.swiglu_down)
@@ -64,6 +65,13 @@ PROJ = ("qkv", "o", "gate_up", "down")
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
+
+
+def col_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The median over input channels k of ||a[:, k] - b[:, k]|| / ||b[:, k]||: every channel's weights
+    count alike (Adam normalizes each element), where the global ratio sees only the largest."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm(dim=0) / b.norm(dim=0)).median().item()
 
 
 def deq(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -163,6 +171,7 @@ def measure(layer: dict) -> dict:
         dw_fwd = mm.fp8_mm(dq_t, ds, yq_f_t, ys_f, torch.float32)
         out[p] = {
             "current": rel(dw_cur, ref), "fwd_op": rel(dw_fwd, ref),
+            "chan_current": col_rel(dw_cur, ref), "chan_fwd_op": col_rel(dw_fwd, ref),
             "y_err_current": rel(deq(yq_b, ys_b), y.float()), "y_err_fwd_op": rel(deq(yq_f, ys_f), y.float()),
             "dy_e5m2_only": rel(deq(dq_t, ds) @ y.float(), ref),
             "cur_vs_fwd": rel(dw_cur, dw_fwd), "_dw_cur": dw_cur,
@@ -211,15 +220,17 @@ def main() -> None:
             secs = time.perf_counter() - t0
             for p in PROJ:
                 row = {"shape": shape, "profile": profile, "proj": p}
-                for key in ("current", "fwd_op", "y_err_current", "y_err_fwd_op", "dy_e5m2_only", "cur_vs_fwd"):
+                for key in ("current", "fwd_op", "chan_current", "chan_fwd_op", "y_err_current", "y_err_fwd_op", "dy_e5m2_only", "cur_vs_fwd"):
                     row[key] = [r[p][key] for r in per_seed]
                 row["ratio"] = [r[p]["current"] / r[p]["fwd_op"] for r in per_seed]
                 rows.append(row)
             print(f"# {shape} {profile}: {ARGS.seeds} seeds in {secs:.0f} s", file=sys.stderr)
-    cols = ("current", "fwd_op", "ratio", "y_err_current", "y_err_fwd_op", "dy_e5m2_only")
+    cols = ("current", "fwd_op", "ratio", "chan_current", "chan_fwd_op", "y_err_current", "y_err_fwd_op",
+            "dy_e5m2_only")
     print("| shape TxHxI | profile | proj | dW err current | dW err fwd-op | current / fwd-op "
-          "| Y err current | Y err fwd-op | dW err E5M2 dY alone |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+          "| per-channel median current | per-channel median fwd-op | Y err current | Y err fwd-op "
+          "| dW err E5M2 dY alone |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['shape']} | {r['profile']} | {r['proj']} | " + " | ".join(summarize(r[c]) for c in cols) + " |")
     if ARGS.out:
