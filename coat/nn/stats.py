@@ -164,18 +164,21 @@ class Fp8Stats:
         return out
 
     @staticmethod
-    def table(data: dict[str, dict[str, dict[str, float | int]]]) -> str:
-        """A compact text table of ``read()``'s result: one line per projection and role."""
-        if not data:
+    def table(data: dict[str, dict[str, dict[str, float | int]]], top: int | None = None) -> str:
+        """A compact text table of ``read()``'s result: one line per projection and role (``top``:
+        only the ``top`` lines with the largest saturated, then underflow, fractions)."""
+        if top is not None and (not isinstance(top, int) or top < 1):
+            raise ValueError(f"top must be a positive int or None, got {top!r}")
+        rows = [(name, role, roles[role]) for name, roles in data.items() for role in ROLES if role in roles]
+        if not rows:
             return "fp8 stats: nothing recorded"
-        width = max(len(n) for n in data)
+        if top is not None:
+            rows = sorted(rows, key=lambda r: (r[2]["saturated_frac"], r[2]["underflow_frac"]), reverse=True)[:top]
+        width = max(len(name) for name, _, _ in rows)
         lines = [f"{'projection':<{width}}  role     underflow  saturated        amax"]
-        for name, roles in data.items():
-            for role in ROLES:
-                r = roles.get(role)
-                if r is not None:
-                    lines.append(f"{name:<{width}}  {role:<7} {r['underflow_frac']:>10.2e} {r['saturated_frac']:>10.2e}"
-                                 f" {r['amax']:>11.4g}")
+        for name, role, r in rows:
+            lines.append(f"{name:<{width}}  {role:<7} {r['underflow_frac']:>10.2e} {r['saturated_frac']:>10.2e}"
+                         f" {r['amax']:>11.4g}")
         return "\n".join(lines)
 
 
