@@ -35,7 +35,7 @@ def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainCo
     return replace(flags, recipe=None, activations=act, optim=opt, compare=False, out=str(out), resume=None,
                    master_weights=flags.master_weights if opt == "coat" else "fp32",
                    release_grads=flags.release_grads and opt == "coat",
-                   frozen_fp8=flags.frozen_fp8 and act == "fp8")
+                   frozen_fp8=flags.frozen_fp8 and act == "fp8", fp8_stats=flags.fp8_stats and act == "fp8")
 
 
 def _set_death_signal() -> None:

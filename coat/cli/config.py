@@ -108,6 +108,7 @@ class TrainConfig:
     frozen_fp8: bool = False  # keep the frozen (LoRA base) weights only in FP8
     compile: bool = False
     cuda_graph: bool = False  # each step replayed from CUDA graphs (coat.CudaGraphStep)
+    fp8_stats: bool = False  # FP8 operand statistics of each log interval's last step (coat.fp8_stats)
     threads: int | None = None
     quiet: bool = False
     # Not a flag: set by a resume that changed --steps of a decaying schedule, [step, lr factor]:
@@ -292,6 +293,13 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     if cfg.frozen_fp8 and cfg.activations != "fp8":
         raise ConfigError("--frozen-fp8", "needs the FP8 layers (--recipe coat or fp8): it keeps the frozen base "
                                           "weights as FP8 codes those layers read")
+    if cfg.fp8_stats:
+        if cfg.activations != "fp8":
+            raise ConfigError("--fp8-stats", "needs the FP8 layers (--recipe coat or fp8): it reports their GEMM operands")
+        for name in ("compile", "cuda_graph"):
+            if getattr(cfg, name):
+                raise ConfigError("--fp8-stats", f"cannot be combined with {flag(name)} (compiled code and graph "
+                                                 "replays record no statistics)")
     if cfg.release_grads and cfg.optim != "coat":
         raise ConfigError("--release-grads", "needs --optim coat (the step inside backward is coat.optim.AdamW's)")
     if cfg.cuda_graph:

@@ -352,6 +352,13 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
             raise ConfigError("--cuda-graph", "runs on one CUDA device (not on the CPU, not under torchrun)")
         graph_step = coat.CudaGraphStep(model, optimizer, lambda m, batch: lm_loss(m, batch, autocast),
                                         max_grad_norm=max_norm)
+    fp8_stats, last_stats = None, None  # --fp8-stats: recorded in each log interval's last step
+    if cfg.fp8_stats:
+        import coat
+
+        if d.enabled:  # FSDP2 computes with unsharded copies of the parameters: no names, one rank's share
+            raise ConfigError("--fp8-stats", "runs in one process (not under torchrun)")
+        fp8_stats = coat.fp8_stats(model)
     paths = {"metrics": out / "metrics.jsonl", "config": out / "config.json", "plot": out / "loss.png",
              "summary": out / "summary.json"}
 
@@ -437,8 +444,10 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
             loss = graph_step(batch=batch)
             grad_norm = graph_step.grad_norm
         else:
-            loss = lm_loss(step_model, batch, autocast)
-            loss.backward()
+            logged = step % cfg.log_every == 0 or step % cfg.eval_every == 0 or step == cfg.steps
+            with fp8_stats if fp8_stats is not None and logged else nullcontext():
+                loss = lm_loss(step_model, batch, autocast)
+                loss.backward()
             if release is None:
                 params = [p for p in model.parameters() if p.grad is not None]
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -467,6 +476,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
                 state["measured_time"] += window[1]
             rec = {"step": step, "tokens": step * tokens_per_step, "loss": train_loss, "lr": lr,
                    "grad_norm": norm, "tokens_per_s": window[0] / window[1], "elapsed_s": state["train_time"]}
+            if fp8_stats is not None:
+                rec["fp8_stats"] = last_stats = fp8_stats.read(reset=True)
             state["last_train"] = train_loss
             if not math.isfinite(train_loss):
                 diverged_at = step
@@ -511,7 +522,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         "optimizer_state_bytes": int(opt_bytes), "precision": precision, "device": device.type, "dtype": cfg.dtype,
         "train_time_s": state["train_time"], "wall_time_s": time.perf_counter() - t0, "finished": finished,
         "stopped_by": stopped_by, "diverged_at": diverged_at, "model_dir": saved_model, "out_dir": str(out),
-    } | {k: str(p) for k, p in paths.items()}
+    } | ({"fp8_stats": last_stats} if fp8_stats is not None else {}) | {k: str(p) for k, p in paths.items()}
     if main:
         metrics.close()
         try:
@@ -533,6 +544,9 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     else:
         log(f"[{cfg.recipe}] done in {results['wall_time_s']:.0f}s ({results['train_time_s']:.0f}s training): "
             f"val loss {state['initial_val']:.3f} -> {state['last_val']:.3f}, {results['tokens']:,} tokens")
+    if last_stats is not None:
+        log(f"[{cfg.recipe}] FP8 operands of the last recorded step, largest losses first (all in summary.json):\n"
+            + fp8_stats.table(last_stats, top=10))
     written = [p.name for p in paths.values()] + [n + "/" for n in ("model", ckpt.CHECKPOINTS) if (out / n).is_dir()]
     log(f"[{cfg.recipe}] in {out}: {', '.join(written)}")
     return results

@@ -383,6 +383,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--eval-every", **n, help="steps between validation evaluations (default: steps / 10)")
     g.add_argument("--eval-batches", **n, help="validation batches per evaluation " + by_device("eval_batches"))
     g.add_argument("--log-every", **n, help="steps per metrics.jsonl record" + default("log_every"))
+    g.add_argument("--fp8-stats", action="store_true", help="record how much of each FP8 GEMM operand underflows "
+                   "to zero or saturates (coat.fp8_stats) in the last step of each --log-every interval: printed, "
+                   "in metrics.jsonl and summary.json (a recorded step costs ~2.7x)")
     g.add_argument("--out", metavar="DIR", help="output folder, new or empty (default: a new runs/<timestamp>)")
     g.add_argument("--save", action=argparse.BooleanOptionalAction, help="write the trained model with "
                    "save_pretrained (and the tokenizer) to OUT/model (default: on with --init)")
