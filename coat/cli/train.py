@@ -31,7 +31,7 @@ __all__ = ["TrainConfig", "ConfigError", "resolve_config", "validate", "lr_lambd
 #: Flags that may differ from the original run when resuming it (any other flag given must
 #: repeat the run's value). A new --steps of a cosine or linear schedule continues the decay from
 #: the lr at the resume point (see ``_continue_schedule``).
-RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "threads", "cache_dir")
+RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "threads", "cache_dir", "fp8_stats")
 
 
 def _check_imports(cfg: TrainConfig) -> None:

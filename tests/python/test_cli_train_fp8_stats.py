@@ -55,3 +55,12 @@ def test_fp8_stats_usage_errors(extra: list[str], message: str, tmp_path: Path,
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_fp8_stats_turned_on_by_a_resume(tmp_path: Path) -> None:
+    """A diagnostic to add to a running run: --resume accepts --fp8-stats."""
+    assert main(_argv(tmp_path, "--recipe", "fp8", "--quiet", "--steps", "2", "--save-every", "2")) == 0
+    assert main(["train", "--resume", str(tmp_path / "run"), "--steps", "4", "--fp8-stats", "--quiet",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "fp8_stats" in r] == [4]
