@@ -220,7 +220,8 @@ def main() -> None:
             secs = time.perf_counter() - t0
             for p in PROJ:
                 row = {"shape": shape, "profile": profile, "proj": p}
-                for key in ("current", "fwd_op", "chan_current", "chan_fwd_op", "y_err_current", "y_err_fwd_op", "dy_e5m2_only", "cur_vs_fwd"):
+                for key in ("current", "fwd_op", "chan_current", "chan_fwd_op", "y_err_current", "y_err_fwd_op",
+                            "dy_e5m2_only", "cur_vs_fwd"):
                     row[key] = [r[p][key] for r in per_seed]
                 row["ratio"] = [r[p]["current"] / r[p]["fwd_op"] for r in per_seed]
                 rows.append(row)
