@@ -79,6 +79,10 @@ def child_main(arg: str) -> int:
     spec = json.loads(arg)
     cfg = TrainConfig(**spec["cfg"])
     explicit = set(spec["explicit"]) if spec["explicit"] is not None else None
+    # Test hook (tests/python/test_cli_train_seeds.py): a fresh (not resumed) run of this --seed fails.
+    if cfg.resume is None and os.environ.get("COAT_TEST_FAIL_SEED") == str(cfg.seed):
+        print(f"coat train: error: COAT_TEST_FAIL_SEED={cfg.seed}: failing this run", file=sys.stderr)
+        return 1
     try:
         return exit_code(train(cfg, explicit=explicit))
     except ConfigError as e:

@@ -93,6 +93,7 @@ class TrainConfig:
     from_step: int | None = None  # --resume from this checkpoint instead of the latest
     cache_dir: str | None = None
     seed: int = 0
+    seeds: int = 1  # with the comparison: paired runs of seeds seed .. seed + seeds - 1 (coat.cli.seeds)
     device: str = "auto"
     dtype: str = "auto"
     recipe: str | None = None
@@ -248,6 +249,13 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
         raise ConfigError("--warmup-steps", f"{cfg.warmup_steps} is more than --steps {cfg.steps}")
     if not isinstance(cfg.seed, int) or not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError("--seed", f"must be an integer in [0, {MAX_SEED}], got {cfg.seed}")
+    if not isinstance(cfg.seeds, int) or isinstance(cfg.seeds, bool) or cfg.seeds < 1:
+        raise ConfigError("--seeds", f"must be an integer >= 1, got {cfg.seeds!r}")
+    if cfg.seeds > 1 and not cfg.compare:
+        raise ConfigError("--seeds", f"{cfg.seeds} paired seeds need the comparison with the {BASELINE_RECIPE} "
+                          "baseline (leave out --recipe, or add --compare; drop --no-compare)")
+    if cfg.seed + cfg.seeds - 1 > MAX_SEED:
+        raise ConfigError("--seeds", f"--seed {cfg.seed} + --seeds {cfg.seeds} goes past the largest seed {MAX_SEED}")
     _finite("lr", cfg.lr, lo=0)
     _finite("min_lr", cfg.min_lr, lo=0)
     _finite("weight_decay", cfg.weight_decay, lo=0)

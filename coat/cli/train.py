@@ -255,18 +255,21 @@ def _reserve(cfg: TrainConfig, d: dt.Dist, resume_from: Path | None = None) -> P
 def train(cfg: TrainConfig, d: dt.Dist | None = None, explicit: set[str] | None = None) -> dict[str, Any]:
     """Runs ``coat train`` with ``cfg`` in this process (and, for --compare, child processes).
 
-    Returns the run's summary; with --compare, ``{"runs": {recipe: summary}, "table": ...}``.
+    Returns the run's summary; with --compare, ``{"runs": {recipe: summary}, "table": ...}``; with
+    --seeds N > 1, ``{"runs": {"seed_<s>/<recipe>": summary}, "table": ...}`` (coat.cli.seeds).
     Raises ``ConfigError`` for settings that cannot work, before anything is written, and
     ``checkpoint.WriteError`` when the run cannot write what it must (a full disk).
     ``explicit``: the flags given on the command line (default: the fields away from their defaults)."""
-    from coat.cli import compare, runner
+    from coat.cli import compare, runner, seeds
 
     d = d or dt.Dist()
     log: Callable[[str], None] = (lambda _: None) if cfg.quiet or not d.is_main else print
     plan = prepare(cfg, d, log, explicit)
     new = plan.resume is None and not plan.cfg.resume
     try:
-        if plan.cfg.compare:
+        if plan.cfg.compare and plan.cfg.seeds > 1:
+            result = seeds.run_seeds(plan, d, log)
+        elif plan.cfg.compare:
             result = compare.run_compare(plan, d, log)
         else:
             result = runner.run(plan, d, log)
@@ -378,6 +381,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "on Python; one GPU, no --release-grads / --compile")
     g.add_argument("--threads", **n, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
     g.add_argument("--seed", **n, help="seeds model init and batch sampling" + default("seed"))
+    g.add_argument("--seeds", **n, help="with the comparison: N paired comparisons, seeds --seed .. --seed + N - 1, "
+                   "each in OUT/seed_<s>/, then the mean paired difference of final validation loss with its 95%% "
+                   "confidence interval (Student t) and a plot of the mean curves with a min-max band; a seed that "
+                   "fails does not stop the others, --resume OUT runs the missing ones" + default("seeds"))
 
     g = p.add_argument_group("evaluation, output and checkpoints")
     g.add_argument("--eval-every", **n, help="steps between validation evaluations (default: steps / 10)")

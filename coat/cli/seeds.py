@@ -1,0 +1,184 @@
+"""``coat train --seeds N``: N paired comparisons, seeds ``--seed`` .. ``--seed + N - 1``.
+
+Seed s trains both recipes from the same initial weights on the same batches (a comparison of
+``coat.cli.compare`` in ``OUT/seed_<s>/``, with its own table and plot). The summary
+(``OUT/comparison.md``, ``.json``, ``.png``) gives the paired differences of final validation
+loss, their mean with a 95% Student t confidence interval, and each recipe's seed-to-seed spread.
+
+In one process a seed whose run fails is reported and the next seed runs; a Ctrl-C or SIGTERM
+stops the whole set after the current step. ``coat train --resume OUT`` continues the seeds that
+did not finish and then writes the summary. Under torchrun the seeds run one after another in the
+ranks' processes; an error there ends the set (the finished seeds stay, --resume continues).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from coat.cli import checkpoint as ckpt
+from coat.cli import distributed_train as dt
+from coat.cli.config import BASELINE_RECIPE
+from coat.cli.runner import RunPlan
+
+#: Two-sided 95% quantiles t_{0.975, df} of Student's t, df 1..30.
+_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788,
+         2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639,
+         2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+_Z975 = 1.959964
+
+
+def t975(df: int) -> float:
+    """t_{0.975, df}: the table up to 30 degrees of freedom, then the Cornish-Fisher expansion
+    around the normal quantile (within 1e-4 there; the normal limit 1.96 as df grows)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = _Z975
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float | None]:
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None)
+
+
+def paired_stats(losses: Mapping[int, tuple[float, float]]) -> dict[str, Any]:
+    """``losses``: seed -> (baseline, recipe) final validation loss. The paired differences
+    (recipe - baseline), their mean, standard deviation and 95% CI (Student t, n - 1 df; None
+    for one seed), and each recipe's mean and standard deviation over seeds."""
+    seeds = sorted(losses)
+    base = [losses[s][0] for s in seeds]
+    other = [losses[s][1] for s in seeds]
+    diffs = [o - b for b, o in zip(base, other)]
+    mean, sd = _mean_std(diffs)
+    half = t975(len(diffs) - 1) * sd / math.sqrt(len(diffs)) if sd is not None else None
+    return {"seeds": seeds, "n": len(seeds), "diffs": diffs, "rel_diffs": [d / b for d, b in zip(diffs, base)],
+            "mean_diff": mean, "sd_diff": sd, "ci95": None if half is None else [mean - half, mean + half],
+            "half_width": half, "t": t975(len(diffs) - 1) if len(diffs) > 1 else None,
+            "base": dict(zip(("mean", "sd"), _mean_std(base))), "other": dict(zip(("mean", "sd"), _mean_std(other)))}
+
+
+def summary_markdown(stats: dict[str, Any], losses: Mapping[int, tuple[float, float]], base: str, other: str,
+                     failed: Mapping[int, str] = {}) -> str:
+    """The summary table and the sentences that read it."""
+    lines = [f"Final validation loss over {stats['n']} paired seed{'s' * (stats['n'] > 1)} "
+             f"(seed s: both recipes from the same initial weights, on the same batches)", "",
+             f"| seed | {base} | {other} | {other} - {base} | relative |", "|---:|---:|---:|---:|---:|"]
+    for s, d, r in zip(stats["seeds"], stats["diffs"], stats["rel_diffs"]):
+        lines.append(f"| {s} | {losses[s][0]:.4f} | {losses[s][1]:.4f} | {d:+.4f} | {r:+.2%} |")
+    for s, why in sorted(failed.items()):
+        lines.append(f"| {s} | - | - | {why} | |")
+
+    def spread(r: dict[str, Any]) -> str:
+        return f"{r['mean']:.4f}" + (f" ± {r['sd']:.4f} (std)" if r["sd"] is not None else "")
+
+    lines += ["", f"| | {base} | {other} | {other} - {base} |", "|---|---:|---:|---:|",
+              f"| mean over seeds | {spread(stats['base'])} | {spread(stats['other'])} | "
+              f"{stats['mean_diff']:+.4f} |"]
+    if stats["ci95"] is None:
+        lines += ["", f"One seed: {other} - {base} = {stats['mean_diff']:+.4f}. A confidence interval needs 2 or more "
+                  "seeds (--seeds N)."]
+        return "\n".join(lines)
+    lo, hi = stats["ci95"]
+    verdict = ("includes 0: these seeds do not tell the recipes apart" if lo <= 0 <= hi else
+               f"excludes 0: {other} is {'worse' if lo > 0 else 'better'} than {base} on this setup")
+    lines += ["", f"Mean paired difference {other} - {base}: {stats['mean_diff']:+.4f}, 95% CI "
+              f"[{lo:+.4f}, {hi:+.4f}] (Student t, {stats['n'] - 1} df, t = {stats['t']:.3f}; std of the "
+              f"differences {stats['sd_diff']:.4f}); the interval {verdict}.",
+              f"With {stats['n']} seeds and this spread, a true difference smaller than about "
+              f"{stats['half_width']:.4f} (the CI's half-width) cannot be told from zero; halving it takes "
+              "about 4 times as many seeds."]
+    return "\n".join(lines)
+
+
+def _seed_plan(plan: RunPlan, seed: int) -> RunPlan:
+    out = plan.out / f"seed_{seed}"
+    cfg, flags = (replace(c, seed=seed, seeds=1, out=str(out)) for c in (plan.cfg, plan.flags or plan.cfg))
+    return replace(plan, cfg=cfg, flags=flags, out=out)
+
+
+def _val_curve(metrics: Path) -> dict[int, float]:
+    from coat.cli.plot import read_metrics
+
+    return {r["step"]: r["val_loss"] for r in read_metrics(metrics) if r.get("val_loss") is not None}
+
+
+def plot_mean_curves(runs: Mapping[str, list[Path]], out_png: Path, title: str) -> Path:
+    """Mean validation loss over seeds per recipe, with a min-max band over the seeds (the steps
+    every seed evaluated)."""
+    from coat.cli.plot import _figure, _save
+
+    fig = _figure(8)
+    ax = fig.add_subplot()
+    for i, (label, paths) in enumerate(runs.items()):
+        curves = [_val_curve(p) for p in paths]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        vals = [[c[s] for c in curves] for s in steps]
+        mean = [sum(v) / len(v) for v in vals]
+        ax.plot(steps, mean, color=f"C{i}", marker="o", markersize=3,
+                label=f"{label} val, mean of {len(paths)} ({mean[-1]:.4f})" if mean else label)
+        ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=f"C{i}", alpha=0.2,
+                        label=f"{label} min-max over seeds")
+    ax.set_title(title)
+    return _save(fig, [ax], out_png)
+
+
+def run_seeds(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str, Any]:
+    """The N comparisons, one seed after another, then the summary (of the seeds that finished)."""
+    from coat.cli.compare import run_compare
+
+    cfg = plan.cfg
+    seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
+    if d.is_main:
+        ckpt.write_json_atomic(plan.out / "compare.json", {"train": asdict(cfg), "flags": asdict(plan.flags or cfg),
+                                                           "seeds": seeds, "world_size": d.world})
+    results: dict[int, dict[str, Any]] = {}
+    failed: dict[int, str] = {}
+    for s in seeds:
+        sub = _seed_plan(plan, s)
+        if d.is_main:
+            sub.out.mkdir(exist_ok=True)
+        d.barrier()
+        log(f"\n=== seed {s} ({s - cfg.seed + 1} of {len(seeds)}): {sub.out} ===")
+        results[s] = run_compare(sub, d, log)
+        stopped = results[s].get("stopped_by") or next(
+            (r["stopped_by"] for r in results[s]["runs"].values() if r.get("stopped_by")), None)
+        if stopped:
+            log(f"stopped by {stopped} in seed {s}; continue with: coat train --resume {plan.out}")
+            return _result(results, plan.out, stopped)
+        if "table" not in results[s]:
+            bad = [r for r, v in results[s]["runs"].items() if not v.get("finished")]
+            failed[s] = f"{', '.join(bad)} did not finish"
+            log(f"seed {s}: the {' and '.join(bad)} run did not finish (see its output above); going on with the "
+                f"next seed. coat train --resume {plan.out} runs it again")
+    out = _result(results, plan.out, None)
+    losses = {s: (r["runs"][BASELINE_RECIPE]["final_val_loss"], r["runs"][cfg.recipe]["final_val_loss"])
+              for s, r in results.items() if s not in failed}
+    if not losses or not d.is_main:
+        return out
+    stats = paired_stats(losses)
+    md = summary_markdown(stats, losses, BASELINE_RECIPE, cfg.recipe, failed)
+    (plan.out / "comparison.md").write_text(md + "\n")
+    ckpt.write_json_atomic(plan.out / "comparison.json", {**stats, "failed": failed, "final_val_loss": {
+        s: {BASELINE_RECIPE: b, cfg.recipe: o} for s, (b, o) in losses.items()}})
+    first = results[min(losses)]["runs"][cfg.recipe]
+    title = (f"{first['n_params'] / 1e6:.1f}M params, {first['steps']} steps, {len(losses)} seeds, "
+             f"{first['world_size']} x {first['device']}: validation loss, mean and min-max band")
+    out["plot"] = str(plot_mean_curves({r: [plan.out / f"seed_{s}" / r / "metrics.jsonl" for s in losses]
+                                        for r in (BASELINE_RECIPE, cfg.recipe)}, plan.out / "comparison.png", title))
+    out["table"] = md
+    log("\n" + md + f"\n\nplot: {out['plot']}\ntable: {plan.out / 'comparison.md'}")
+    return out
+
+
+def _result(results: dict[int, dict[str, Any]], out: Path, stopped: str | None) -> dict[str, Any]:
+    # Flattened so that coat.cli.train.exit_code reads it as it reads one comparison.
+    runs = {f"seed_{s}/{r}": v for s, res in results.items() for r, v in res["runs"].items()}
+    return {"runs": runs, "out_dir": str(out), **({"stopped_by": stopped} if stopped else {}),
+            "seeds": {s: res.get("table") is not None for s, res in results.items()}}
