@@ -10,18 +10,11 @@ from pathlib import Path
 
 import pytest
 from test_cli_train_checkpoint import records, tiny
+from test_cli_train_resume_safety import usage_error
 
 from coat.cli import checkpoint as ckpt
 from coat.cli.main import main
 from coat.cli.train import train
-
-
-def usage_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(["train", *argv])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "Traceback" not in err, err
-    return " ".join(err.split())
 
 
 def test_flags_at_their_default_values_are_checked_too(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
