@@ -112,10 +112,11 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
     (requires_grad False: a LoRA base, frozen layers) as FP8 codes only, 1 byte per parameter
     (``coat/nn/frozen.py``; the state dict and ``save_pretrained`` hold them dequantized to their
     dtype, as plain transformers loads them); call convert again after freezing more (e.g. after
-    ``peft.get_peft_model``). ``fused_loss`` (default on): a causal LM called with ``labels`` runs its
-    final norm, LM head and cross-entropy chunk by chunk (``coat/nn/loss.py``): the [tokens, vocab]
-    logits never exist, and the output's ``logits`` is None; call without labels (or set
-    ``model.coat_fused_loss = False``) to get logits. Converting twice only updates the recipe (and
+    ``peft.get_peft_model``: a group frozen after ``frozen_weights="fp8"`` and not stored in FP8 by
+    a second convert is refused at the next forward, naming this). ``fused_loss`` (default on): a
+    causal LM called with ``labels`` runs its final norm, LM head and cross-entropy chunk by chunk
+    (``coat/nn/loss.py``): the [tokens, vocab] logits never exist, and the output's ``logits`` is
+    None; call without labels (or set ``model.coat_fused_loss = False``) to get logits. Converting twice only updates the recipe (and
     stores newly frozen groups in FP8)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -148,6 +149,9 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
         raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
     if fused_loss and hasattr(_inner_lm(model), "lm_head"):
         install_fused_loss(model)
+        # The model's class is now coat.nn.loss's; a PEFT adapter saved from it names the
+        # transformers class in its adapter_config.json all the same (what plain PEFT writes).
+        adapters.plain_peft_auto_mapping()
     return model
 
 

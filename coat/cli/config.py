@@ -46,6 +46,8 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Fine-tuning a pretrained model (--init) wants a far smaller step size than training from scratch.
 INIT_LR = 3e-5
+# LoRA (--lora) trains a few small matrices from zero: the usual PEFT rate, not a full fine-tune's.
+LORA_LR = 2e-4
 
 
 class ConfigError(ValueError):
@@ -191,7 +193,7 @@ def resolve_config(cfg: TrainConfig, init_max_positions: int | None = None) -> T
     defaults = dict(DEVICE_DEFAULTS.get(device, DEVICE_DEFAULTS["cpu"]))
     if cfg.init is not None:
         defaults.pop("model")
-        defaults["lr"] = INIT_LR
+        defaults["lr"] = LORA_LR if cfg.lora else INIT_LR
         if init_max_positions is not None:
             defaults["seq_len"] = min(defaults["seq_len"], init_max_positions)
     default_warmup = defaults.pop("warmup_steps")

@@ -4,6 +4,7 @@ later with ``coat train --resume OUT --save``."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,13 +19,21 @@ if TYPE_CHECKING:
     from coat.cli.runner import RunPlan
 
 
-def _save_adapter(model: torch.nn.Module, out: Path, tokenizer: Any | None) -> Path:
+def _save_adapter(model: torch.nn.Module, out: Path, tokenizer: Any | None, base: Path | None) -> Path:
     """``model.save_pretrained`` of a PEFT model (adapter weights and config only), written to a
-    temporary folder and renamed, so ``out`` is whole or absent."""
+    temporary folder and renamed, so ``out`` is whole or absent. ``adapter_config.json`` names the
+    --init checkpoint by its absolute path (transformers records the path as given, and PEFT would
+    look a relative one up on the Hub from another folder), so that
+    ``peft.AutoPeftModelForCausalLM.from_pretrained(out)`` loads from anywhere."""
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
+        if base is not None:
+            cfg_file = tmp / "adapter_config.json"
+            cfg = json.loads(cfg_file.read_text())
+            cfg["base_model_name_or_path"] = str(base.resolve())
+            cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             tokenizer.tokenizer.save_pretrained(tmp)
         os.replace(tmp, out)
@@ -48,7 +57,8 @@ def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.devi
     if d.is_main:
         try:
             if cfg.lora:  # the adapter, as PEFT saves it (plus the tokenizer)
-                saved = str(_save_adapter(model, out / "adapter", plan.tokenizer))
+                saved = str(_save_adapter(model, out / "adapter", plan.tokenizer,
+                                          plan.init.path if plan.init else None))
                 log(f"[{cfg.recipe}] LoRA adapter saved to {saved}")
             else:
                 tok = plan.tokenizer.tokenizer if plan.tokenizer else None

@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, MASTER_WEIGHTS, MODEL_PRESETS,
-                             OPTIMIZERS, RECIPES, SCHEDULES, ConfigError, TrainConfig, check_init_flags,
-                             explicit_fields, flag, lr_lambda, resolve_config, validate)
+from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, LORA_LR, MASTER_WEIGHTS,
+                             MODEL_PRESETS, OPTIMIZERS, RECIPES, SCHEDULES, ConfigError, TrainConfig,
+                             check_init_flags, explicit_fields, flag, lr_lambda, resolve_config, validate)
 from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, load_corpus
 from coat.cli.runner import RunPlan, build_model, build_optimizer, evaluate, lm_loss
 
@@ -319,7 +319,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--intermediate-size", **n, help="MLP width " + from_preset("intermediate_size"))
     g.add_argument("--max-positions", **n, help="longest sequence " + from_preset("max_positions"))
     g.add_argument("--init", metavar="PATH", help="start from this Hugging Face checkpoint folder (Llama, Mistral, "
-                   f"Qwen2, Qwen3) and its tokenizer; implies --save and a default --lr of {INIT_LR}")
+                   f"Qwen2, Qwen3) and its tokenizer; implies --save and a default --lr of {INIT_LR} "
+                   f"({LORA_LR} with --lora)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", help="a text file, a JSONL file of {\"text\": ...} records, a folder of "
@@ -350,7 +351,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "(bf16_sr: bf16 with stochastic rounding)" + default("master_weights"))
     g.add_argument("--lora", type=int, metavar="RANK",
                    help="fine-tune PEFT LoRA adapters of this rank instead of every weight (needs --init); "
-                        "--save then writes the adapter (default: 0, no LoRA)")
+                        f"--save then writes the adapter; the default --lr is then {LORA_LR} "
+                        "(default: 0, no LoRA)")
     g.add_argument("--lora-alpha", **n, help="LoRA alpha (PEFT's default)" + default("lora_alpha"))
     g.add_argument("--lora-dropout", **x, help="LoRA dropout (PEFT's default)" + default("lora_dropout"))
     g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module names to adapt, e.g. "

@@ -41,6 +41,37 @@ def _plain_linear_types() -> tuple:
     return (nn.Linear, Fp8Linear)
 
 
+def transformers_class(cls: type) -> type:
+    """The class ``cls`` was made from: the first class of its MRO that is not one of coat's
+    (``coat.convert`` and ``install_fused_loss`` give modules subclasses of their own class, defined
+    in coat's modules; ``cls`` itself when it is no such subclass)."""
+    return next((c for c in cls.__mro__ if not c.__module__.startswith("coat.")), cls)
+
+
+def plain_peft_auto_mapping() -> None:
+    """Makes ``PeftModel.save_pretrained`` record the original transformers class of a converted model
+    in ``adapter_config.json``'s ``auto_mapping`` (written when the LoraConfig has no task_type), as
+    it does for the unconverted model: the converted model's own class lives in ``coat.nn.loss``,
+    which ``peft.AutoPeftModel*.from_pretrained`` refuses ("not in the import allowlist") and which
+    needs coat installed. Wraps ``PeftModel._get_base_model_class`` once (it is only used there);
+    for every class that is not coat's it returns what it returned before. Does nothing without
+    peft."""
+    if _lora_linear_type() is None:
+        return
+    from peft import PeftModel
+
+    original = PeftModel._get_base_model_class
+    if getattr(original, "_coat_plain", False):
+        return
+
+    @functools.wraps(original)
+    def _get_base_model_class(self, *args, **kwargs):
+        return transformers_class(original(self, *args, **kwargs))
+
+    _get_base_model_class._coat_plain = True
+    PeftModel._get_base_model_class = _get_base_model_class
+
+
 def is_lora(mod: nn.Module) -> bool:
     t = _lora_linear_type()
     return t is not None and type(mod) is t

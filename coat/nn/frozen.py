@@ -71,6 +71,7 @@ def freeze_to_fp8(layers) -> int:
         if not getattr(layer, "_coat_frozen_hook", False):
             layer.register_forward_pre_hook(_refuse_training_codes)
             layer._coat_frozen_hook = True
+        layer._coat_frozen_fp8 = True  # asked for: groups frozen later must be stored too (hook below)
         for block, groups in GROUPS.items():
             for names in groups:
                 bases = _bases(layer, block, names)
@@ -135,7 +136,21 @@ def _apply_keeping_codes(linear: nn.Linear, fn, recurse: bool = True) -> nn.Modu
 
 def _refuse_training_codes(layer: nn.Module, args) -> None:
     """Forward pre-hook of a layer with FP8-frozen projections: codes that require grad (e.g. after
-    ``model.requires_grad_(True)``) cannot train; refused where gradients are recorded."""
+    ``model.requires_grad_(True)``) cannot train; refused where gradients are recorded. And a group
+    frozen after ``coat.convert(frozen_weights="fp8")`` (``peft.get_peft_model`` of a converted model)
+    would silently keep its floating-point weights: refused, naming the order that works."""
+    if getattr(layer, "_coat_frozen_fp8", False):
+        for block, groups in GROUPS.items():
+            for names in groups:
+                bases = _bases(layer, block, names)
+                if not any(A.is_frozen_fp8(b) or b.weight.requires_grad for b in bases):
+                    idx = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+                    raise ValueError(
+                        f"{block}.{'/'.join(names)}" + (f" of decoder layer {idx}" if idx is not None else "")
+                        + " were frozen after coat.convert(frozen_weights='fp8') and are still "
+                        f"{bases[0].weight.dtype}, not FP8 (e.g. by peft.get_peft_model(coat.convert(model, "
+                        "frozen_weights='fp8'), config)): call coat.convert(model, frozen_weights='fp8') again "
+                        "after freezing them (after get_peft_model), or convert with frozen_weights='keep' before it")
     if not torch.is_grad_enabled():
         return
     for block, groups in GROUPS.items():
@@ -204,6 +219,8 @@ def dequantize_frozen(model: nn.Module, dtype: torch.dtype | None = None) -> nn.
             mod.weight = nn.Parameter(w, requires_grad=False)
         if A.is_lora(mod):
             mod.__dict__.pop("merge", None)
+        if getattr(mod, "_coat_frozen_fp8", False):
+            mod._coat_frozen_fp8 = False  # floating-point frozen weights from now on, as asked
     return model
 
 
