@@ -28,6 +28,8 @@ def pop_cache(kwargs: dict, cache=None):
 
 
 def cache_name(forward) -> str:
-    """The name a Hugging Face ``forward`` takes the KV cache under."""
+    """The name a Hugging Face ``forward`` takes the KV cache under: coat passes it on under this
+    name only, as 5.24 warns (FutureWarning, "will be removed in version 5.40.0") whenever a
+    forward it decorates gets ``past_key_values``, even as None."""
     params = inspect.signature(forward).parameters
     return next((n for n in CACHE_NAMES if n in params), CACHE_NAMES[-1])

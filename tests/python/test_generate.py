@@ -6,6 +6,9 @@ path is within ~3-8 % of the unconverted fp32 model on these tiny random models 
 the cached logits agree with the full forward's to 15 % (measured here up to 9 %, on Qwen3); a
 cache that is read past gives ~100 %."""
 
+import logging
+import warnings
+
 import pytest
 import torch
 from _emu import rel
@@ -84,3 +87,43 @@ def test_two_caches_refused(gen):
     ids = torch.randint(0, V, (1, 4), generator=gen)
     with pytest.raises(ValueError, match="two different KV caches"):
         m(input_ids=ids, past_key_values=tf.DynamicCache(), cache=tf.DynamicCache())
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_no_cache_name_deprecation(gen):
+    """A converted model's forward (logits and fused loss), a training step and generate() pass the
+    KV cache under the name the installed transformers expects: no FutureWarning or
+    DeprecationWarning (5.24 deprecates ``past_key_values``, 5.0 knows only that name) and no
+    logged deprecation notice mentions it."""
+    _, m = _pair("llama", 48, 3, 1, 80)
+    ids = torch.randint(0, V, (2, 6), generator=gen)
+    handler = _Records()
+    tf_logger = logging.getLogger("transformers")
+    getattr(logging.Logger.warning_once, "cache_clear", lambda: None)()  # notices logged once per process
+    tf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m.train()  # config.use_cache: the model builds a cache itself
+            opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+            m(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            _no_eos(m)
+            with torch.no_grad():
+                m(input_ids=ids, use_cache=True)
+                m(input_ids=ids, labels=ids, use_cache=True)
+                m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    finally:
+        tf_logger.removeHandler(handler)
+    bad = [str(w.message) for w in caught
+           if issubclass(w.category, (FutureWarning, DeprecationWarning)) and "past_key_values" in str(w.message)]
+    bad += [msg for msg in handler.messages if "past_key_values" in msg]
+    assert not bad, bad
