@@ -28,6 +28,10 @@ from coat.cli.runner import RunPlan
 _MiB = 2**20
 
 
+class ChildUsageError(Exception):
+    """A recipe's child process refused its settings (exit status 2); it printed the error itself."""
+
+
 def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainConfig:
     """One side of the comparison, as flags: its activations and optimizer named, no recipe (a
     combination outside the named recipes has no name to give), everything else as the user gave it."""
@@ -151,6 +155,8 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
             child = TrainConfig(resume=str(folder), **kept) if resume else sub
             rc, signalled = _run_child(child, {"resume", *kept} if resume else None)
             summary = folder / "summary.json"
+            if rc == 2 and not summary.is_file():  # a usage error, already printed by the child: stop cleanly
+                raise ChildUsageError(recipe)
             if summary.is_file():
                 results[recipe] = json.loads(summary.read_text())
             else:  # it failed, or was aborted (a second Ctrl-C), before its summary: its output says why

@@ -43,11 +43,38 @@ def _save_adapter(model: torch.nn.Module, out: Path, tokenizer: Any | None, base
     return out
 
 
+def _replace(out: Path, write: Callable[[Path], Path]) -> Path:
+    """Writes a new ``out`` with ``write(staging)`` into a staging folder beside it, then swaps it
+    in: an existing ``out`` (the export of a run now extended) is renamed aside, the new one
+    renamed in, and the old one removed. On any failure the old ``out`` stays (put back if it had
+    been moved aside) and nothing temporary is left; the error is raised."""
+    staging = out.with_name(f".new-{out.name}-{os.getpid()}")
+    old = out.with_name(f".old-{out.name}-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write(staging)
+        if not out.exists():
+            os.replace(staging, out)
+            return out
+        os.replace(out, old)
+        try:
+            os.replace(staging, out)
+        except BaseException:
+            os.replace(old, out)  # the old export back where it was
+            raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)  # the new export is in place; a failure here leaves only litter
+    return out
+
+
 def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.device, log: Callable[[str], None],
             save_checkpoint: Callable[[int], None], step: int) -> str | None:
-    """--save: the trained model (or LoRA adapter) as Hugging Face writes it, in OUT/model (OUT/adapter).
-    If that fails, the weights are kept in a checkpoint of the last step (written now if there is
-    none) and ``WriteError`` says how to export them later."""
+    """--save: the trained model (or LoRA adapter) as Hugging Face writes it, in OUT/model (OUT/adapter),
+    replacing the export of a run now extended (``--resume OUT --steps N``). If that fails, an
+    earlier export stays as it was, the weights are kept in a checkpoint of the last step (written
+    now if there is none), and ``WriteError`` says how to export them later."""
     from coat.cli.pretrained import save_model
 
     cfg, out = plan.cfg, plan.out
@@ -57,14 +84,14 @@ def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.devi
     if d.is_main:
         try:
             if cfg.lora:  # the adapter, as PEFT saves it (plus the tokenizer)
-                saved = str(_save_adapter(model, out / "adapter", plan.tokenizer,
-                                          plan.init.path if plan.init else None))
+                saved = str(_replace(out / "adapter", lambda p: _save_adapter(
+                    model, p, plan.tokenizer, plan.init.path if plan.init else None)))
                 log(f"[{cfg.recipe}] LoRA adapter saved to {saved}")
             else:
                 tok = plan.tokenizer.tokenizer if plan.tokenizer else None
                 dtype = plan.init.dtype if plan.init else "float32"
                 arch = plan.init.architecture if plan.init else "LlamaForCausalLM"
-                saved = str(save_model(full, model.config, out / "model", dtype, tok, arch))
+                saved = str(_replace(out / "model", lambda p: save_model(full, model.config, p, dtype, tok, arch)))
                 log(f"[{cfg.recipe}] model saved to {saved} ({dtype})")
         except Exception as e:  # a full disk: OSError, or a writer's RuntimeError caused by one
             error = e
@@ -74,6 +101,8 @@ def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.devi
     final = out / ckpt.CHECKPOINTS / f"step_{step:08d}"
     if not final.is_dir():
         save_checkpoint(step)  # a WriteError here says what is kept
-    raise ckpt.WriteError(f"could not write {target}: {ckpt.why_failed(error) if error else 'failed on rank 0'}; the "
-                          f"trained weights are kept in {final}: free space, then export them with: "
+    kept = f" ({target} still holds the earlier export, unchanged)" if target.is_dir() else ""
+    why = ckpt.why_failed(error) if error else "failed on rank 0"
+    raise ckpt.WriteError(f"could not write {target}: {why}{kept}; the trained weights "
+                          f"are kept in {final}: free space, then export them with: "
                           f"coat train --resume {out} --save") from error

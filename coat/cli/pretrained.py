@@ -74,6 +74,21 @@ def inspect_init(path: str | os.PathLike) -> InitCheckpoint:
         has_tokenizer=any((p / f).is_file() for f in _TOKENIZER_FILES))
 
 
+def missing_modules(init: InitCheckpoint, targets: list[str]) -> tuple[list[str], list[str]]:
+    """The names in ``targets`` that no module of the --init model has, matched as PEFT matches a
+    list of target modules (the whole dotted name or its last parts), and the names of the
+    model's Linear layers (the usual targets). The model is built on the meta device: no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_transformers()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(init.path))
+    names = [n for n, _ in model.named_modules() if n]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    return missing, linear
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 

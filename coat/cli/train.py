@@ -142,6 +142,11 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
             raise ConfigError("--tokenizer", f"--init {cfg.init} brings its own tokenizer; drop --tokenizer")
     cfg = resolve_config(cfg, init.max_positions if init else None)
     validate(cfg, init.max_positions if init else None)
+    if cfg.lora and cfg.lora_targets and init is not None:  # here, before a compare child starts
+        missing, linear = pretrained.missing_modules(init, [t.strip() for t in cfg.lora_targets.split(",")])
+        if missing:
+            raise ConfigError("--lora-targets", f"the --init model has no module named {', '.join(missing)}; its "
+                              f"Linear layers are {', '.join(linear)}")
     if cfg.lora and d.enabled:
         raise ConfigError("--lora", "LoRA under torchrun (FSDP2 of a PEFT model) is not supported yet; "
                                     "run it in one process")
@@ -439,8 +444,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"coat train: error: {e}", file=sys.stderr)
         return 1
     except BaseException as e:
+        from coat.cli.compare import ChildUsageError
         from coat.cli.main import interrupted
 
+        if isinstance(e, ChildUsageError):  # the child printed its usage error; its folder is removed
+            return 2
         if not interrupted(e):
             raise
         print("\naborted; the output folder keeps its whole checkpoints (continue with --resume), and is removed "
