@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment  # noqa: E402
+from common import _median_events, environment  # noqa: E402
 
 import coat  # noqa: E402
 from coat.nn import _fp8mm  # noqa: E402
@@ -38,19 +38,14 @@ _CPU_SHAPES = dict(hidden=64, intermediate=160, heads=4, batch=1, seq=32, reps=3
 
 
 def median_ms(fn, reps: int, device: torch.device) -> float:
+    """Median of CUDA-event timings (benchmarks/common.py) on a GPU, of wall-clock times on the CPU."""
+    if device.type == "cuda":
+        return _median_events(fn, reps)
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
