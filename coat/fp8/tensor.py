@@ -79,7 +79,9 @@ class Fp8Tensor:
         return _decoded(self, lambda: _ops.dequantize_per_group(u8(self.data), self.scale, self.group_size, fmt,
                                                                  dtype))
 
+    @property
     def nbytes(self) -> int:
+        """Bytes of the codes and scales (a property, as ``torch.Tensor.nbytes`` is)."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
 
 
@@ -108,5 +110,7 @@ class DreTensor:
         fmt = fmt_id(self.data.dtype, "data")
         return _decoded(self, lambda: _ops.dre_dequantize(u8(self.data), self.gmax, self.k16, fmt))
 
+    @property
     def nbytes(self) -> int:
+        """Bytes of the codes, group maxima and exponents (a property, as ``torch.Tensor.nbytes`` is)."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.gmax, self.k16))

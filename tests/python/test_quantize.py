@@ -258,3 +258,16 @@ def test_bad_inputs_name_the_argument():
         qops.dequantize_per_tensor(q, torch.ones(1), 3, torch.float32)
     with pytest.raises(ValueError, match="dtype must be torch.float32, torch.bfloat16 or torch.float16"):
         qops.dequantize_per_tensor(q, torch.ones(1), 0, torch.int32)
+
+
+def test_nbytes_is_a_property_like_torch_tensor():
+    # torch.Tensor.nbytes is a property; coat's FP8 containers follow it, so code written for tensors
+    # (t.nbytes) gives a number, not a bound method.
+    x = torch.randn(4, 64)
+    pt = F.quantize_per_tensor(x)
+    assert pt.nbytes == 4 * 64 + 4  # E4M3 codes + one fp32 scale
+    pg = F.quantize_per_group(x, group_size=16)
+    assert pg.nbytes == 4 * 64 + pg.scale.nbytes
+    dre = F.dre_quantize(torch.randn(256))
+    assert dre.nbytes == 256 + 2 * 4 + 2 * 1  # codes + per 128: fp32 gmax and uint8 exponent
+    assert all(isinstance(t.nbytes, int) for t in (pt, pg, dre))
