@@ -206,6 +206,38 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if not a or not b else f"{b / a:.2f}x"
 
 
+def _held_out_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for name in (b.get("final_eval_batch_losses") or {}):
+        key = f"final_val_{name}_loss"
+        if name != "val" and a.get(key) is not None and b.get(key) is not None:
+            dv = b[key] - a[key]
+            rows.append((f"final held-out {name} loss", f"{a[key]:.4f}", f"{b[key]:.4f}",
+                         f"{dv:+.4f} ({dv / a[key]:+.2%})"))
+    return rows
+
+
+def evaluation_noise(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """What the fixed held-out batches can resolve: the standard error of one run's mean loss over
+    its batches, and of the two runs' difference paired batch by batch (None without batch losses)."""
+    from coat.cli.stats import mean_se
+
+    sa, sb = a.get("final_eval_batch_losses") or {}, b.get("final_eval_batch_losses") or {}
+    parts = []
+    for name, xs in sb.items():
+        ys = sa.get(name)
+        if ys is None or len(ys) != len(xs) or len(xs) < 2:
+            continue
+        mean, se = mean_se(ys)
+        _, se_diff = mean_se([x - y for x, y in zip(xs, ys)])
+        parts.append(f"{name}: {se:.4f} ({se / mean:.2%}) for one run's loss, {se_diff:.4f} "
+                     f"({se_diff / mean:.2%}) for the difference ({len(xs)} batches)")
+    if not parts:
+        return None
+    return ("Evaluation noise (standard error over the fixed held-out batches; every run scores the same "
+            "batches, so a seed-to-seed spread comes from training, not from the evaluation): " + "; ".join(parts) + ".")
+
+
 def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str) -> dict[str, Any]:
     """Markdown and JSON rows: losses, memory, optimizer state, throughput of two finished runs."""
     a, b = results[base], results[other]
@@ -215,6 +247,7 @@ def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str) 
     rows = [
         ("final validation loss", f"{a['final_val_loss']:.4f}", f"{b['final_val_loss']:.4f}",
          f"{dv:+.4f} ({dv / a['final_val_loss']:+.2%})"),
+        *_held_out_rows(a, b),
         ("final train loss", f"{a['final_train_loss']:.4f}", f"{b['final_train_loss']:.4f}",
          f"{b['final_train_loss'] - a['final_train_loss']:+.4f}"),
         (mem_kind.get(b["peak_memory_kind"], "peak memory"), _fmt_bytes(a["peak_memory_bytes"]),
@@ -237,13 +270,16 @@ def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str) 
     lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows]
     lines += ["", f"{other}, in FP8: " + "; ".join(b["precision"]["fp8"]) + ".",
               f"{other}, not in FP8: " + "; ".join(b["precision"]["not_fp8"]) + "."]
+    noise = evaluation_noise(a, b)
+    if noise:
+        lines.append(noise)
     if b.get("dtype") == "fp32":
         lines.append(f"The {base} baseline is plain PyTorch; here it computed in fp32 (--dtype fp32, the CPU default; "
                      "GPUs default to bf16 autocast).")
     if device == "cpu":
         lines.append("On a CPU the FP8 path runs coat's C++ reference kernels (FP8 emulated in software): its "
                      "tokens/s says nothing about GPU speed; losses, memory and optimizer-state bytes do carry over.")
-    keys = ("final_val_loss", "final_train_loss", "peak_memory_bytes", "peak_memory_kind",
+    keys = ("final_val_loss", "final_val_prose_loss", "final_val_loss_se", "final_train_loss", "peak_memory_bytes", "peak_memory_kind",
             "peak_memory_above_start_bytes", "optimizer_state_bytes",
             "tokens_per_s", "train_time_s", "steps", "tokens", "n_params", "world_size", "device", "dtype")
     return {"markdown": "\n".join(lines), "title": title,

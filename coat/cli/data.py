@@ -4,11 +4,17 @@ The built-in corpus is Python source that every machine running coat has without
 the interpreter's standard library plus the installed source of torch, transformers and numpy
 (coat's own dependencies), ~100M bytes. It is large enough that a GPU run of a few minutes sees
 each token less than once, so its validation loss measures generalization, not memorization.
+Its validation split holds out whole directories (packages), and no held-out file has a copy in
+training. A second held-out set is prose that ships with the interpreter and those packages
+(the Python documentation's topics, the packages' READMEs), never trained on: quality shown on
+more than code.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -34,7 +40,7 @@ BUILTIN_PACKAGES = ("torch", "transformers", "numpy")
 #: vocabularies are ~262k); a larger id would only build an absurd embedding table.
 MAX_TOKEN_ID = (1 << 20) - 1
 # Bump when the tokenized layout changes so stale cache entries are never reused.
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 
 
 @dataclass
@@ -44,6 +50,8 @@ class Corpus:
     vocab_size: int
     eos_id: int | None
     info: dict = field(default_factory=dict)  # provenance, recorded in config.json
+    #: Further held-out sets by name (the built-in corpus: "prose"), never trained on.
+    heldout: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,13 +74,46 @@ def _py_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if p.is_file() and not _SKIP_PARTS & set(p.relative_to(root).parts))
 
 
+def _stdlib() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+#: The Python documentation's topics (prose in a .py file): the prose held-out set, not code.
+_PYDOC_TOPICS = Path("pydoc_data") / "topics.py"
+
+
 def stdlib_files() -> list[Path]:
     """The interpreter's standard library *.py files, sorted for determinism.
 
     Some installs (pyenv, venv-less system Pythons) keep site-packages inside the stdlib
     folder; those are excluded so this part does not depend on what else is installed.
     """
-    return _py_files(Path(sysconfig.get_paths()["stdlib"]))
+    root = _stdlib()
+    return [p for p in _py_files(root) if p.relative_to(root) != _PYDOC_TOPICS]
+
+
+def builtin_prose() -> dict[str, list[str]]:
+    """The prose held-out set, by source: the interpreter's documentation topics (the language
+    reference and library pages pydoc shows) and the README of each of ``BUILTIN_PACKAGES``
+    (its package metadata's description). Read as data: the topics module is parsed, never run."""
+    out: dict[str, list[str]] = {}
+    topics = _stdlib() / _PYDOC_TOPICS
+    if topics.is_file():
+        for node in ast.parse(topics.read_bytes()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "topics" for t in node.targets):
+                value = ast.literal_eval(node.value)
+                if isinstance(value, dict):
+                    out["python-docs"] = [value[k] for k in sorted(value) if isinstance(value[k], str) and value[k]]
+    for name in BUILTIN_PACKAGES:
+        try:
+            meta = importlib.metadata.metadata(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        body = meta.get_payload() if hasattr(meta, "get_payload") else None
+        text = body or meta.get("Description") or ""
+        if text.strip():
+            out[f"{name}-readme"] = [text]
+    return out
 
 
 def builtin_sources() -> dict[str, list[Path]]:
@@ -131,13 +172,15 @@ def _jsonl_texts(path: Path) -> list[str]:
 
 
 class _Documents:
-    """The corpus as an ordered list of documents, read lazily (JSONL files parsed once)."""
+    """The corpus as an ordered list of documents, read lazily (JSONL files parsed once).
+    ``texts``: documents given as strings, by a name that stands in for their file."""
 
-    def __init__(self, files: Sequence[Path]) -> None:
+    def __init__(self, files: Sequence[Path], texts: dict[Path, list[str]] | None = None) -> None:
         self.files = list(files)
         self._jsonl = {f: _jsonl_texts(f) for f in self.files if f.suffix.lower() in JSONL_SUFFIXES}
+        self._jsonl |= texts or {}
         self.units: list[tuple[Path, int | None]] = []
-        for f in self.files:
+        for f in self.files + list(texts or {}):
             n = len(self._jsonl[f]) if f in self._jsonl else None
             self.units += [(f, i) for i in range(n)] if n is not None else [(f, None)]
 
@@ -160,6 +203,53 @@ def _split_units(units: list, val_fraction: float) -> tuple[list, list]:
     if n_val < 1 or n_val >= len(units):
         return units, []
     return units[:-n_val], units[-n_val:]
+
+
+def _split_directories(units: list, val_fraction: float) -> tuple[list, list]:
+    """Hold out whole directories (packages) until ``val_fraction`` of the documents are held out.
+
+    Directories are taken in the order of a hash of their path below the group's root, so the
+    held-out part samples the whole group (not its alphabetical tail) and is the same on every
+    machine; sibling files (a model's modeling, modular and configuration files) never straddle
+    the split. A directory that would overshoot the share by half is passed over. Falls back to
+    the document split when no directory fits."""
+    target = round(len(units) * val_fraction)
+    if target < 1 or target >= len(units):
+        return units, []
+    dirs: dict[Path, list] = {}
+    for u in units:
+        dirs.setdefault(u[0].parent, []).append(u)
+    root = Path(os.path.commonpath([str(d) for d in dirs]))
+
+    def rank(d: Path) -> str:
+        return hashlib.blake2b(d.relative_to(root).as_posix().encode(), digest_size=8).hexdigest()
+
+    held: set[Path] = set()
+    n = 0
+    for d in sorted(dirs, key=rank):
+        if n >= target:
+            break
+        if n + len(dirs[d]) <= target * 1.5:
+            held.add(d)
+            n += len(dirs[d])
+    if not held or len(held) == len(dirs):
+        return _split_units(units, val_fraction)
+    return [u for u in units if u[0].parent not in held], [u for u in units if u[0].parent in held]
+
+
+def _unit_digest(docs: _Documents, unit: tuple[Path, int | None], file_digests: dict[Path, str]) -> str:
+    path, i = unit
+    if i is None and path in file_digests:
+        return file_digests[path]
+    return hashlib.blake2b(docs.raw(unit), digest_size=16).hexdigest()
+
+
+def _drop_copies(docs: _Documents, train: list, val: list, file_digests: dict[Path, str]) -> tuple[list, int]:
+    """Training documents whose exact bytes are also held out are dropped (the built-in corpus has
+    vendored copies across packages): a held-out text is never trained on."""
+    held = {_unit_digest(docs, u, file_digests) for u in val}
+    kept = [u for u in train if _unit_digest(docs, u, file_digests) not in held]
+    return kept, len(train) - len(kept)
 
 
 # ---- tokenizers -------------------------------------------------------------------------------
@@ -281,42 +371,59 @@ def _save_atomic(path: Path, arr: np.ndarray) -> None:
 
 def _load_text_corpus(
     groups: dict[str, list[Path]], source: str, tokenizer: str, vocab_size: int, val_fraction: float,
-    cache_dir: Path, log: Callable[[str], None], hf: HFTokenizer | None = None,
+    cache_dir: Path, log: Callable[[str], None], hf: HFTokenizer | None = None, by_directory: bool = False,
+    prose: dict[str, list[str]] | None = None,
 ) -> Corpus:
-    """Tokenize (or load from the cache) text split per group: the last documents of each group
-    are held out, so every source is represented in the validation split."""
+    """Tokenize (or load from the cache) text split per group: held-out documents come from each
+    group (whole directories with ``by_directory``), so every source is represented in the
+    validation split; training never holds a copy of a held-out document. ``prose``: a further
+    held-out set (documents by source), tokenized alike and kept apart as ``heldout["prose"]``."""
     files = [f for fs in groups.values() for f in fs]
     if not files:
         raise ValueError(f"no text files found in {source}")
     vocab = {"byte": BYTE_VOCAB_SIZE, "bpe": vocab_size}.get(tokenizer) or (hf_vocab_size(hf) if hf else 0)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    key = _cache_key(files, [tokenizer, vocab, val_fraction, hf.fingerprint if hf else None, list(groups)], cache_dir)
+    prose_digest = hashlib.blake2b(json.dumps(prose, sort_keys=True).encode(), digest_size=16).hexdigest() \
+        if prose else None
+    key = _cache_key(files, [tokenizer, vocab, val_fraction, hf.fingerprint if hf else None, list(groups),
+                             by_directory, prose_digest], cache_dir)
     train_path, val_path = cache_dir / f"{key}.train.npy", cache_dir / f"{key}.val.npy"
+    prose_path = cache_dir / f"{key}.prose.npy"
     tok_path = cache_dir / f"{key}.tokenizer.json"
     info: dict[str, Any] = {"source": source, "tokenizer": tokenizer, "files": len(files),
-                            "cache": [str(train_path), str(val_path)]}
+                            "cache": [str(train_path), str(val_path)] + ([str(prose_path)] if prose else [])}
     if len(groups) > 1:
         info["sources"] = {name: len(fs) for name, fs in groups.items()}
     if tokenizer == "bpe":
         info["tokenizer_json"] = str(tok_path)
     meta_path = cache_dir / f"{key}.json"
-    if train_path.exists() and val_path.exists() and meta_path.exists() and (tokenizer != "bpe" or tok_path.exists()):
+    heldout: dict[str, np.ndarray] = {}
+    if train_path.exists() and val_path.exists() and meta_path.exists() and (tokenizer != "bpe" or tok_path.exists()) \
+            and (not prose or prose_path.exists()):
         log(f"Using cached tokenized corpus {train_path}")
         train, val = np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r")
+        if prose:
+            heldout["prose"] = np.load(prose_path, mmap_mode="r")
         info |= json.loads(meta_path.read_text())
     else:
         log(f"Tokenizing {len(files)} files from {source} ({tokenizer}) ...")
-        docs = _Documents(files)
-        if not docs.units:
+        prose_docs = {Path(f"<{name}>"): texts for name, texts in (prose or {}).items()}
+        docs = _Documents(files, prose_docs)
+        prose_units = [u for u in docs.units if u[0] in prose_docs]
+        units = [u for u in docs.units if u[0] not in prose_docs]
+        if not units:
             raise ValueError(f"no documents found in {source}")
         by_file: dict[Path, list] = {}
-        for u in docs.units:
+        for u in units:
             by_file.setdefault(u[0], []).append(u)
+        split = _split_directories if by_directory else _split_units
         train_units, val_units = [], []
         for fs in groups.values():
-            tr, va = _split_units([u for f in fs for u in by_file.get(f, [])], val_fraction)
+            tr, va = split([u for f in fs for u in by_file.get(f, [])], val_fraction)
             train_units += tr
             val_units += va
+        digests = dict(zip(files, _content_hashes(files, cache_dir)))
+        train_units, copies = _drop_copies(docs, train_units, val_units + prose_units, digests)
         dtype = _token_dtype(vocab)
         if tokenizer == "byte":
             encode: Callable[[list], np.ndarray] = lambda us: _encode_bytes(docs, us)  # noqa: E731
@@ -329,13 +436,18 @@ def _load_text_corpus(
             encode = lambda us: _encode_hf(hf, docs, us, dtype)  # noqa: E731
         if val_units:
             train, val = encode(train_units), encode(val_units)
-            meta = {"split": "documents", "val_documents": len(val_units)}
+            meta = {"split": "directories" if by_directory else "documents", "val_documents": len(val_units),
+                    "train_copies_dropped": copies}
         else:
-            train, val = split_tokens(encode(docs.units), val_fraction)
+            train, val = split_tokens(encode(units), val_fraction)
             meta = {"split": "tokens", "val_documents": 0}
         train, val = train.astype(dtype, copy=False), val.astype(dtype, copy=False)
         _save_atomic(train_path, train)
         _save_atomic(val_path, val)
+        if prose:
+            heldout["prose"] = encode(prose_units).astype(dtype, copy=False)
+            _save_atomic(prose_path, heldout["prose"])
+            meta["prose_documents"] = {name: len(texts) for name, texts in prose.items()}
         tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, meta_path)  # written last: its presence marks a whole cache entry
@@ -343,7 +455,7 @@ def _load_text_corpus(
     eos = {"byte": BYTE_EOS_ID, "bpe": 0}.get(tokenizer)  # BPE: the only special token gets id 0
     if hf is not None:
         eos = hf.tokenizer.eos_token_id
-    return Corpus(train, val, vocab, eos, info)
+    return Corpus(train, val, vocab, eos, info, heldout)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -392,7 +504,8 @@ def load_corpus(
     Text (files, folders, JSONL records with a "text" field) is tokenized (and cached) with
     ``tokenizer`` ("byte", "bpe"), or with ``hf_tokenizer`` when one is given; token-array files
     are used as they are. The split is deterministic: the last ``val_fraction`` of the (sorted)
-    documents, or of the tokens when there are too few documents for a document-level split.
+    documents, or of the tokens when there are too few documents for a document-level split; the
+    built-in corpus holds out whole directories and adds the "prose" held-out set.
     Raises ``ValueError`` / ``FileNotFoundError`` for unusable data.
     """
     if tokenizer not in TOKENIZERS and not (tokenizer == "hf" and hf_tokenizer is not None):
@@ -403,7 +516,8 @@ def load_corpus(
     if data is None:
         sources = builtin_sources()
         name = "python-source (" + ", ".join(sources) + ")"
-        return _load_text_corpus(sources, name, tokenizer, vocab_size, val_fraction, cache, log, hf_tokenizer)
+        return _load_text_corpus(sources, name, tokenizer, vocab_size, val_fraction, cache, log, hf_tokenizer,
+                                 by_directory=True, prose=builtin_prose())
     path = Path(data)
     if not path.exists():
         raise FileNotFoundError(f"data path does not exist: {path}")

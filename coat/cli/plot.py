@@ -48,6 +48,10 @@ def _draw_run(ax, records: list[dict[str, Any]], color: str, prefix: str, digits
     if steps:
         ax.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3,
                 label=f"{prefix}val ({val[-1]:.{digits}f})")
+    p_steps, prose = _series(records, "val_prose_loss")
+    if p_steps:
+        ax.plot(p_steps, prose, color=color, linestyle=":", marker="s", markersize=3,
+                label=f"{prefix}held-out prose ({prose[-1]:.{digits}f})")
     return steps, val
 
 

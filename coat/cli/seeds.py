@@ -23,30 +23,7 @@ from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import BASELINE_RECIPE
 from coat.cli.runner import RunPlan
-
-#: Two-sided 95% quantiles t_{0.975, df} of Student's t, df 1..30.
-_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788,
-         2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639,
-         2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
-_Z975 = 1.959964
-
-
-def t975(df: int) -> float:
-    """t_{0.975, df}: the table up to 30 degrees of freedom, then the Cornish-Fisher expansion
-    around the normal quantile (within 1e-4 there; the normal limit 1.96 as df grows)."""
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-
-
-def _mean_std(xs: list[float]) -> tuple[float, float | None]:
-    m = sum(xs) / len(xs)
-    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None)
-
+from coat.cli.stats import mean_std, t975
 
 def paired_stats(losses: Mapping[int, tuple[float, float]]) -> dict[str, Any]:
     """``losses``: seed -> (baseline, recipe) final validation loss. The paired differences
@@ -56,12 +33,12 @@ def paired_stats(losses: Mapping[int, tuple[float, float]]) -> dict[str, Any]:
     base = [losses[s][0] for s in seeds]
     other = [losses[s][1] for s in seeds]
     diffs = [o - b for b, o in zip(base, other)]
-    mean, sd = _mean_std(diffs)
+    mean, sd = mean_std(diffs)
     half = t975(len(diffs) - 1) * sd / math.sqrt(len(diffs)) if sd is not None else None
     return {"seeds": seeds, "n": len(seeds), "diffs": diffs, "rel_diffs": [d / b for d, b in zip(diffs, base)],
             "mean_diff": mean, "sd_diff": sd, "ci95": None if half is None else [mean - half, mean + half],
             "half_width": half, "t": t975(len(diffs) - 1) if len(diffs) > 1 else None,
-            "base": dict(zip(("mean", "sd"), _mean_std(base))), "other": dict(zip(("mean", "sd"), _mean_std(other)))}
+            "base": dict(zip(("mean", "sd"), mean_std(base))), "other": dict(zip(("mean", "sd"), mean_std(other)))}
 
 
 def summary_markdown(stats: dict[str, Any], losses: Mapping[int, tuple[float, float]], base: str, other: str,

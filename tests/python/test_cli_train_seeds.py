@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from coat.cli.main import main
-from coat.cli.seeds import paired_stats, summary_markdown, t975
+from coat.cli.seeds import paired_stats, summary_markdown
+from coat.cli.stats import t975
 
 STDLIB_JSON = Path(sysconfig.get_paths()["stdlib"]) / "json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
