@@ -546,12 +546,13 @@ def max_batch(shape: ModelShape, rec: Recipe | str, seq: int, memory_gib: float,
 
 # ---- time per step (roofline) -----------------------------------------------------------------------
 
-#: Measured rates (benchmarks/RESULTS.md, DESIGN.md): dense bf16 and FP8 GEMM FLOP/s, device copy B/s.
+#: Measured rates (benchmarks/RESULTS.md, its first section): dense bf16 and FP8 GEMM FLOP/s, device copy B/s.
 GPU_RATES: dict[str, dict[str, Any]] = {
     "h200": {"bf16": 780e12, "fp8": 1470e12, "bw": 4.25e12, "memory_gib": 139.8,
              "source": "measured on an H200 (benchmarks/RESULTS.md)"},
     "h100": {"bf16": 780e12, "fp8": 1470e12, "bw": 3.0e12, "memory_gib": 79.2,
-             "source": "H100 80 GB: the H200's tensor-core rates (DESIGN.md), copy ~90% of its 3.35 TB/s"},
+             "source": "H100 80 GB: the H200's GEMM rates (the same compute die; benchmarks/RESULTS.md), copy ~90% "
+                     "of its 3.35 TB/s"},
 }
 
 #: Bytes per parameter that the optimizer step reads and writes.

@@ -122,6 +122,15 @@ def measure_rates() -> dict[str, Any]:
     return rates
 
 
+def _count(n: int) -> str:
+    """A parameter count at a scale that shows it: billions, millions, else the number itself."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} M"
+    return f"{n:,}"
+
+
 def _gib(b: float) -> str:
     return f"{b / GiB:8.2f} GiB"
 
@@ -131,16 +140,21 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     shape = memory.load_shape(args.model)
     rec = memory.recipe(args.recipe)
     here = _gpu_here()
+    gpu = None  # the GPU the fit is sized for, when one is named or present
     if args.gpu_memory is not None:
         mem, mem_src = args.gpu_memory, "--gpu-memory"
     elif args.gpu:
-        mem, mem_src = GPU_MEMORY_GIB[args.gpu], f"--gpu {args.gpu}"
+        mem, mem_src, gpu = GPU_MEMORY_GIB[args.gpu], f"--gpu {args.gpu}", args.gpu
     elif here:
-        mem, mem_src = here[1], here[0]
+        mem, mem_src, gpu = here[1], here[0], here[0]
     else:
         mem, mem_src = DEFAULT_MEMORY_GIB, "default (no GPU here)"
     p = memory.plan(shape, rec, args.batch, args.seq, args.gpus)
     out = p.to_json()
+    # The plan always models a CUDA GPU: a "device" key read as where the estimate ran ("cuda" on
+    # a machine without one). "gpu" names the GPU instead, when there is one to name.
+    del out["device"]
+    out["gpu"] = gpu
     out.update(recipe_summary=rec.summary, gpu_memory_gib=mem, gpu_memory_source=mem_src,
                max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus),
                # measured on one GPU (benchmarks/RESULTS.md section 6), not yet under FSDP2
@@ -162,7 +176,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 
 def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
     per = f" per GPU (FSDP2 over {r['gpus']} GPUs)" if r["gpus"] > 1 else ""
-    lines = [f"{r['model']}: {r['n_params'] / 1e9:.2f} B parameters, {shape.layers} layers, hidden {shape.hidden}, "
+    lines = [f"{r['model']}: {_count(r['n_params'])} parameters, {shape.layers} layers, hidden {shape.hidden}, "
              f"vocabulary {shape.vocab}",
              f"recipe {r['recipe']}: {r['recipe_summary']}",
              f"batch {r['batch']} x {r['seq']} tokens{per}", ""]
@@ -215,7 +229,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"memory per GPU (default: the current GPU's, else {DEFAULT_MEMORY_GIB:g})")
     p.add_argument("--measure-rates", action="store_true", help="measure this GPU's GEMM and copy rates for the "
                    "roofline (default: rates measured before on an H100/H200)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (keys include peak_gib, max_batch)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys include peak_gib, max_batch; the figures are for a CUDA GPU, "
+                   "'gpu' names it when --gpu names one or one is present)")
     p.set_defaults(handler=lambda args: _run(args, p))
 
 

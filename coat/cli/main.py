@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import textwrap
 from typing import Sequence
 
 # Add a module here to add a subcommand (e.g. "coat.cli.bench", "coat.cli.estimate").
@@ -16,12 +18,23 @@ SUBCOMMAND_MODULES = ("coat.cli.train", "coat.cli.estimate", "coat.cli.bench")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except ``None`` ones: their help text says what they resolve to."""
+    """Shows defaults, except ``None`` ones: their help text says what they resolve to. Lines
+    break between words only: argparse's wrapping also breaks at hyphens, which cut recipe and
+    flag names (``coat-lean``, ``out-of-memory``) in two."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                             break_long_words=False)
 
 
 class CoatArgumentParser(argparse.ArgumentParser):
@@ -55,10 +68,27 @@ def interrupted(e: BaseException) -> bool:
     return False
 
 
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that an unknown flag is reported with the usage of the command
+    it was given to (``coat train --bogus`` prints ``coat train``'s usage, not ``coat``'s)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)  # imports every command's module: seconds, for torch
-        return args.handler(args)
+        args = parse(build_parser(), argv)  # imports every command's module: seconds, for torch
+        code = args.handler(args)
+        sys.stdout.flush()  # a reader that went away (`coat estimate | head`) shows up here, not at exit
+        return code
+    except BrokenPipeError:
+        # As a SIGPIPE would: stop quietly. stdout goes to /dev/null so that the interpreter's own
+        # flush at exit does not fail again with a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, the shell's status for a process ended by a closed pipe
     except BaseException as e:
         if not interrupted(e):
             raise

@@ -126,3 +126,23 @@ def test_measured_rates_on_this_gpu(capsys):
     r = json.loads(_run(capsys, "--model", "llama2-7b", "--measure-rates", "--json"))
     assert r["time"]["rates_source"].startswith("measured now") and r["time"]["step_ms"] > 0
     assert r["gpu_memory_gib"] == pytest.approx(torch.cuda.get_device_properties(0).total_memory / M.GiB)
+
+
+def test_small_models_count_in_millions_and_no_missing_files_are_cited(capsys):
+    out = _run(capsys, "--model", "tiny", "--gpu", "h100")
+    assert out.startswith(f"tiny: {M.PRESETS['tiny'].n_params / 1e6:.2f} M parameters"), out.splitlines()[0]
+    assert "0.00 B" not in out
+    # Every file the output cites is in the repository (DESIGN.md was cited, and is not).
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for cited in set(re.findall(r"[\w/.-]+\.md", out)):
+        assert (root / cited).is_file(), cited
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="names the GPU present")
+def test_json_claims_no_device_without_a_gpu(capsys):
+    r = json.loads(_run(capsys, "--model", "tiny", "--json"))
+    assert "device" not in r and r["gpu"] is None and r["gpu_memory_source"] == "default (no GPU here)"
+    assert json.loads(_run(capsys, "--model", "tiny", "--gpu", "h200", "--json"))["gpu"] == "h200"

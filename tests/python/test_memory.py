@@ -106,7 +106,7 @@ def test_preset_parameter_counts_match_transformers():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape.hf_config()))
         assert sum(p.numel() for p in model.parameters()) == shape.n_params, name
-    # The two Llama-2-7B floors of DESIGN.md.
+    # Llama-2-7B in bf16 (12.6 GiB) and fp32 (25.1 GiB): the floors a 7B model starts from.
     n = M.PRESETS["llama2-7b"].n_params
     assert n == 6_738_415_616 and round(2 * n / M.GiB, 1) == 12.6 and round(4 * n / M.GiB, 1) == 25.1
 
