@@ -362,7 +362,9 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     paths = {"metrics": out / "metrics.jsonl", "config": out / "config.json", "plot": out / "loss.png",
              "summary": out / "summary.json"}
 
-    state: dict[str, Any] = {"step": 0, "pending": [], "train_time": 0.0, "initial_val": None,
+    # train_time and wall_time count from step 0 across resumes (a checkpoint carries them), so the
+    # summary's two times cover the same steps; wall_time: the earlier processes' share, to the checkpoint.
+    state: dict[str, Any] = {"step": 0, "pending": [], "train_time": 0.0, "wall_time": 0.0, "initial_val": None,
                              "last_val": None, "measured_tokens": 0, "measured_time": 0.0}
     if plan.resume is not None:
         try:
@@ -416,6 +418,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         pending = torch.stack(state["pending"]).tolist() if state["pending"] else []
         train_state = {k: v for k, v in state.items() if k != "pending"} | {
             "step": step, "pending": pending, "scheduler": scheduler.state_dict(),
+            "wall_time": state["wall_time"] + time.perf_counter() - t0,
             "release": release.state_dict() if release is not None else None}
         try:
             path = ckpt.save(out, step, model, optimizer, train_state, _rng_state(rng, device), d, cfg.keep_last,
@@ -520,7 +523,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         "peak_memory_bytes": memory["bytes"], "peak_memory_kind": memory["kind"],
         "peak_memory_above_start_bytes": memory["above_start_bytes"],
         "optimizer_state_bytes": int(opt_bytes), "precision": precision, "device": device.type, "dtype": cfg.dtype,
-        "train_time_s": state["train_time"], "wall_time_s": time.perf_counter() - t0, "finished": finished,
+        "train_time_s": state["train_time"], "wall_time_s": state["wall_time"] + time.perf_counter() - t0,
+        "wall_time_this_process_s": time.perf_counter() - t0, "finished": finished,
         "stopped_by": stopped_by, "diverged_at": diverged_at, "model_dir": saved_model, "out_dir": str(out),
     } | ({"fp8_stats": last_stats} if fp8_stats is not None else {}) | {k: str(p) for k, p in paths.items()}
     if main:
@@ -542,7 +546,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         log(f"[{cfg.recipe}] stopped by {stopped_by} at step {state['step']}; continue with: "
             f"coat train --resume {out}")
     else:
-        log(f"[{cfg.recipe}] done in {results['wall_time_s']:.0f}s ({results['train_time_s']:.0f}s training): "
+        log(f"[{cfg.recipe}] done in {results['wall_time_s']:.0f}s ({results['train_time_s']:.0f}s training)"
+            + (f" since step 0, {results['wall_time_this_process_s']:.0f}s in this process" if resumed else "") + ": "
             f"val loss {state['initial_val']:.3f} -> {state['last_val']:.3f}, {results['tokens']:,} tokens")
     if last_stats is not None:
         log(f"[{cfg.recipe}] FP8 operands of the last recorded step, largest losses first (all in summary.json):\n"
