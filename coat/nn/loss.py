@@ -111,10 +111,13 @@ def _no_autocast(device: torch.device):
 def _check_labels_in_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int, ignore_index: int) -> None:
     bad = valid & ((labels < 0) | (labels >= vocab))
     msg = f"labels must lie in [0, {vocab}) or equal ignore_index ({ignore_index})"
-    if labels.device.type == "cpu":
+    if labels.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(bad.any()):
             raise ValueError(msg)
-    else:  # no host synchronization on an accelerator: fails at the next sync point
+    else:
+        # On an accelerator: no host synchronization, it fails at the next sync point. Under
+        # torch.compile (CPU too): a Python branch on a tensor's value would break the graph here,
+        # the asynchronous assert is traced into it.
         torch._assert_async(~bad.any(), msg)
 
 

@@ -575,3 +575,26 @@ def test_float16_gradients_are_refused_and_float16_loss_is_right():
         loss = fused_lm_head_loss(x, w, labels)
     ref = F.cross_entropy((x.float() @ w.float().t())[:, :-1].reshape(-1, 100), labels[:, 1:].reshape(-1))
     assert abs(loss.item() - ref.item()) < 1e-2 * ref.item()
+
+
+def test_label_check_does_not_break_a_compiled_graph():
+    # coat train --compile on the CPU: the eager check branches on a tensor's value (a graph break);
+    # compiled, the check is an asynchronous assert inside the graph, and still fails on a bad label.
+    import torch._dynamo
+
+    h, w = torch.randn(2, 8, 32, requires_grad=True), torch.randn(64, 32, requires_grad=True)
+    lab = torch.randint(0, 64, (2, 8))
+
+    def loss(h, w, lab):
+        return fused_lm_head_loss(h, w, lab)
+
+    torch._dynamo.reset()
+    breaks = torch._dynamo.explain(loss)(h, w, lab).break_reasons
+    at = [fr.name for b in breaks for fr in b.user_stack]
+    assert "_check_labels_in_range" not in at, [str(b.reason)[:120] for b in breaks]
+    lab[0, 3] = 64
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 64\)"):
+        loss(h, w, lab)  # eager: the same check, raised at once
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"labels must lie in \[0, 64\)"):
+        torch.compile(loss, backend="aot_eager")(h, w, lab)
