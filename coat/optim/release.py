@@ -579,11 +579,9 @@ def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, 
             them unclipped. An unclipped first gradient is typically several times the clipped
             ones, and AdamW's second moment remembers its square for ~1 / (1 - beta2) steps and
             more, scaling the early updates down; a skipped first step costs one step at the
-            warm-up's smallest lr. Measured on ``coat train``'s CPU default run (150 steps, clip
-            1.0), final validation loss: ordinary 2.4714, "skip" 2.4786 (+0.3%), "unclipped"
-            2.4672 (-0.2%); before ``coat.convert`` installed the fused loss by default, ordinary
-            2.4523 and "unclipped" 2.5294 (+3.1%). The fused loss alone moved the ordinary run by
-            0.8% and another seed by 3%: single runs this short differ at the 1% level anyway.
+            warm-up's smallest lr. On ``coat train``'s CPU default run (clip 1.0) both rules ended
+            as close to the ordinary clipped step as another seed does. (Measured figures belong
+            in benchmarks/RESULTS.md, not in docstrings, where they go stale.)
         norm_estimate: "running" (default): when a bucket launches, the norm is estimated as
             ``sqrt(D + R * D / P)``: D the sum of this iteration's squared norms released so far
             (this bucket's included), P the previous iteration's squared norms of the same
@@ -594,8 +592,8 @@ def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, 
             iteration's total norm, ``norm_{t-1}``. Why the default: under "previous" a spike
             passes unclipped (its norm is known only afterwards) and AdamW's second moment keeps
             its square for ~1 / (1 - beta2) steps, slowing every later update: on a 1000-step GPU
-            run of ``coat train`` (clip 1.0) the validation loss lagged the ordinary clipped run by
-            up to 6.8% mid-run and 1.07% at the end. Under FSDP2 the squared norms of a
+            run of ``coat train`` (clip 1.0) the validation loss lagged the ordinary clipped run
+            mid-run and at the end (benchmarks/RESULTS.md section 5). Under FSDP2 the squared norms of a
             bucket's sharded parameters are summed over the ranks when it launches (one small
             all-reduce per bucket, on the current stream, no host synchronisation), so every
             rank clips by the same estimate and the last bucket by the exact norm. In both

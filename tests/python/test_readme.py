@@ -1,0 +1,78 @@
+"""README.md's result tables are what tools/readme_tables.py writes from benchmarks/results.
+
+A figure edited by hand in README, or a new record in benchmarks/results that README was not
+regenerated for, fails here; `python tools/readme_tables.py` fixes both.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "tools" / "readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rt = _load()
+
+
+def test_readme_matches_results(capsys):
+    rc = rt.main(["--check"])
+    out = capsys.readouterr()
+    assert rc == 0, f"README.md is stale: run python tools/readme_tables.py\n{out.out}{out.err}"
+
+
+def test_every_block_has_a_source_file():
+    for name, (source, _) in rt.BLOCKS.items():
+        assert (ROOT / source).is_file(), f"block {name}: {source} does not exist"
+
+
+def _block(text: str, name: str) -> str:
+    start = text.index(f"<!-- generated: {name} -->")
+    return text[start:text.index(rt.END, start)]
+
+
+def test_a_hand_edited_figure_fails_the_check(tmp_path, capsys):
+    text = (ROOT / "README.md").read_text()
+    block = _block(text, "train-h200-300")
+    assert "| 80,375 |" in block
+    stale = tmp_path / "README.md"
+    stale.write_text(text.replace(block, block.replace("| 80,375 |", "| 81,000 |")))
+    assert rt.main(["--check", "--readme", str(stale)]) == 1
+    assert "+| tokens/s | 80,375 |" in capsys.readouterr().out  # the diff shows what the results say
+    assert rt.main(["--readme", str(stale)]) == 0             # and regenerating repairs it
+    assert stale.read_text() == text
+
+
+def test_a_changed_result_fails_the_check(tmp_path, monkeypatch):
+    # A new record for the same table (here: a faster coat run) makes the unchanged README stale.
+    src = ROOT / "benchmarks/results/train_h200/compare_300.json"
+    data = json.loads(src.read_text())
+    data["coat"]["tokens_per_s"] = 150000.0
+    moved = tmp_path / "compare.json"
+    moved.write_text(json.dumps(data))
+    monkeypatch.setitem(rt.BLOCKS, "train-h200-300", (str(moved), rt.train_comparison))  # absolute: ROOT / it is it
+    text = (ROOT / "README.md").read_text()
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    assert rt.main(["--check", "--readme", str(readme)]) == 1
+    assert "| 80,375 | 150,000 | 1.87x |" in rt.regenerate(text)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("<!-- generated: estimate-80gb -->", "<!-- generated: no-such-table -->"),
+     "no entry in tools/readme_tables.py BLOCKS"),
+    (lambda t: t.replace("<!-- generated: estimate-80gb -->\n", ""), "without a block opened"),
+    (lambda t: t.replace(_block(t, "estimate-80gb") + rt.END, ""), "has no block for estimate-80gb"),
+])
+def test_malformed_blocks_are_refused(edit, message):
+    text = (ROOT / "README.md").read_text()
+    with pytest.raises(ValueError, match=message):
+        rt.regenerate(edit(text))

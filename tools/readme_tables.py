@@ -1,0 +1,290 @@
+"""README.md's result tables, written from the recorded results so that they cannot drift from them.
+
+README.md holds blocks
+
+    <!-- generated: NAME -->
+    ...
+    <!-- end generated -->
+
+and BLOCKS below names, for each NAME, the JSON file under benchmarks/results it is made from and
+the function that formats it. `python tools/readme_tables.py` rewrites the blocks in place;
+`--check` writes nothing and exits 1 with a diff when README.md differs from what the results give
+(tests/python/test_readme.py runs it, so CI fails on a stale README). Every block in README.md must
+have an entry and every entry a block.
+
+Adding a table: record the run's JSON under benchmarks/results, add one line to BLOCKS (a new
+`coat train` comparison, e.g. a CPU default run saved as benchmarks/results/train_cpu/compare.json,
+takes the existing `train_comparison` formatter), put an empty block with that NAME where README
+shows it, and run this script.
+
+Figures are copied, rounded, from the JSON; `coat estimate`'s columns are computed by coat.memory,
+the model `coat estimate` itself runs, so they follow the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+E2E = "benchmarks/results/bench_e2e.json"
+H100 = "NVIDIA H100 80GB HBM3"
+H200 = "NVIDIA H200"
+
+BEGIN = re.compile(r"^<!-- generated: (?P<name>[\w.-]+) -->$")
+END = "<!-- end generated -->"
+
+
+# ---- bench_e2e.json (benchmarks/bench_e2e.py, `coat bench`) -------------------------------------
+
+def _records(data: dict[str, Any], device: str, model: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """(setup, batch) -> record of one GPU, one process, for one device and model."""
+    out = {}
+    for r in data["records"]:
+        if r.get("device") == device and r["model"] == model and r.get("world", 1) == 1:
+            key = (r["setup"], r["batch"])
+            if key in out:
+                raise ValueError(f"two records of {model} {key} on {device}: one table cell, two figures")
+            out[key] = r
+    return out
+
+
+def _runs(recs: dict, setup: str) -> list[dict[str, Any]]:
+    return sorted((r for (s, _), r in recs.items() if s == setup), key=lambda r: r["batch"])
+
+
+def _largest_ok(recs: dict, setup: str) -> dict[str, Any] | None:
+    ok = [r for r in _runs(recs, setup) if r["status"] == "ok"]
+    return ok[-1] if ok else None
+
+
+def _first_oom(recs: dict, setup: str) -> int | None:
+    oom = [r["batch"] for r in _runs(recs, setup) if r["status"] == "oom"]
+    return min(oom) if oom else None
+
+
+def _commits(rs) -> str:
+    seen = sorted({r["commit"] for r in rs if r})
+    return ", ".join(f"`{c}`" for c in seen)
+
+
+def _tok(r: dict[str, Any] | None) -> str:
+    return "-" if r is None or r["status"] != "ok" else f"{r['tokens_per_s']:,.0f}"
+
+
+SUMMARY_SETUPS = [("BF16 AMP", "amp"), ("pure bf16", "bf16"), ("coat", "coat"), ("coat lean (bf16_sr)", "coat-lean"),
+                  ("coat lean + gradient release", "coat-lean-release")]
+
+
+def e2e_summary(data: dict[str, Any], source: str) -> str:
+    """Llama-2-7B on one H100: batch 1, the largest batch run, the first batch out of memory."""
+    recs = _records(data, H100, "llama2-7b")
+    cols = [(label, setup) for label, setup in SUMMARY_SETUPS if _runs(recs, setup)]
+    rows = {"peak at batch 1": [], "tokens/s at batch 1": [], "largest batch run (tokens/s)": [],
+            "out of memory at batch": []}
+    used = []
+    for _, setup in cols:
+        one = recs.get((setup, 1))
+        used.append(one)
+        rows["peak at batch 1"].append(
+            "not run" if one is None else "out of memory" if one["status"] == "oom" else f"{one['peak_gib']:.1f} GiB")
+        rows["tokens/s at batch 1"].append(_tok(one))
+        top = _largest_ok(recs, setup)
+        used.append(top)
+        rows["largest batch run (tokens/s)"].append("none" if top is None else f"{top['batch']} ({_tok(top)})")
+        oom = _first_oom(recs, setup)
+        rows["out of memory at batch"].append("not tried" if oom is None else str(oom))
+        used += [r for r in _runs(recs, setup) if r["status"] == "oom"]
+    lines = [f"Llama-2-7B, sequence 2048, one H100 80 GB (`{source}`, commits {_commits(used)}; "
+             "benchmarks/RESULTS.md section 6 defines each figure):", "",
+             "| | " + " | ".join(label for label, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
+    return "\n".join(lines)
+
+
+def e2e_peer(data: dict[str, Any], source: str) -> str:
+    """torchao (float8 training, torch.compile, 8-bit AdamW) beside coat lean, per batch."""
+    recs = _records(data, H100, "llama2-7b")
+    lines = ["| batch | torchao: peak | tokens/s | coat lean: peak | tokens/s | coat lean tokens/s vs torchao | commits |",
+             "|---:|---:|---:|---:|---:|---:|---|"]
+    for peer in _runs(recs, "torchao"):
+        lean = recs.get(("coat-lean", peer["batch"]))
+        if peer["status"] != "ok" or lean is None or lean["status"] != "ok":
+            continue
+        lines.append(f"| {peer['batch']} | {peer['peak_gib']:.1f} GiB | {_tok(peer)} | {lean['peak_gib']:.1f} GiB | "
+                     f"{_tok(lean)} | {lean['tokens_per_s'] / peer['tokens_per_s']:.2f}x | "
+                     f"{_commits([peer, lean])} |")
+    return "\n".join(lines)
+
+
+def e2e_lora(data: dict[str, Any], source: str) -> str:
+    """PEFT LoRA on bf16 weights against LoRA on coat's FP8-frozen base, at the batches both ran."""
+    lines = ["| model | batch | PEFT bf16 LoRA: peak | tokens/s | coat, FP8 base: peak | tokens/s | peak | tokens/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, name in (("llama2-7b", "Llama-2-7B"), ("llama3-8b", "Llama-3-8B")):
+        recs = _records(data, H100, model)
+        for peft in _runs(recs, "lora-bf16"):
+            ours = recs.get(("lora-coat", peft["batch"]))
+            if peft["status"] != "ok" or ours is None or ours["status"] != "ok":
+                continue
+            lines.append(f"| {name} | {peft['batch']} | {peft['peak_gib']:.1f} GiB | {_tok(peft)} | "
+                         f"{ours['peak_gib']:.1f} GiB | {_tok(ours)} | {ours['peak_gib'] / peft['peak_gib']:.2f}x | "
+                         f"{ours['tokens_per_s'] / peft['tokens_per_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def e2e_largest(data: dict[str, Any], source: str) -> str:
+    """One sentence each: coat against BF16 AMP at their largest batches on an H200; 13B on an H100."""
+    parts = []
+    h200 = _records(data, H200, "llama2-7b")
+    coat, amp = _largest_ok(h200, "coat"), _largest_ok(h200, "amp")
+    if coat and amp:
+        parts.append(f"On one H200 (Llama-2-7B): coat at batch {coat['batch']} trains at {_tok(coat)} tokens/s, "
+                     f"{coat['tokens_per_s'] / amp['tokens_per_s']:.2f}x BF16 AMP at its largest batch "
+                     f"({amp['batch']}, {_tok(amp)} tokens/s; {_commits([coat, amp])}).")
+    big = _largest_ok(_records(data, H100, "llama2-13b"), "coat-lean-release")
+    if big:
+        parts.append(f"On one H100: Llama-2-13B, full-parameter AdamW, trains at batch {big['batch']} "
+                     f"({_tok(big)} tokens/s, {big['peak_gib']:.1f} GiB; {_commits([big])}) with coat lean, "
+                     "gradient release and the fused loss.")
+    return " ".join(parts)
+
+
+ESTIMATE_ROWS = [("llama2-7b", "Llama-2-7B", "amp", "amp", "BF16 AMP"),
+                 ("llama2-7b", "Llama-2-7B", "bf16", "bf16", "pure bf16"),
+                 ("llama2-7b", "Llama-2-7B", "coat", "coat", "coat"),
+                 ("llama2-7b", "Llama-2-7B", "coat-lean", "coat-lean", "coat-lean"),
+                 ("llama2-7b", "Llama-2-7B", "coat-lean+release", "coat-lean-release", "coat-lean+release"),
+                 ("llama2-13b", "Llama-2-13B", "coat-lean+release", "coat-lean-release", "coat-lean+release")]
+
+
+def estimate_table(data: dict[str, Any], source: str) -> str:
+    """coat estimate (computed now, by coat.memory) beside every H100 measurement of the same setup."""
+    from coat import memory  # the model `coat estimate` runs; imported here: the other blocks need no torch
+
+    gpu_gib = memory.GPU_RATES["h100"]["memory_gib"]
+    lines = ["| model | recipe | estimate, batch 1 | largest batch (estimate) | measured on one H100 |",
+             "|---|---|---:|---:|---|"]
+    for model, name, recipe, setup, label in ESTIMATE_ROWS:
+        shape = memory.load_shape(model)
+        peak = memory.plan(shape, recipe, 1, 2048).peak / memory.GiB
+        largest = memory.max_batch(shape, recipe, 2048, gpu_gib)
+        measured = []
+        for r in _runs(_records(data, H100, model), setup):
+            if r["status"] == "oom":
+                measured.append(f"out of memory at batch {r['batch']}")
+            elif r["status"] == "ok":
+                measured.append(f"{r['peak_gib']:.2f} GiB at {r['batch']}")
+        lines.append(f"| {name} | {label} | {peak:.1f} GiB | {largest or 'none'} | {'; '.join(measured) or 'not run'} |")
+    return "\n".join(lines)
+
+
+# ---- `coat train` comparisons (OUT/comparison.json's rows) --------------------------------------
+
+def train_comparison(data: dict[str, Any], source: str) -> str:
+    """A `coat train` comparison: the rows of comparison.md, from the comparison's JSON rows."""
+    from coat.cli.compare import _fmt_bytes, _ratio  # comparison.md's own formatting, so the two agree
+
+    base, other = "bf16", "coat"
+    a, b = data[base], data[other]
+    mem = {"cuda_max_allocated": "peak memory (CUDA max allocated)", "peak_rss": "peak memory (process RSS)",
+           "peak_rss_process_lifetime": "peak memory (process RSS, whole process lifetime)"}
+    dv = b["final_val_loss"] - a["final_val_loss"]
+    rows = [("final validation loss", f"{a['final_val_loss']:.4f}", f"{b['final_val_loss']:.4f}",
+             f"{dv:+.4f} ({dv / a['final_val_loss']:+.2%})"),
+            (mem.get(b["peak_memory_kind"], "peak memory"), _fmt_bytes(a["peak_memory_bytes"]),
+             _fmt_bytes(b["peak_memory_bytes"]), _ratio(a["peak_memory_bytes"], b["peak_memory_bytes"])),
+            ("optimizer states", _fmt_bytes(a["optimizer_state_bytes"]), _fmt_bytes(b["optimizer_state_bytes"]),
+             _ratio(a["optimizer_state_bytes"], b["optimizer_state_bytes"])),
+            ("tokens/s", f"{a['tokens_per_s']:,.0f}", f"{b['tokens_per_s']:,.0f}",
+             _ratio(a["tokens_per_s"], b["tokens_per_s"]))]
+    lines = [f"{data['title']} (`{source}`):", "", f"| | {base} | {other} | {other} vs {base} |", "|---|---:|---:|---:|"]
+    lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows]
+    return "\n".join(lines)
+
+
+# ---- README block name -> (JSON under the repository root, formatter) ---------------------------
+
+Formatter = Callable[[dict[str, Any], str], str]
+BLOCKS: dict[str, tuple[str, Formatter]] = {
+    "e2e-llama2-7b-h100": (E2E, e2e_summary),
+    "e2e-torchao-peer": (E2E, e2e_peer),
+    "e2e-lora": (E2E, e2e_lora),
+    "e2e-largest": (E2E, e2e_largest),
+    "train-h200-300": ("benchmarks/results/train_h200/compare_300.json", train_comparison),
+    "estimate-80gb": (E2E, estimate_table),
+}
+
+
+def render(name: str) -> str:
+    source, fmt = BLOCKS[name]
+    with open(ROOT / source) as f:
+        data = json.load(f)
+    return fmt(data, source).rstrip("\n")
+
+
+def regenerate(text: str) -> str:
+    """README text with every generated block rewritten; ValueError on unknown, unclosed or missing blocks."""
+    out, seen, lines, i = [], [], text.split("\n"), 0
+    while i < len(lines):
+        m = BEGIN.match(lines[i])
+        if not m:
+            if lines[i] == END:
+                raise ValueError(f"README.md line {i + 1}: {END} without a block opened before it")
+            out.append(lines[i])
+            i += 1
+            continue
+        name = m.group("name")
+        if name not in BLOCKS:
+            raise ValueError(f"README.md line {i + 1}: block {name!r} has no entry in tools/readme_tables.py BLOCKS")
+        if name in seen:
+            raise ValueError(f"README.md line {i + 1}: block {name!r} appears twice")
+        seen.append(name)
+        j = i + 1
+        while j < len(lines) and lines[j] != END:
+            if BEGIN.match(lines[j]):
+                raise ValueError(f"README.md line {i + 1}: block {name!r} is not closed by {END}")
+            j += 1
+        if j == len(lines):
+            raise ValueError(f"README.md line {i + 1}: block {name!r} is not closed by {END}")
+        out += [lines[i], render(name), END]
+        i = j + 1
+    missing = [n for n in BLOCKS if n not in seen]
+    if missing:
+        raise ValueError(f"README.md has no block for {', '.join(missing)} (tools/readme_tables.py BLOCKS)")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 with a diff if README.md is stale")
+    ap.add_argument("--readme", type=Path, default=README)
+    args = ap.parse_args(argv)
+    text = args.readme.read_text()
+    try:
+        new = regenerate(text)
+    except ValueError as e:
+        print(f"tools/readme_tables.py: {e}", file=sys.stderr)
+        return 2
+    if new == text:
+        print(f"{args.readme}: generated blocks match benchmarks/results")
+        return 0
+    if args.check:
+        diff = difflib.unified_diff(text.splitlines(), new.splitlines(), "README.md", "README.md (from results)",
+                                    lineterm="")
+        print("\n".join(diff))
+        print(f"\n{args.readme} differs from benchmarks/results: run python tools/readme_tables.py", file=sys.stderr)
+        return 1
+    args.readme.write_text(new)
+    print(f"{args.readme}: generated blocks rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
