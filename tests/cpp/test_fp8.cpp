@@ -18,6 +18,13 @@ bool is_nan_code(uint8_t c, Fp8Format f) {
 
 }  // namespace
 
+// GoogleTest prints a parameter without PrintTo as its bytes, and gtest_discover_tests puts that
+// print in the CTest name ("Formats/Fp8Codes.EveryCodeRoundTrips/4-byte object <00-00 00-00>").
+// Found by argument-dependent lookup, hence in namespace coat.
+namespace coat {
+void PrintTo(Fp8Format f, std::ostream* os) { *os << (f == Fp8Format::kE4M3 ? "E4M3" : "E5M2"); }
+}  // namespace coat
+
 class Fp8Codes : public ::testing::TestWithParam<Fp8Format> {};
 
 TEST_P(Fp8Codes, EveryCodeRoundTrips) {

@@ -27,6 +27,14 @@ T* to_dev(const std::vector<T>& h) {
 }
 
 struct Case { int64_t m, n, k; Fp8Format fa; GemmOut out; bool bias, amax, force_bf16; };
+// The CTest name of each case (gtest_discover_tests prints the parameter), e.g.
+// m37_n48_k272_E4M3_to_bf16_bias_amax, not its bytes.
+void PrintTo(const Case& c, std::ostream* os) {
+  static const char* const kOut[] = {"fp32", "bf16", "e4m3"};
+  *os << "m" << c.m << "_n" << c.n << "_k" << c.k << (c.fa == Fp8Format::kE4M3 ? "_E4M3" : "_E5M2")
+      << "_to_" << kOut[static_cast<int>(c.out)] << (c.bias ? "_bias" : "") << (c.amax ? "_amax" : "")
+      << (c.force_bf16 ? "_forced_bf16" : "");
+}
 
 class GemmGpu : public ::testing::TestWithParam<Case> {};
 

@@ -64,6 +64,8 @@ Fp8GemmArgs args_of(const Problem& p) {
 }
 
 struct Shape { int64_t m, n, k; };
+// The CTest name of each case (gtest_discover_tests prints the parameter): m3_n5_k7, not its bytes.
+void PrintTo(const Shape& s, std::ostream* os) { *os << "m" << s.m << "_n" << s.n << "_k" << s.k; }
 
 class GemmRefShapes : public ::testing::TestWithParam<Shape> {};
 
