@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import ConfigError, TrainConfig, lr_lambda
@@ -127,7 +128,16 @@ def dt_local(t: torch.Tensor) -> torch.Tensor:
 
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor, autocast: AbstractContextManager) -> torch.Tensor:
     """Mean next-token cross-entropy of a (B, T+1) batch, computed in fp32 by the model's own loss
-    path (Hugging Face's, or coat's fused LM head + loss on a converted model: no full logits)."""
+    path (Hugging Face's, or coat's fused LM head + loss on a converted model: no full logits).
+
+    A (B, 3, T) batch is packed chat data (coat.cli.chat_data): input ids, targets (-100: no loss)
+    and position ids that restart at 0 for each example, from which transformers masks attention
+    between the packed examples; the mean is over the targets that count."""
+    if batch.ndim == 3:
+        ids, targets, positions = (t.contiguous() for t in batch.unbind(1))
+        with autocast:
+            return model(input_ids=ids, position_ids=positions, labels=targets, shift_labels=targets,
+                         use_cache=False).loss
     targets = batch[:, 1:].contiguous()
     with autocast:
         return model(input_ids=batch[:, :-1], labels=targets, shift_labels=targets, use_cache=False).loss
@@ -334,9 +344,11 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     # Each rank samples windows from its own contiguous shard of the training tokens.
     lo, hi = len(corpus.train) * d.rank // d.world, len(corpus.train) * (d.rank + 1) // d.world
     train_tokens = corpus.train[lo:hi]
+    packed = chat_data.is_packed(train_tokens)  # rows of packed chat examples, not a token stream
     rng = np.random.default_rng(cfg.seed if not d.enabled else [cfg.seed, d.rank])
     per_rank = -(-cfg.eval_batches // d.world)
-    val_set = eval_batches(corpus.val, per_rank * d.world, cfg.batch_size, cfg.seq_len)[d.rank :: d.world]
+    val_set = (chat_data.eval_rows if chat_data.is_packed(corpus.val) else eval_batches)(
+        corpus.val, per_rank * d.world, cfg.batch_size, cfg.seq_len)[d.rank :: d.world]
     tokens_per_step = cfg.batch_size * cfg.seq_len * d.world
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: measure the norm, never clip
     release = None
@@ -387,7 +399,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
                     "model": model.config.to_dict(),
                     "n_params": n_params, "world_size": d.world, "precision": precision,
                     "init": plan.init.summary() if plan.init else None,
-                    "corpus": corpus.info | {"train_tokens": len(corpus.train), "val_tokens": len(corpus.val),
+                    "corpus": corpus.info | {"train_tokens": chat_data.n_tokens(corpus.train),
+                                             "val_tokens": chat_data.n_tokens(corpus.val),
                                              "vocab_size": corpus.vocab_size},
                     "environment": _environment(device)}
         # Rewritten on resume too: a later resume must see the flags this one changed (--steps).
@@ -396,7 +409,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
         metrics = ckpt.MetricsLog(paths["metrics"], upto=state["step"] if resumed else None)
     name = "{:.1f}M".format(n_params / 1e6)
     log(f"[{cfg.recipe}] {name} parameters on {d.world} x {device.type} ({cfg.dtype}); corpus: "
-        f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens; {cfg.steps} steps of "
+        f"{chat_data.n_tokens(corpus.train):,} train / {chat_data.n_tokens(corpus.val):,} val tokens; "
+        f"{cfg.steps} steps of "
         f"{tokens_per_step:,} tokens" + (f"; resuming at step {state['step']}" if resumed else ""))
     log(f"[{cfg.recipe}] FP8: " + ("; ".join(precision["fp8"]) or "nothing"))
     log(f"[{cfg.recipe}] not FP8: " + "; ".join(precision["not_fp8"]))
@@ -442,7 +456,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     # Training time runs between marks; evaluation and checkpoints happen outside it.
     seg_time, t_mark = 0.0, time.perf_counter()
     for step in range(first_step, cfg.steps + 1):
-        batch = sample_batch(train_tokens, cfg.batch_size, cfg.seq_len, rng).to(device)
+        batch = (chat_data.sample_rows(train_tokens, cfg.batch_size, step, [cfg.seed, d.rank]) if packed
+                 else sample_batch(train_tokens, cfg.batch_size, cfg.seq_len, rng)).to(device)
         if graph_step is not None:  # the same step: fresh gradients, clipped by their norm, AdamW
             loss = graph_step(batch=batch)
             grad_norm = graph_step.grad_norm

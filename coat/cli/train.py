@@ -17,12 +17,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, LORA_LR, MASTER_WEIGHTS,
                              MODEL_PRESETS, OPTIMIZERS, RECIPES, SCHEDULES, ConfigError, TrainConfig,
                              check_init_flags, explicit_fields, flag, lr_lambda, resolve_config, validate)
-from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, load_corpus
+from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, default_cache_dir, load_corpus
 from coat.cli.runner import RunPlan, build_model, build_optimizer, evaluate, lm_loss
 
 __all__ = ["TrainConfig", "ConfigError", "resolve_config", "validate", "lr_lambda", "build_model",
@@ -164,9 +165,14 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
 
     tokenizer = pretrained.load_tokenizer(init) if init else None
     max_id = init.vocab_size - 1 if init else MAX_TOKEN_ID
+    chat = _check_chat_data(cfg, tokenizer)
 
     def load() -> Any:
         try:
+            if chat is not None:
+                return chat_data.load_chat_corpus(cfg.data, chat, tokenizer, cfg.seq_len, cfg.val_fraction,
+                                                  Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(),
+                                                  log if d.is_main else (lambda _: None))
             return load_corpus(cfg.data, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
                                log if d.is_main else (lambda _: None), tokenizer, max_id)
         except (FileNotFoundError, ValueError) as e:  # missing or unusable --data
@@ -174,7 +180,11 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
 
     corpus = _rank0_first(d, load)
     for split, tokens in (("train", corpus.train), ("validation", corpus.val)):
-        if len(tokens) // d.world <= cfg.seq_len + 1:
+        if chat_data.is_packed(tokens):  # whole examples in rows of --seq-len: one row per rank is enough
+            if len(tokens) < (d.world if split == "train" else 1):
+                raise ConfigError("--data", f"the {split} split packs into {len(tokens)} rows of --seq-len "
+                                  f"{cfg.seq_len} tokens, fewer than the {d.world} ranks")
+        elif len(tokens) // d.world <= cfg.seq_len + 1:
             raise ConfigError("--seq-len", f"{cfg.seq_len} is too long for the {split} split ({len(tokens)} tokens"
                               + (f" over {d.world} ranks" if d.enabled else "") + ")")
     if init is not None and corpus.vocab_size > init.vocab_size:
@@ -195,6 +205,25 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
     return RunPlan(cfg, corpus, out, init, tokenizer, resume_from, flags)
 
 
+def _check_chat_data(cfg: TrainConfig, tokenizer: Any) -> str | None:
+    """What coat.cli.chat_data reads at --data (None: text or token arrays, for load_corpus).
+    Chat records are rendered with a checkpoint's own tokenizer and chat template: --init is needed."""
+    chat = chat_data.detect(cfg.data) if cfg.data is not None else None
+    if chat is None:
+        return None
+    what = {"datasets": "a datasets folder", "parquet": "parquet data"}.get(chat, "chat / prompt-completion records")
+    if cfg.init is None:
+        raise ConfigError("--data", f"{cfg.data} holds {what}, which are tokenized with a checkpoint's tokenizer "
+                          "and chat template: give --init PATH (a Hugging Face checkpoint folder with its tokenizer)")
+    if tokenizer is None:
+        raise ConfigError("--init", f"{cfg.init} has no tokenizer, and --data {cfg.data} holds {what}, which are "
+                          "tokenized with the checkpoint's own tokenizer and chat template")
+    if cfg.cuda_graph:  # transformers reads the packed positions on the host: no graph capture
+        raise ConfigError("--cuda-graph", f"does not run on packed chat data (--data {cfg.data}): transformers "
+                          "finds the example boundaries from the position ids on the host")
+    return chat
+
+
 def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tuple[Path | None, int]:
     """The checkpoint to resume from (the latest, or --from-step's) and its step, verified whole
     and of this run (on rank 0: its files are hashed once). A damaged or foreign one is refused,
@@ -210,9 +239,10 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tu
         return None, 0
     saved = json.loads((folder / "config.json").read_text())
     counts = (saved.get("corpus", {}).get("train_tokens"), saved.get("corpus", {}).get("val_tokens"))
-    if counts != (len(corpus.train), len(corpus.val)):
+    now = (chat_data.n_tokens(corpus.train), chat_data.n_tokens(corpus.val))
+    if counts != now:
         raise ConfigError("--data", f"the data changed since the run in {folder} started ({counts[0]} train / "
-                          f"{counts[1]} val tokens then, {len(corpus.train)} / {len(corpus.val)} now)")
+                          f"{counts[1]} val tokens then, {now[0]} / {now[1]} now)")
     found = dict(ckpt.checkpoints(folder))
     if not found:
         raise ConfigError("--resume", f"{folder} holds no whole checkpoint (a run writes them with --save-every N, "
@@ -330,7 +360,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", help="a text file, a JSONL file of {\"text\": ...} records, a folder of "
                    "those, or a token array (.npy, or .bin of uint16) (default: Python source on this machine: "
-                   "the standard library, torch, transformers, numpy)")
+                   "the standard library, torch, transformers, numpy). With --init also chat data: JSONL/JSON/"
+                   "parquet records of {\"messages\": [{\"role\", \"content\"}, ...]}, ShareGPT "
+                   "{\"conversations\": [{\"from\", \"value\"}, ...]} or {\"prompt\", \"completion\"}, or a "
+                   "datasets save_to_disk folder: rendered with the checkpoint's chat template, the loss on "
+                   "assistant tokens only, examples packed into --seq-len rows without attending to each other")
     g.add_argument("--tokenizer", choices=TOKENIZERS, help="byte: 256 byte values + EOS (default); bpe: byte-level "
                    "BPE trained on the training text. With --init, the checkpoint's own tokenizer")
     g.add_argument("--vocab-size", **n, help="vocabulary size of --tokenizer bpe (default: 4096)")
