@@ -313,50 +313,48 @@ class ChatRenderer:
                 self._end_marker = ""
         return self._end_marker
 
-    def _spans_by_prefix(self, msgs: list[dict], learn: list[int], tools: Any, full: str,
-                         where: str) -> list[tuple[int, int]] | None:
-        """Character spans of the learned messages: the rendering up to each message with the
-        generation prompt, and up to its end, are both prefixes of the whole rendering. None where
-        the template renders earlier turns differently once later ones follow (e.g. Qwen3 drops
-        reasoning from past turns)."""
-        spans = []
-        for j in learn:
-            try:
-                start = self._render(msgs[:j], tools, True, where) if j else ""
-            except ValueError:
-                return None
+    def _span_by_prefix(self, msgs: list[dict], j: int, tools: Any, full: str, where: str) -> tuple[int, int] | None:
+        """The character span of assistant message ``j``: everything the template writes for the
+        turn, from the end of the rendering of the messages before it with the generation prompt
+        to the end of the rendering up to it, where both are prefixes of the whole rendering. None
+        where the template renders the turn differently once later turns follow (Qwen3 drops the
+        reasoning block of past turns)."""
+        try:
+            start = self._render(msgs[:j], tools, True, where) if j else ""
             end = self._render(msgs[: j + 1], tools, False, where)
-            if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
-                return None
-            spans.append((len(start), len(end.rstrip())))  # the newline after the turn's end is not learned
-        return spans
+        except ValueError:  # e.g. a template that refuses a conversation ending on an assistant turn
+            return None
+        if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
+            return None
+        return len(start), len(end.rstrip())  # the newline after the turn's end is not learned
 
-    def _spans_by_search(self, msgs: list[dict], learn: list[int], full: str, where: str) -> list[tuple[int, int]]:
-        """Character spans found by locating each message's content in order in the rendering,
-        then the template's end-of-turn marker after a learned one."""
-        spans, pos, marker, want = [], 0, self.end_marker(), set(learn)
+    def _spans_by_search(self, msgs: list[dict], need: set[int], full: str, where: str) -> dict[int, tuple[int, int]]:
+        """Character spans of the messages in ``need``, found by locating each message's content
+        in order in the rendering, then the template's end-of-turn marker after it."""
+        spans, pos, marker = {}, 0, self.end_marker()
         for j, m in enumerate(msgs):
             text = _content_text(m.get("content")).strip()
             at = full.find(text, pos)
             if at < 0:
-                if j in want:
+                if j in need:
                     raise ValueError(f"{where}: could not find assistant message {j} in the chat template's "
                                      "rendering of the conversation (the template rewrites it), so its tokens "
                                      "cannot be told from the prompt's")
                 continue
             end = at + len(text)
-            if j in want:
+            if j in need:
                 if marker and full.startswith(marker, end):
                     end += len(marker)
-                spans.append((at, end))
+                spans[j] = (at, end)
             pos = end
         return spans
 
     def chat(self, msgs: list[dict], learn: list[int], tools: Any, where: str) -> tuple[list[int], np.ndarray]:
         full = self._render(msgs, tools, False, where)
-        spans = self._spans_by_prefix(msgs, learn, tools, full, where)
-        if spans is None:
-            spans = self._spans_by_search(msgs, learn, full, where)
+        spans = {j: self._span_by_prefix(msgs, j, tools, full, where) for j in learn}
+        missing = {j for j, span in spans.items() if span is None}
+        if missing:  # these turns are rendered differently in the whole conversation: its reply and end of turn
+            spans |= self._spans_by_search(msgs, missing, full, where)
         try:
             enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         except NotImplementedError:
@@ -365,7 +363,7 @@ class ChatRenderer:
         ids = list(enc["input_ids"])
         off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         mask = np.zeros(len(ids), dtype=bool)
-        for a, b in spans:  # a token belongs to a span it overlaps (a merge across the boundary included)
+        for a, b in spans.values():  # a token belongs to a span it overlaps (a merge across the boundary included)
             mask |= (off[:, 0] < b) & (off[:, 1] > a)
         return ids, mask
 

@@ -132,7 +132,8 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor, autocast: AbstractConte
 
     A (B, 3, T) batch is packed chat data (coat.cli.chat_data): input ids, targets (-100: no loss)
     and position ids that restart at 0 for each example, from which transformers masks attention
-    between the packed examples; the mean is over the targets that count."""
+    between the packed examples (only without a KV cache: hence ``use_cache=False``); the mean is
+    over the targets that count."""
     if batch.ndim == 3:
         ids, targets, positions = (t.contiguous() for t in batch.unbind(1))
         with autocast:

@@ -142,19 +142,25 @@ def test_sharegpt_and_prompt_completion(tmp_path: Path) -> None:
 
 
 def test_template_that_rewrites_earlier_turns(tmp_path: Path) -> None:
-    """Where prefixes of the rendering are not prefixes of the whole (Qwen3-style templates), the
-    assistant turns are found by their content: the learned tokens are still exactly the replies
-    and their end-of-turn tokens, not the template's reasoning block."""
+    """Where the rendering of a conversation's prefix is not a prefix of the whole (Qwen3-style
+    templates render a reasoning block only in the last turn), what is learned is what the whole
+    rendering writes for each assistant turn: the earlier reply found by its content, with its
+    end-of-turn token; the last turn with its (empty) reasoning block, as the template writes it."""
     tok = make_tokenizer(tmp_path / "tok", THINKING)
     _, ids, mask = cd.ChatRenderer(tok).example({"messages": conversation(1)}, "rec")
     want_ids, want_mask = pieces_to_example(tok, [
         ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nwhat is two plus two<|im_end|>\n"
          "<|im_start|>assistant\n", False),
         ("four is the answer<|im_end|>", True),
-        ("\n<|im_start|>user\nname a colour<|im_end|>\n<|im_start|>assistant\n<think></think>", False),
-        ("blue is a colour<|im_end|>", True),
+        ("\n<|im_start|>user\nname a colour<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<think></think>blue is a colour<|im_end|>", True),
         ("\n", False)])
     assert ids == want_ids and mask.tolist() == want_mask
+    # An earlier reply that the rendering does not hold verbatim cannot be told apart: refused.
+    rewriting = THINKING.replace("{{ m['content'] | trim }}", "{{ m['content'] | trim | upper }}")
+    tok = make_tokenizer(tmp_path / "tok2", rewriting)
+    with pytest.raises(ValueError, match="rec: could not find assistant message 2"):
+        cd.ChatRenderer(tok).example({"messages": conversation(1)}, "rec")
 
 
 def test_packing_best_fit_truncation_and_sampling() -> None:
