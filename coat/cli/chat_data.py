@@ -319,8 +319,10 @@ class ChatRenderer:
         to the end of the rendering up to it, where both are prefixes of the whole rendering. None
         where the template renders the turn differently once later turns follow (Qwen3 drops the
         reasoning block of past turns)."""
+        if j == 0:  # nothing to render before it (templates refuse an empty conversation): a default
+            return None  # system prompt would fall inside the span, so the reply is found by its content
         try:
-            start = self._render(msgs[:j], tools, True, where) if j else ""
+            start = self._render(msgs[:j], tools, True, where)
             end = self._render(msgs[: j + 1], tools, False, where)
         except ValueError:  # e.g. a template that refuses a conversation ending on an assistant turn
             return None

@@ -99,6 +99,17 @@ def test_messages_loss_on_assistant_tokens_only(tmp_path: Path) -> None:
         ("\n", False)])
     assert kind == "chat" and ids == want_ids and mask.tolist() == want_mask
 
+    # A template that adds a default system prompt, and a conversation the assistant opens: the
+    # default prompt is not learned, the reply and its end of turn are.
+    default_system = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nbe brief<|im_end|>\n{% endif %}"
+                      + CHATML)
+    tok2 = make_tokenizer(tmp_path / "tok2", default_system)
+    _, ids2, mask2 = cd.ChatRenderer(tok2).example(
+        {"messages": [{"role": "assistant", "content": "hello there"}, {"role": "user", "content": "hi"}]}, "g")
+    assert (ids2, mask2.tolist()) == pieces_to_example(tok2, [
+        ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>assistant\n", False),
+        ("hello there<|im_end|>", True), ("\n<|im_start|>user\nhi<|im_end|>\n", False)])
+
     # One packed row: targets are the next token where it is learned, -100 elsewhere and at the end.
     row = cd.pack([(ids, mask)], seq_len=128, pad_id=0)
     assert row.shape == (1, 3, 128)
