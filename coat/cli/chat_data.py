@@ -459,10 +459,12 @@ def sample_rows(rows: np.ndarray, batch_size: int, step: int, seed: Iterable[int
 
 
 def eval_rows(rows: np.ndarray, n_batches: int, batch_size: int, seq_len: int = 0) -> list[torch.Tensor]:
-    """Fixed validation batches: every row when there are at most ``n_batches * batch_size``, else
-    that many evenly spaced ones (``seq_len`` is unused: the rows have theirs)."""
-    n = min(len(rows), n_batches * batch_size)
-    idx = np.arange(n) if n == len(rows) else np.linspace(0, len(rows) - 1, num=n).round().astype(np.int64)
+    """``n_batches`` fixed validation batches of ``batch_size`` evenly spaced rows, as
+    ``data.eval_batches`` gives windows: always that many (ranks split them evenly, and each
+    evaluation scores the same batches), a row repeated where there are fewer rows than places
+    (``seq_len`` is unused: the rows have theirs)."""
+    n = n_batches * batch_size
+    idx = np.linspace(0, len(rows) - 1, num=n).round().astype(np.int64)
     return [torch.from_numpy(np.asarray(rows[idx[i : i + batch_size]], dtype=np.int64)) for i in range(0, n, batch_size)]
 
 

@@ -202,7 +202,10 @@ def test_packing_best_fit_truncation_and_sampling() -> None:
     assert sorted(first_epoch[:, 0, 0].tolist()) == sorted(many[:, 0, 0].tolist())
     assert torch.equal(cd.sample_rows(many, 5, 2, [0, 0]), first_epoch[5:])
     assert not torch.equal(cd.sample_rows(many, 5, 1, [1, 0]), first_epoch[:5])
-    assert [b.shape[0] for b in cd.eval_rows(many, 4, 3)] == [3, 3, 3, 1]
+    val = cd.eval_rows(many, 4, 3)  # 12 places for 10 rows: every row, two of them twice
+    assert [b.shape[0] for b in val] == [3, 3, 3, 3]
+    assert set(torch.cat(val)[:, 0, 0].tolist()) == set(many[:, 0, 0].tolist())
+    assert len(cd.eval_rows(many, 2, 2)) == 2
 
 
 def _block_mask(positions: torch.Tensor) -> torch.Tensor:
