@@ -53,7 +53,8 @@ _CHAT_KEYS = ("messages", "conversations", "prompt")
 
 
 def _is_datasets_folder(p: Path) -> bool:
-    return p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file())
+    """A folder that ``datasets``' save_to_disk wrote: a DatasetDict's, or one Dataset's."""
+    return (p / "dataset_dict.json").is_file() or ((p / "state.json").is_file() and (p / "dataset_info.json").is_file())
 
 
 def _record_files(folder: Path) -> list[Path]:

@@ -266,6 +266,27 @@ def _corpus(tmp_path: Path, data: Path, tok, seq_len: int = 64):
                                log=lambda _: None)
 
 
+def test_what_is_chat_data_and_folders_of_it(tmp_path: Path) -> None:
+    tok = make_tokenizer(tmp_path / "tok")
+    records = [{"messages": conversation(i)} for i in range(8)]
+    single = _corpus(tmp_path, write_records(tmp_path / "chat.jsonl", records), tok)
+    # A folder of JSONL files (read in name order) and a JSON array are the same data.
+    (tmp_path / "folder").mkdir()
+    write_records(tmp_path / "folder" / "a.jsonl", records[:5])
+    write_records(tmp_path / "folder" / "b.jsonl", records[5:])
+    (tmp_path / "array.json").write_text(json.dumps(records))
+    for data in (tmp_path / "folder", tmp_path / "array.json"):
+        got = _corpus(tmp_path, data, tok)
+        assert np.array_equal(got.train, single.train) and np.array_equal(got.val, single.val), data
+    # What coat.cli.data reads stays there: text JSONL, text files and folders, JSON that is not an array.
+    (tmp_path / "texts").mkdir()
+    write_records(tmp_path / "texts" / "t.jsonl", [{"text": "hello"}])
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "obj.json").write_text(json.dumps({"messages": []}))
+    for data in ("texts", "texts/t.jsonl", "notes.txt", "obj.json"):
+        assert cd.detect(tmp_path / data) is None, data
+
+
 def test_parquet_and_datasets_folders_give_the_jsonl_rows(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow", reason="parquet and datasets folders are read with pyarrow")
     import pyarrow.ipc as ipc
