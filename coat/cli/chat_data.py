@@ -255,6 +255,18 @@ def _messages(value: Any, where: str, key: str) -> list[dict]:
     return [_clean_message(m, where, j, *(("from", "value") if sharegpt else ())) for j, m in enumerate(value)]
 
 
+def _tools(rec: dict, where: str) -> Any:
+    """A record's tool definitions for the template: a list, or a JSON string of one (as datasets
+    often store them, Arrow having no type for free-form JSON)."""
+    tools = rec.get("tools") or None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: \"tools\" is a string but not JSON ({e.msg})") from None
+    return tools
+
+
 def normalize(rec: Any, where: str) -> tuple[str, Any]:
     """A record as ("chat", (messages, indices of the messages to learn, tools)), ("prompt",
     (prompt, completion)) or ("text", text). Raises ValueError naming the record."""
@@ -266,7 +278,7 @@ def normalize(rec: Any, where: str) -> tuple[str, Any]:
         if isinstance(rec.get("system"), str) and rec["system"] and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": rec["system"]})  # ShareGPT's top-level system prompt
         learn = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
-        return "chat", (msgs, learn, rec.get("tools") or None)
+        return "chat", (msgs, learn, _tools(rec, where))
     if "prompt" in rec and "completion" in rec:
         p, c = rec["prompt"], rec["completion"]
         if isinstance(p, str) and isinstance(c, str):
@@ -274,7 +286,7 @@ def normalize(rec: Any, where: str) -> tuple[str, Any]:
         if isinstance(p, list) and isinstance(c, list):
             msgs = _messages(p, where, "prompt") + _messages(c, where, "completion")
             learn = [j for j in range(len(p), len(msgs)) if msgs[j]["role"] == "assistant"]
-            return "chat", (msgs, learn, rec.get("tools") or None)
+            return "chat", (msgs, learn, _tools(rec, where))
         raise ValueError(f"{where}: \"prompt\" and \"completion\" must both be strings or both lists of messages")
     if isinstance(rec.get("text"), str):
         return "text", rec["text"]
@@ -353,10 +365,11 @@ class ChatRenderer:
         return spans
 
     def chat(self, msgs: list[dict], learn: list[int], tools: Any, where: str) -> tuple[list[int], np.ndarray]:
+        """The conversation's token ids, and True on the tokens of the messages ``learn`` indexes."""
         full = self._render(msgs, tools, False, where)
         spans = {j: self._span_by_prefix(msgs, j, tools, full, where) for j in learn}
         missing = {j for j, span in spans.items() if span is None}
-        if missing:  # these turns are rendered differently in the whole conversation: its reply and end of turn
+        if missing:  # turns the whole conversation renders differently: their replies and ends of turn
             spans |= self._spans_by_search(msgs, missing, full, where)
         try:
             enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)

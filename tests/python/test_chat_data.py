@@ -150,6 +150,10 @@ def test_sharegpt_and_prompt_completion(tmp_path: Path) -> None:
     c = tok(" four", add_special_tokens=False)["input_ids"]
     assert kind == "prompt" and ids5 == [tok.bos_token_id, *p, *c, tok.eos_token_id]
     assert mask5.tolist() == [False] * (1 + len(p)) + [True] * (len(c) + 1)
+    # Text records (parquet / datasets folders): BOS text EOS, every token learned.
+    kind, ids6, mask6 = r.example({"text": "hello there"}, "f")
+    assert kind == "text" and ids6 == [tok.bos_token_id, *tok("hello there", add_special_tokens=False)["input_ids"],
+                                       tok.eos_token_id] and mask6.all()
 
 
 def test_template_that_rewrites_earlier_turns(tmp_path: Path) -> None:
@@ -367,8 +371,17 @@ def test_refusals_name_the_flag_and_the_record(tmp_path: Path, monkeypatch: pyte
     mixed = write_records(tmp_path / "mixed.jsonl", [{"messages": conversation(0)}] * 3
                           + [{"prompt": "a b", "completion": " c"}] * 3)
     assert "mixes record formats" in str(refused(init=str(ckpt), data=str(mixed)))
+    with pytest.raises(ValueError, match="rec: \"tools\" is a string but not JSON"):
+        cd.normalize({"messages": conversation(0), "tools": "{not json"}, "rec")
+    assert cd.normalize({"messages": conversation(0), "tools": '[{"type": "function"}]'}, "rec")[1][2] == [
+        {"type": "function"}]  # tools stored as a JSON string (as datasets often do) reach the template parsed
     unknown = write_records(tmp_path / "unknown.jsonl", [{"messages": conversation(0)}, {"question": "q"}])
     assert "unknown.jsonl:2" in str(refused(init=str(ckpt), data=str(unknown)))
+
+    # Replies that start past --seq-len leave nothing to learn.
+    with pytest.raises(ValueError, match="the train split of .* has no example with a token to learn within --seq-len 8"):
+        cd.load_chat_corpus(chat, "records", HFTokenizer(make_tokenizer(tmp_path / "tok"), "t"), 8, 0.25,
+                            tmp_path / "cache", log=lambda _: None)
 
     # A parquet file without pyarrow: what to install.
     (tmp_path / "x.parquet").write_bytes(b"PAR1")
