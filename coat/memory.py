@@ -26,6 +26,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from coat import recipes as names
+
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 
@@ -201,8 +203,8 @@ COAT_STATE_BYTES = 2 * (1 + 5 / 128)
 @dataclass(frozen=True)
 class Recipe:
     """How a recipe stores a step: bytes per parameter of each persistent part, which saved-activation
-    table its layers follow, and which transients it adds. A new training mode is one entry of
-    ``RECIPES`` (or a ``with_modes`` variant)."""
+    table its layers follow, and which transients it adds. One entry of ``RECIPES`` per recipe of
+    ``coat.recipes`` that is modeled (or a ``with_modes`` variant): names and their meaning are there."""
 
     name: str
     summary: str
@@ -219,17 +221,23 @@ class Recipe:
     fused_loss: bool = False  # LM head + cross-entropy chunked over tokens: no full logits
     # coat/nn/loss.py's default chunk: compute-dtype (bf16) logits of one chunk at most this many MiB.
     loss_chunk_mib: float = 512.0
+    # The step replayed from CUDA graphs: the same plan (a replay allocates nothing beyond what the
+    # captured eager step did; benchmarks/results hold the +graph peaks within 10% of it).
+    graph: bool = False
 
-    def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None) -> "Recipe":
-        """This recipe with gradient release and/or the fused loss switched on or off (named
-        ``<name>+release``, ``+fused-loss`` where the base recipe has none, ``+hf-loss`` where it has
-        one and it is switched off)."""
+    def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None,
+                   graph: bool | None = None) -> "Recipe":
+        """This recipe with gradient release, the fused loss and/or CUDA graphs switched on or off
+        (named ``<name>+release``, ``+fused-loss`` where the base recipe has none, ``+hf-loss`` where
+        it has one and it is switched off, ``+graph``)."""
         r = replace(self, grad_release=self.grad_release if grad_release is None else grad_release,
-                    fused_loss=self.fused_loss if fused_loss is None else fused_loss)
+                    fused_loss=self.fused_loss if fused_loss is None else fused_loss,
+                    graph=self.graph if graph is None else graph)
         base = self.name.split("+")[0]
         default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
-        loss = "" if r.fused_loss == default_fused else ("+fused-loss" if r.fused_loss else "+hf-loss")
-        return replace(r, name=base + ("+release" if r.grad_release else "") + loss)
+        mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
+                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph}
+        return replace(r, name=names.Setup(base, tuple(m for m in names.MODES if mods.get(m))).name)
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
@@ -243,25 +251,26 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            COAT_STATE_BYTES, 2, "coat", "coat", fp8_weights=True, fused_loss=True),
 )}
 
-#: Modes that ``recipe()`` accepts after a '+': "release" is ``coat.optim.step_in_backward``;
-#: "fused-loss" the chunked LM head + loss (coat's recipes have it already, as coat.convert installs
-#: it), "hf-loss" Hugging Face's loss path instead (``coat.convert(..., fused_loss=False)``).
-MODES = ("release", "fused-loss", "hf-loss")
-
 
 def recipe(name: str) -> Recipe:
-    """``RECIPES[name]``, or ``<recipe>+release`` / ``+fused-loss`` variants."""
-    base, *mods = name.split("+")
-    if base not in RECIPES:
-        raise ValueError(f"--recipe {name!r}: unknown recipe {base!r} (choose from {', '.join(RECIPES)})")
-    bad = [m for m in mods if m not in MODES]
-    if bad:
-        raise ValueError(f"--recipe {name!r}: unknown mode {bad[0]!r} (modes: {', '.join(MODES)})")
-    r = RECIPES[base]
-    if "fused-loss" in mods and "hf-loss" in mods:
-        raise ValueError(f"--recipe {name!r}: fused-loss and hf-loss exclude each other")
-    fused = True if "fused-loss" in mods else False if "hf-loss" in mods else None
-    return r.with_modes(grad_release=True if "release" in mods else None, fused_loss=fused) if mods else r
+    """The plan of setup ``name`` (``coat.recipes``): ``RECIPES[name]``, or a ``with_modes``
+    variant (``+release``, ``+fused-loss``, ``+hf-loss``, ``+graph``). ``ValueError`` naming
+    --recipe for a name that is unknown or not modeled."""
+    s = names.parse(name)
+    if s.recipe not in RECIPES:
+        peer = s.recipe in names.PEERS
+        kind, what = ("setup", names.PEERS[s.recipe]) if peer else ("recipe", names.RECIPES[s.recipe])
+        raise ValueError(f"--recipe {name!r}: {kind} {s.recipe} ({what}) has no memory model (modeled: "
+                         f"{', '.join(RECIPES)})")
+    if s.has("lora"):
+        raise ValueError(f"--recipe {name!r}: LoRA setups have no memory model yet (modeled: {', '.join(RECIPES)}, "
+                         "without +lora)")
+    r = RECIPES[s.recipe]
+    if not s.modes:
+        return r
+    fused = True if s.has("fused-loss") else False if s.has("hf-loss") else None
+    return r.with_modes(grad_release=True if s.has("release") else None, fused_loss=fused,
+                        graph=True if s.has("graph") else None)
 
 
 # ---- saved activations -------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from coat import recipes
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 E2E = "benchmarks/results/bench_e2e.json"
@@ -44,11 +46,12 @@ END = "<!-- end generated -->"
 # ---- bench_e2e.json (benchmarks/bench_e2e.py, `coat bench`) -------------------------------------
 
 def _records(data: dict[str, Any], device: str, model: str) -> dict[tuple[str, int], dict[str, Any]]:
-    """(setup, batch) -> record of one GPU, one process, for one device and model."""
+    """(setup, batch) -> record of one GPU, one process, for one device and model; setups named as
+    coat.recipes names them (records of older runs say coat-lean-release for coat-lean+release)."""
     out = {}
     for r in data["records"]:
         if r.get("device") == device and r["model"] == model and r.get("world", 1) == 1:
-            key = (r["setup"], r["batch"])
+            key = (recipes.canonical(r["setup"]), r["batch"])
             if key in out:
                 raise ValueError(f"two records of {model} {key} on {device}: one table cell, two figures")
             out[key] = r
@@ -79,7 +82,7 @@ def _tok(r: dict[str, Any] | None) -> str:
 
 
 SUMMARY_SETUPS = [("BF16 AMP", "amp"), ("pure bf16", "bf16"), ("coat", "coat"), ("coat lean (bf16_sr)", "coat-lean"),
-                  ("coat lean + gradient release", "coat-lean-release")]
+                  ("coat lean + gradient release", "coat-lean+release")]
 
 
 def e2e_summary(data: dict[str, Any], source: str) -> str:
@@ -129,8 +132,8 @@ def e2e_lora(data: dict[str, Any], source: str) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for model, name in (("llama2-7b", "Llama-2-7B"), ("llama3-8b", "Llama-3-8B")):
         recs = _records(data, H100, model)
-        for peft in _runs(recs, "lora-bf16"):
-            ours = recs.get(("lora-coat", peft["batch"]))
+        for peft in _runs(recs, "bf16+lora"):
+            ours = recs.get(("coat+lora", peft["batch"]))
             if peft["status"] != "ok" or ours is None or ours["status"] != "ok":
                 continue
             lines.append(f"| {name} | {peft['batch']} | {peft['peak_gib']:.1f} GiB | {_tok(peft)} | "
@@ -148,7 +151,7 @@ def e2e_largest(data: dict[str, Any], source: str) -> str:
         parts.append(f"On one H200 (Llama-2-7B): coat at batch {coat['batch']} trains at {_tok(coat)} tokens/s, "
                      f"{coat['tokens_per_s'] / amp['tokens_per_s']:.2f}x BF16 AMP at its largest batch "
                      f"({amp['batch']}, {_tok(amp)} tokens/s; {_commits([coat, amp])}).")
-    big = _largest_ok(_records(data, H100, "llama2-13b"), "coat-lean-release")
+    big = _largest_ok(_records(data, H100, "llama2-13b"), "coat-lean+release")
     if big:
         parts.append(f"On one H100: Llama-2-13B, full-parameter AdamW, trains at batch {big['batch']} "
                      f"({_tok(big)} tokens/s, {big['peak_gib']:.1f} GiB; {_commits([big])}) with coat lean, "
@@ -160,8 +163,8 @@ ESTIMATE_ROWS = [("llama2-7b", "Llama-2-7B", "amp", "amp", "BF16 AMP"),
                  ("llama2-7b", "Llama-2-7B", "bf16", "bf16", "pure bf16"),
                  ("llama2-7b", "Llama-2-7B", "coat", "coat", "coat"),
                  ("llama2-7b", "Llama-2-7B", "coat-lean", "coat-lean", "coat-lean"),
-                 ("llama2-7b", "Llama-2-7B", "coat-lean+release", "coat-lean-release", "coat-lean+release"),
-                 ("llama2-13b", "Llama-2-13B", "coat-lean+release", "coat-lean-release", "coat-lean+release")]
+                 ("llama2-7b", "Llama-2-7B", "coat-lean+release", "coat-lean+release", "coat-lean+release"),
+                 ("llama2-13b", "Llama-2-13B", "coat-lean+release", "coat-lean+release", "coat-lean+release")]
 
 
 def estimate_table(data: dict[str, Any], source: str) -> str:

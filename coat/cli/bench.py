@@ -12,6 +12,7 @@ configuration under torchrun on N processes with FSDP2 (one ``fully_shard`` per 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -24,9 +25,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from coat import memory
+from coat import memory, recipes
 
 DEFAULT_SETUPS = ("amp", "bf16", "coat", "coat-lean")
+#: ``coat bench``'s plot when --png is not given; taken, the next free ``coat_bench-<n>.png``.
+DEFAULT_PNG = "coat_bench.png"
 BASELINES = ("amp", "bf16")
 DEVICE_DEFAULTS = {"cuda": {"model": "llama2-7b", "seq": 2048, "max_batch": 256},
                    "cpu": {"model": "tiny", "seq": 128, "max_batch": 8}}
@@ -58,7 +61,7 @@ def _setup_batches(items: list[str]) -> dict[str, list[int]]:
         name, sep, rest = item.partition("=")
         if not sep or not rest:
             raise BenchError(f"argument --setup-batches: expected SETUP=B[,B...], got {item!r}")
-        out[name] = _positive_ints("--setup-batches", [rest])
+        out[recipes.canonical(name)] = _positive_ints("--setup-batches", [rest])
     return out
 
 
@@ -95,6 +98,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     setups = list(args.setups or DEFAULT_SETUPS)
     if setups == ["all"]:
         setups = list(SETUPS)
+    setups = list(dict.fromkeys(recipes.canonical(s) for s in setups))  # older names in their new form
     for s in setups:
         if s not in SETUPS:
             raise BenchError(f"argument --setups: unknown setup {s!r} (choose from {', '.join(SETUPS)}, or all)")
@@ -314,7 +318,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
 
 
 def record_key(r: dict[str, Any]) -> str:
-    return f"{r.get('device', '?')}|{r['model']}|{r['setup']}|batch{r['batch']}|seq{r['seq']}|world{r.get('world', 1)}"
+    return (f"{r.get('device', '?')}|{r['model']}|{recipes.canonical(r['setup'])}|batch{r['batch']}|seq{r['seq']}|"
+            f"world{r.get('world', 1)}")
 
 
 def merge_json(path: Path, records: list[dict[str, Any]]) -> None:
@@ -326,7 +331,8 @@ def merge_json(path: Path, records: list[dict[str, Any]]) -> None:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise BenchError(f"argument --json: {path} is not valid JSON ({e}); not overwriting it") from None
-    merged = {record_key(r): r for r in data.get("records", [])}
+    # Records of older runs are kept under their setup's current name (coat-release: coat+release).
+    merged = {record_key(r): dict(r, setup=recipes.canonical(r["setup"])) for r in data.get("records", [])}
     for r in records:
         if r["status"] != "skipped" and "device" in r:
             merged[record_key(r)] = {k: v for k, v in r.items() if k not in ("traceback", "log")}
@@ -335,6 +341,18 @@ def merge_json(path: Path, records: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def fresh_png(path: Path) -> Path:
+    """``path``, or the first of ``<stem>-2``, ``<stem>-3``, ... that no file is in the way of
+    (``plot`` may also write ``<stem>_<model>.png``): a second run never replaces the first's plot."""
+    n = 1
+    while True:
+        cand = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        if not cand.exists() and not glob.glob(os.path.join(glob.escape(str(cand.parent)),
+                                                            glob.escape(cand.stem) + "_*" + cand.suffix)):
+            return cand
+        n += 1
 
 
 def plot(records: list[dict[str, Any]], png: Path) -> list[Path]:
@@ -359,7 +377,7 @@ def plot(records: list[dict[str, Any]], png: Path) -> list[Path]:
         for i, s in enumerate(setups):
             ok = sorted((r for r in rs if r["setup"] == s and r["status"] == "ok"), key=lambda r: r["batch"])
             c = f"C{i}" if len(setups) <= 10 else colormaps["tab20"](i % 20)  # distinct beyond 10 setups
-            style = "s-" if s.endswith("-graph") else "o-"  # CUDA-graph steps: square markers
+            style = "s-" if recipes.canonical(s).endswith("+graph") else "o-"  # CUDA-graph steps: square markers
             if ok:
                 b = [r["batch"] for r in ok]
                 if ok[0].get("peak_gib") is not None:
@@ -396,16 +414,20 @@ def plot(records: list[dict[str, Any]], png: Path) -> list[Path]:
 # ---- command line -------------------------------------------------------------------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_default: str | None) -> None:
+def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_default: str | None,
+                  fresh_png_default: str | None = None) -> None:
+    """The flags of ``coat bench`` and ``benchmarks/bench_e2e.py``. ``fresh_png_default``: the
+    plot's name when --png is not given, numbered on if taken (``fresh_png``)."""
     g = p.add_argument_group("what to run")
     g.add_argument("--model", "--models", dest="models", nargs="+", metavar="M",
                    help="presets (" + ", ".join(memory.PRESETS) + "), config.json files or checkpoint folders "
                    "(default: llama2-7b on a GPU, tiny on a CPU)")
     g.add_argument("--recipe", "--setups", dest="setups", nargs="+", metavar="S",
-                   help="setups: amp, bf16, coat, coat-lean; variants coat-release, coat-lean-release, "
-                   "coat-lean-hfloss, and coat-graph, coat-lean-graph (the step replayed from CUDA graphs); peers "
-                   "torchao (needs torchao and a GPU); LoRA: lora-bf16 (PEFT), lora-coat, lora-coat-graph, qlora "
-                   "(PEFT + bitsandbytes 4-bit); or all (default: " + " ".join(DEFAULT_SETUPS) + ")")
+                   help="setups, named as coat train and coat estimate name them (coat/recipes.py): amp, bf16, "
+                   "coat, coat-lean; coat+release, coat-lean+release, coat-lean+hf-loss, and coat+graph, "
+                   "coat-lean+graph (the step replayed from CUDA graphs); peers torchao (needs torchao and a GPU); "
+                   "LoRA: bf16+lora (PEFT), coat+lora, coat+lora+graph, qlora (PEFT + bitsandbytes 4-bit); or all "
+                   "(default: " + " ".join(DEFAULT_SETUPS) + "); " + recipes.alias_help())
     g.add_argument("--batch", "--batches", dest="batches", nargs="+", metavar="B",
                    help="batches (sequences per GPU), e.g. 1 2 4 or 1,2,4; 'auto': 1, 2, 4, ... to --max-batch "
                    "(default: auto); each setup stops at its first out-of-memory")
@@ -429,7 +451,12 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
     g.add_argument("--json", default=json_default, metavar="PATH",
                    help="merge results into this JSON file, keyed by device, model, setup, batch, sequence, ranks"
                    + ("" if json_default else " (default: none)"))
-    g.add_argument("--png", default=png_default, metavar="PATH", help="memory and tokens/s against batch")
+    stem, suffix = os.path.splitext(fresh_png_default or "")
+    g.add_argument("--png", default=png_default, metavar="PATH", help="memory and tokens/s against batch" + (
+        f" (default: {fresh_png_default}, or {stem}-2{suffix}, -3, ... when taken: a run never replaces an earlier "
+        "run's plot; a PATH given is replaced)" if fresh_png_default else ""))
+    if fresh_png_default:
+        p.set_defaults(fresh_png=fresh_png_default)
     g.add_argument("--quiet", action="store_true", help="only the final table")
 
 
@@ -446,7 +473,9 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Path]]:
     if args.json:
         merge_json(Path(args.json), records)
         log(f"results merged into {args.json}")
-    pngs = plot(records, Path(args.png)) if args.png else []
+    png = Path(args.png) if args.png else fresh_png(Path(args.fresh_png)) if getattr(args, "fresh_png", None) \
+        else None
+    pngs = plot(records, png) if png else []
     for p in pngs:
         log(f"plot: {p}")
     return records, pngs
@@ -496,7 +525,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand to the ``coat`` parser."""
     p = subparsers.add_parser("bench", help="measure whole-model training: peak memory vs estimate, tokens/s",
                               description=__doc__)
-    add_arguments(p, json_default=None, png_default="coat_bench.png")
+    add_arguments(p, json_default=None, png_default=None, fresh_png_default=DEFAULT_PNG)
     p.set_defaults(handler=lambda args: main_handler(args, p))
 
 

@@ -43,7 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from coat import memory
+from coat import memory, recipes
 
 GiB = memory.GiB
 StepFn = Callable[[torch.Tensor], None]
@@ -58,15 +58,23 @@ class Context:
 
 @dataclass(frozen=True)
 class Setup:
-    name: str
+    name: str  # in coat.recipes' vocabulary, as coat train and coat estimate name the same setup
     summary: str
-    recipe: str | None  # memory.RECIPES entry whose plan is printed beside the measurement
     param_dtype: torch.dtype  # the dtype the model is built in
     prepare: Callable[[torch.nn.Module, Context], StepFn]
     needs: tuple[str, ...] = ()  # modules that must import; else the setup is skipped
     cuda_only: bool = False
     fsdp: bool = True  # runs under --fsdp
     graphed: bool = False  # the step is a coat.CudaGraphStep (its capture is part of the peak)
+
+    @property
+    def recipe(self) -> str | None:
+        """The memory plan printed beside the measurement: coat.memory's plan of this setup's
+        name, None where it has none (peers)."""
+        try:
+            return memory.recipe(self.name).name
+        except ValueError:
+            return None
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast, graphed: bool = False) -> StepFn:
@@ -207,32 +215,31 @@ def _prep_qlora(model, ctx):
 
 
 SETUPS: dict[str, Setup] = {s.name: s for s in (
-    Setup("amp", "fp32 weights, bf16 autocast, torch fused AdamW (FSDP2: MixedPrecisionPolicy bf16/fp32)", "amp",
+    Setup("amp", "fp32 weights, bf16 autocast, torch fused AdamW (FSDP2: MixedPrecisionPolicy bf16/fp32)",
           torch.float32, _prep_amp),
-    Setup("bf16", "bf16 weights, torch fused AdamW", "bf16", torch.bfloat16, _prep_bf16),
-    Setup("coat", "bf16 weights, coat.convert, coat.optim.AdamW (fp32 master)", "coat", torch.bfloat16,
-          _prep_coat("fp32")),
-    Setup("coat-lean", "bf16 weights, coat.convert, coat.optim.AdamW(master_weights='bf16_sr')", "coat-lean",
-          torch.bfloat16, _prep_coat("bf16_sr")),
-    Setup("coat-release", "coat with the optimizer step inside backward (coat.optim.step_in_backward)",
-          "coat+release", torch.bfloat16, _prep_coat("fp32", release=True)),
-    Setup("coat-lean-release", "coat-lean with the optimizer step inside backward", "coat-lean+release",
-          torch.bfloat16, _prep_coat("bf16_sr", release=True)),
-    Setup("coat-graph", "coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", "coat", torch.bfloat16,
+    Setup("bf16", "bf16 weights, torch fused AdamW", torch.bfloat16, _prep_bf16),
+    Setup("coat", "bf16 weights, coat.convert, coat.optim.AdamW (fp32 master)", torch.bfloat16, _prep_coat("fp32")),
+    Setup("coat-lean", "bf16 weights, coat.convert, coat.optim.AdamW(master_weights='bf16_sr')", torch.bfloat16,
+          _prep_coat("bf16_sr")),
+    Setup("coat+release", "coat with the optimizer step inside backward (coat.optim.step_in_backward)",
+          torch.bfloat16, _prep_coat("fp32", release=True)),
+    Setup("coat-lean+release", "coat-lean with the optimizer step inside backward", torch.bfloat16,
+          _prep_coat("bf16_sr", release=True)),
+    Setup("coat+graph", "coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,
           _prep_coat("fp32", graphed=True), cuda_only=True, fsdp=False, graphed=True),
-    Setup("coat-lean-graph", "coat-lean, the step replayed from CUDA graphs (coat.CudaGraphStep)", "coat-lean",
-          torch.bfloat16, _prep_coat("bf16_sr", graphed=True), cuda_only=True, fsdp=False, graphed=True),
-    Setup("coat-lean-hfloss", "coat-lean with Hugging Face's loss path (convert(fused_loss=False))",
-          "coat-lean+hf-loss", torch.bfloat16, _prep_coat("bf16_sr", fused_loss=False)),
+    Setup("coat-lean+graph", "coat-lean, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,
+          _prep_coat("bf16_sr", graphed=True), cuda_only=True, fsdp=False, graphed=True),
+    Setup("coat-lean+hf-loss", "coat-lean with Hugging Face's loss path (convert(fused_loss=False))",
+          torch.bfloat16, _prep_coat("bf16_sr", fused_loss=False)),
     Setup("torchao", "peer: torchao float8 training + per-layer torch.compile + AdamW8bit(bf16_stochastic_round)",
-          None, torch.bfloat16, _prep_torchao, needs=("torchao",), cuda_only=True, fsdp=False),
-    Setup("lora-bf16", "PEFT LoRA r=16 on all decoder linears, bf16 frozen base, torch fused AdamW", None,
+          torch.bfloat16, _prep_torchao, needs=("torchao",), cuda_only=True, fsdp=False),
+    Setup("bf16+lora", "PEFT LoRA r=16 on all decoder linears, bf16 frozen base, torch fused AdamW",
           torch.bfloat16, _prep_lora(False), needs=("peft",), fsdp=False),
-    Setup("lora-coat", "coat.convert + PEFT LoRA r=16 on all decoder linears, base frozen in FP8, torch fused AdamW",
-          None, torch.bfloat16, _prep_lora(True), needs=("peft",), fsdp=False),
+    Setup("coat+lora", "coat.convert + PEFT LoRA r=16 on all decoder linears, base frozen in FP8, torch fused AdamW",
+          torch.bfloat16, _prep_lora(True), needs=("peft",), fsdp=False),
     Setup("qlora", "PEFT QLoRA: bitsandbytes 4-bit NF4 decoder linears + LoRA r=16 on all of them, torch fused AdamW",
-          None, torch.bfloat16, _prep_qlora, needs=("peft", "bitsandbytes"), cuda_only=True, fsdp=False),
-    Setup("lora-coat-graph", "lora-coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", None,
+          torch.bfloat16, _prep_qlora, needs=("peft", "bitsandbytes"), cuda_only=True, fsdp=False),
+    Setup("coat+lora+graph", "coat+lora, the step replayed from CUDA graphs (coat.CudaGraphStep)",
           torch.bfloat16, _prep_lora(True, graphed=True), needs=("peft",), cuda_only=True, fsdp=False, graphed=True),
 )}
 
@@ -430,7 +437,7 @@ def _versions() -> dict[str, Any]:
 
 def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration; returns its result (never raises for out-of-memory)."""
-    setup = SETUPS[cfg["setup"]]
+    setup = SETUPS[recipes.canonical(cfg["setup"])]
     shape = memory.ModelShape(**cfg["shape"])
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     fsdp = bool(cfg.get("fsdp"))

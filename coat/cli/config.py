@@ -9,13 +9,16 @@ from typing import Any, Callable
 
 import torch
 
+from coat import recipes
 from coat.cli.data import TOKENIZERS
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 # Precision recipes, as (activations, optimizer): bf16 is plain PyTorch; fp8 converts the decoder
 # layers to the FP8 precision flow (FP8 GEMMs, FP8 saved activations); coat is fp8 plus FP8
-# optimizer states.
+# optimizer states. These are the runs (and the folders of a comparison); --recipe also takes the
+# setup names of coat.recipes, which ``expand_setup`` turns into one of these plus flags, and a
+# run is recorded under its setup name (``setup_name``).
 RECIPE_PARTS = {"bf16": ("bf16", "torch"), "fp8": ("fp8", "torch"), "coat": ("fp8", "coat")}
 RECIPES = tuple(RECIPE_PARTS)
 DEFAULT_RECIPE = "coat"
@@ -137,6 +140,69 @@ def _default_threads() -> int:
     return min(torch.get_num_threads(), allowed)
 
 
+def expand_setup(cfg: TrainConfig) -> tuple[TrainConfig, set[str]]:
+    """``--recipe`` given as a setup name of coat.recipes (``coat-lean``, ``coat+release``, ``amp``,
+    what a run's summary.json calls it): the run's recipe (bf16, fp8 or coat) and the flags the name
+    sets, and the names of those flags (they count as given). Other configs are returned as they are.
+    Raises ``ConfigError`` for a name that is unknown, that coat train cannot run, or that a flag
+    contradicts."""
+    if cfg.recipe is None or cfg.recipe in RECIPE_PARTS or (
+            cfg.activations and cfg.optim and cfg.recipe == recipe_name(cfg.activations, cfg.optim)):
+        return cfg, set()
+    try:
+        s = recipes.parse(cfg.recipe)
+    except ValueError as e:
+        raise ConfigError("--recipe", str(e).split(": ", 1)[1]) from None
+    if s.recipe not in TRAIN_SETUPS:
+        raise ConfigError("--recipe", f"{s.name}: coat train does not run {s.recipe} (it runs "
+                          f"{', '.join(TRAIN_SETUPS)})")
+    recipe, sets = TRAIN_SETUPS[s.recipe]
+    sets = dict(sets)
+    for mode in s.modes:
+        if mode not in TRAIN_MODES:
+            raise ConfigError("--recipe", f"{s.name}: coat train has no +{mode} (its modes: "
+                              + ", ".join("+" + m for m in TRAIN_MODES) + ")")
+        sets.update(TRAIN_MODES[mode])
+    if s.has("lora") and not cfg.lora:
+        raise ConfigError("--recipe", f"{s.name}: +lora needs the adapters' rank: add --lora RANK")
+    default = TrainConfig()
+    for name, value in sets.items():
+        given = getattr(cfg, name)
+        if given not in (value, getattr(default, name)) and not (name == "dtype" and given == "auto"):
+            raise ConfigError(flag(name), f"{given!r} contradicts --recipe {s.name} (which sets {flag(name)} "
+                              f"{value}); drop one of the two")
+    return replace(cfg, recipe=recipe, **sets), set(sets)
+
+
+#: coat.recipes' recipes that coat train runs: its recipe, and the flags the name sets. amp is
+#: the bf16 baseline with bf16 autocast (fp32 weights), fp32 the same without autocast; bf16 is
+#: coat train's baseline as it always was, its autocast from --dtype (so amp on a GPU, fp32 on a
+#: CPU), not coat.recipes' bf16 (bf16 weights), which coat train does not run.
+TRAIN_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bf16": ("bf16", {}), "amp": ("bf16", {"dtype": "bf16"}), "fp32": ("bf16", {"dtype": "fp32"}), "fp8": ("fp8", {}),
+    "coat": ("coat", {}), "coat-lean": ("coat", {"master_weights": "bf16_sr"})}
+#: coat.recipes' modes that coat train runs, and the flags they set (+lora: with --lora RANK).
+TRAIN_MODES: dict[str, dict[str, Any]] = {"lora": {}, "release": {"release_grads": True},
+                                          "graph": {"cuda_graph": True}}
+
+
+def setup_name(cfg: TrainConfig) -> str:
+    """What a resolved ``cfg`` runs, named in coat.recipes' vocabulary (``coat estimate --recipe``
+    and ``coat bench --recipe`` take it as is): the bf16 baseline is amp with bf16 autocast (its
+    weights are fp32), fp32 without; coat with --master-weights bf16_sr is coat-lean. A combination
+    outside the vocabulary (bf16 layers with --optim coat) keeps its coat train name."""
+    if (cfg.activations, cfg.optim) == RECIPE_PARTS["bf16"]:
+        base = "amp" if cfg.dtype == "bf16" else "fp32"
+    elif (cfg.activations, cfg.optim) == RECIPE_PARTS["fp8"]:
+        base = "fp8"
+    elif (cfg.activations, cfg.optim) == RECIPE_PARTS["coat"]:
+        base = "coat-lean" if cfg.master_weights == "bf16_sr" else "coat"
+    else:
+        return recipe_name(cfg.activations, cfg.optim)
+    on = {"lora": bool(cfg.lora), "release": cfg.release_grads, "graph": cfg.cuda_graph}
+    return recipes.Setup(base, tuple(m for m in recipes.MODES if on.get(m))).name
+
+
 def recipe_name(activations: str, optim: str) -> str:
     for name, parts in RECIPE_PARTS.items():
         if parts == (activations, optim):
@@ -145,6 +211,7 @@ def recipe_name(activations: str, optim: str) -> str:
 
 
 def _resolve_recipe(cfg: TrainConfig) -> TrainConfig:
+    cfg = expand_setup(cfg)[0]
     if cfg.recipe is not None and cfg.recipe not in RECIPE_PARTS and cfg.activations and cfg.optim \
             and cfg.recipe == recipe_name(cfg.activations, cfg.optim):
         return cfg  # already resolved: a combination of parts outside the named recipes

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from coat import memory
+from coat import memory, recipes
 from coat.memory import GiB, MiB
 
 #: Memory torch reports for common GPUs (GiB), for --gpu / --gpu-memory without the GPU at hand.
@@ -64,14 +64,15 @@ def check_model(model: str, recipe: str) -> None:
             raise ValueError(f"{where}: {key} must be an integer in [1, {MAX_SIZE}], got "
                              + (shown if len(shown) <= 24 else shown[:20] + "..."))
     act = cfg.get("hidden_act", "silu")
-    if recipe.split("+")[0] in _COAT_RECIPES and act != "silu":
+    if recipes.parse(recipe).recipe in _COAT_RECIPES and act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r}: recipe {recipe} converts the decoder layers with coat.convert, "
                          "which supports SwiGLU MLPs (hidden_act 'silu') only; estimate --recipe amp or bf16")
 
 
 def check_recipe(recipe: str) -> None:
-    base, *mods = recipe.split("+")
-    if "release" in mods and base not in _COAT_RECIPES:
+    s = recipes.parse(recipe)
+    base = s.recipe
+    if s.has("release") and base not in _COAT_RECIPES:
         raise ValueError(f"--recipe {recipe!r}: gradient release steps coat.optim.AdamW inside backward; recipe "
                          f"{base} uses torch.optim.AdamW (use {' or '.join(r + '+release' for r in _COAT_RECIPES)})")
 
@@ -155,7 +156,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     # a machine without one). "gpu" names the GPU instead, when there is one to name.
     del out["device"]
     out["gpu"] = gpu
-    out.update(recipe_summary=rec.summary, gpu_memory_gib=mem, gpu_memory_source=mem_src,
+    modes = [recipes.MODES[m] for m in recipes.parse(rec.name).modes]
+    out.update(recipe_summary="; ".join([rec.summary, *modes]), gpu_memory_gib=mem, gpu_memory_source=mem_src,
                max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus),
                # measured on one GPU (benchmarks/RESULTS.md section 6), not yet under FSDP2
                modeled_only=(rec.grad_release or rec.fused_loss) and args.gpus > 1)
@@ -219,7 +221,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a preset (" + ", ".join(memory.PRESETS) + "), a Hugging Face config.json, or a checkpoint "
                    "folder")
     p.add_argument("--recipe", default="coat", metavar="R",
-                   help="amp, bf16, coat, coat-lean; '+release' / '+fused-loss' add those modes (modeled)")
+                   help="a setup name (coat/recipes.py), as coat train writes it (setup in its summary.json) "
+                   "and coat bench runs it; modeled: the recipes " + ", ".join(memory.RECIPES) + " with the modes "
+                   "+release, +fused-loss, +hf-loss, +graph (e.g. coat-lean+release); " + recipes.alias_help())
     p.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per GPU")
     p.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="FSDP2 over N GPUs (figures per GPU)")
@@ -229,7 +233,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"memory per GPU (default: the current GPU's, else {DEFAULT_MEMORY_GIB:g})")
     p.add_argument("--measure-rates", action="store_true", help="measure this GPU's GEMM and copy rates for the "
                    "roofline (default: rates measured before on an H100/H200)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (keys include peak_gib, max_batch; the figures are for a CUDA GPU, "
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys include peak_gib, max_batch; "
+                   "the figures are for a CUDA GPU, "
                    "'gpu' names it when --gpu names one or one is present)")
     p.set_defaults(handler=lambda args: _run(args, p))
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import ConfigError, TrainConfig, lr_lambda
+from coat.cli.config import ConfigError, TrainConfig, lr_lambda, setup_name
 from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, HFTokenizer, eval_batches, sample_batch
 from coat.cli.export import export
 from coat.cli.plot import plot_loss
@@ -396,7 +396,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     if main:
         # One id per run, kept across resumes: a checkpoint of any other run is refused on resume.
         run_id = json.loads(paths["config"].read_text()).get("run_id") if resumed else None
-        run_info = {"run_id": run_id or uuid.uuid4().hex, "train": asdict(cfg), "flags": asdict(plan.flags or cfg),
+        run_info = {"run_id": run_id or uuid.uuid4().hex, "setup": setup_name(cfg), "train": asdict(cfg),
+                    "flags": asdict(plan.flags or cfg),
                     "model": model.config.to_dict(),
                     "n_params": n_params, "world_size": d.world, "precision": precision,
                     "init": plan.init.summary() if plan.init else None,
@@ -532,7 +533,8 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     opt_bytes = d.all_reduce(torch.tensor([optimizer_state_bytes(optimizer)], dtype=torch.float64,
                                           device=device)).item()
     results = {
-        "recipe": cfg.recipe, "initial_val_loss": state["initial_val"], "final_val_loss": state["last_val"],
+        "recipe": cfg.recipe, "setup": setup_name(cfg),  # setup: coat estimate / bench --recipe take it as is
+        "initial_val_loss": state["initial_val"], "final_val_loss": state["last_val"],
         "final_train_loss": state.get("last_train", rec.get("loss")), "steps": state["step"], "planned_steps": cfg.steps,
         "tokens": state["step"] * tokens_per_step, "n_params": n_params, "world_size": d.world,
         "tokens_per_s": state["measured_tokens"] / state["measured_time"] if state["measured_time"] else None,

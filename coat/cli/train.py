@@ -21,8 +21,9 @@ from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, LORA_LR, MASTER_WEIGHTS,
-                             MODEL_PRESETS, OPTIMIZERS, RECIPES, SCHEDULES, ConfigError, TrainConfig,
-                             check_init_flags, explicit_fields, flag, lr_lambda, resolve_config, validate)
+                             MODEL_PRESETS, OPTIMIZERS, SCHEDULES, TRAIN_SETUPS, ConfigError,
+                             TrainConfig, check_init_flags, expand_setup, explicit_fields, flag, lr_lambda,
+                             resolve_config, validate)
 from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, default_cache_dir, load_corpus
 from coat.cli.runner import RunPlan, build_model, build_optimizer, evaluate, lm_loss
 
@@ -128,6 +129,9 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
     from coat.cli import pretrained
 
     explicit = explicit_fields(cfg) if explicit is None else explicit
+    # A setup name as --recipe (coat-lean, coat+release): the recipe and the flags it sets, as if given.
+    cfg, implied = expand_setup(cfg)
+    explicit = explicit | implied
     ran = None
     if cfg.resume is not None:
         cfg, ran = resume_config(cfg, explicit)
@@ -405,9 +409,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the rest; the first step only measures it)")
 
     g = p.add_argument_group("precision and runtime")
-    g.add_argument("--recipe", choices=RECIPES, help="coat (default): FP8 GEMMs and saved activations in the "
-                   "decoder layers, FP8 optimizer states; fp8: the same without FP8 optimizer states; "
-                   "bf16: the plain PyTorch baseline")
+    g.add_argument("--recipe", metavar="NAME", help="coat (default): FP8 GEMMs and saved activations in the "
+                   "decoder layers, FP8 optimizer states; coat-lean: coat with --master-weights bf16_sr; fp8: the "
+                   "FP8 layers without FP8 optimizer states; bf16: the plain PyTorch baseline (fp32 weights, "
+                   "autocast from --dtype), amp / fp32: that baseline with / without bf16 autocast. Modes after "
+                   "'+': +release (= --release-grads), +graph (= --cuda-graph), +lora (with --lora RANK), e.g. "
+                   "coat-lean+release. The run is recorded under its setup name "
+                   "(setup in config.json and summary.json: amp for the baseline on a GPU), which coat estimate "
+                   "--recipe and coat bench --recipe take as is (recipes: " + ", ".join(TRAIN_SETUPS) + ")")
     g.add_argument("--compare", action=argparse.BooleanOptionalAction, help="also train the bf16 baseline "
                    "(same seed and data order) and end with a comparison table and plot (default: on when "
                    "--recipe is not given)")

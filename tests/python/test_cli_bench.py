@@ -114,8 +114,7 @@ def test_out_of_memory_is_this_configurations_result(monkeypatch):
     def prepare(model, ctx):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setitem(bench_worker.SETUPS, "oomy", bench_worker.Setup("oomy", "raises", "bf16", torch.bfloat16,
-                                                                        prepare))
+    monkeypatch.setitem(bench_worker.SETUPS, "oomy", bench_worker.Setup("oomy", "raises", torch.bfloat16, prepare))
     res = bench_worker.run_config({"setup": "oomy", "shape": asdict(M.PRESETS["tiny"]), "batch": 1, "seq": 16,
                                    "warmup": 1, "steps": 1, "device": "cpu"})
     assert res["status"] == "oom" and res["phase"] == "build" and "out of memory" in res["error"]
@@ -190,7 +189,7 @@ from coat.cli import bench_worker as W
 if os.environ["RANK"] == "1":
     def prepare(model, ctx):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated on rank 1)")
-    W.SETUPS["bf16"] = W.Setup("bf16", "", "bf16", torch.bfloat16, prepare)
+    W.SETUPS["bf16"] = W.Setup("bf16", "", torch.bfloat16, prepare)
 sys.exit(W.main())
 """
 
@@ -240,3 +239,24 @@ def test_help_names_every_setup(capsys) -> None:
         main(["bench", "--help"])
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also inside names
     assert [s for s in bench_worker.SETUPS if s not in text] == []
+
+
+def test_a_second_run_keeps_the_first_runs_plot(tmp_path, monkeypatch, capsys):
+    # `coat bench` twice in one folder: the second plot goes beside the first (coat_bench-2.png),
+    # never over it; a --png given is written where it says.
+    launch, _ = _fake_launch({})
+    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.chdir(tmp_path)
+    argv = ("--setups", "bf16", "coat", "--batches", "1", "--device", "cpu", "--quiet")
+    first = bench.run(_args(*argv))[1]
+    assert first == [Path(bench.DEFAULT_PNG)]
+    before = first[0].read_bytes()
+    second = bench.run(_args(*argv))[1]
+    assert second == [Path("coat_bench-2.png")] and first[0].read_bytes() == before
+    assert bench.run(_args(*argv))[1] == [Path("coat_bench-3.png")]
+    assert bench.run(_args(*argv, "--png", "coat_bench.png"))[1] == [Path("coat_bench.png")]
+    # Plots split by model (coat_bench_<model>.png) count as taken too.
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")
+    (tmp_path / "other" / "coat_bench_tiny.png").write_bytes(b"")
+    assert bench.fresh_png(Path(bench.DEFAULT_PNG)) == Path("coat_bench-2.png")

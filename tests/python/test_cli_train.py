@@ -305,7 +305,7 @@ def test_help_runs_as_module(module: str) -> None:
                           text=True, env=_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "usage: coat train" in proc.stdout or "usage: __main__.py train" in proc.stdout
-    for text in ("--optim {torch,coat}", "--recipe {bf16,fp8,coat}", "--activations {bf16,fp8}", "(default: cosine)",
+    for text in ("--optim {torch,coat}", "--recipe NAME", "--activations {bf16,fp8}", "(default: cosine)",
                  "on CPU", "--eval-every", "--compare, --no-compare", "--init PATH", "--resume DIR",
                  "--save-every N", "--keep-last N"):
         assert text in proc.stdout
@@ -365,7 +365,7 @@ def bad_data(tmp_path: Path) -> dict[str, str]:
         (["--lr", "1e-3", "--min-lr", "1e-2"], "argument --min-lr:"),
         (["--recipe", "bf16", "--master-weights", "bf16_sr"],
          "argument --master-weights: only applies to --optim coat"),
-        (["--recipe", "fp16"], "argument --recipe: invalid choice"),
+        (["--recipe", "fp16"], "argument --recipe: unknown recipe 'fp16' (recipes: amp, bf16,"),
         (["--steps", "ten"], "argument --steps: invalid int value"),
         (["--lr", "inf"], "argument --lr: must be a finite number, got inf"),
         (["--lr", "nan"], "argument --lr: must be a finite number, got nan"),

@@ -1,0 +1,111 @@
+"""Names of training setups: one vocabulary for ``coat train``, ``coat estimate`` and ``coat bench``.
+
+A setup name is a recipe, then modes, joined with '+': ``coat``, ``coat-lean+release``,
+``coat+lora+graph``. The recipe says what the weights, the layers and the optimizer are; each
+mode adds one thing to the step. What ``coat train`` ran is written under this name (``setup`` in
+its config.json and summary.json) and can be handed as is to ``coat estimate --recipe`` (which
+models the memory of most of them: ``coat.memory``) and ``coat bench --recipe`` (which runs the
+ones in ``coat.cli.bench_worker.SETUPS``). Pure data, no torch import.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+#: The recipes, each a one-line description.
+RECIPES: dict[str, str] = {
+    "amp": "fp32 weights, bf16 autocast, torch.optim.AdamW",
+    "bf16": "bf16 weights, torch.optim.AdamW (bf16 states)",
+    "fp32": "fp32 weights and compute, torch.optim.AdamW",
+    "fp8": "FP8 layers (coat.convert), torch.optim.AdamW on fp32 weights",
+    "coat": "FP8 layers (coat.convert), coat.optim.AdamW (FP8 states) with fp32 master weights",
+    "coat-lean": "coat with master_weights='bf16_sr': bf16 weights and no fp32 copy",
+}
+
+#: The modes, in the order they are written; each a one-line description.
+MODES: dict[str, str] = {
+    "lora": "PEFT LoRA adapters, the base weights frozen",
+    "release": "gradient release: the optimizer steps each layer inside backward and frees its gradients",
+    "fused-loss": "coat's fused LM head + loss, chunked, no full logits (the FP8 recipes have it already)",
+    "hf-loss": "Hugging Face's loss path instead of coat's fused one",
+    "graph": "the step replayed from CUDA graphs (coat.CudaGraphStep)",
+}
+
+#: Setups of other libraries that ``coat bench`` runs beside coat's (no modes).
+PEERS: dict[str, str] = {
+    "torchao": "torchao float8 training + per-layer torch.compile + AdamW8bit(bf16_stochastic_round)",
+    "qlora": "PEFT QLoRA: bitsandbytes 4-bit NF4 base + LoRA adapters",
+}
+
+#: Names ``coat bench`` used before this vocabulary; still accepted, written in the new form.
+ALIASES: dict[str, str] = {
+    "coat-release": "coat+release",
+    "coat-lean-release": "coat-lean+release",
+    "coat-graph": "coat+graph",
+    "coat-lean-graph": "coat-lean+graph",
+    "coat-lean-hfloss": "coat-lean+hf-loss",
+    "lora-bf16": "bf16+lora",
+    "lora-coat": "coat+lora",
+    "lora-coat-graph": "coat+lora+graph",
+}
+
+
+class Setup(NamedTuple):
+    recipe: str
+    modes: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return "+".join((self.recipe, *self.modes))
+
+    def has(self, mode: str) -> bool:
+        return mode in self.modes
+
+
+def parse(name: str, flag: str = "--recipe") -> Setup:
+    """The setup ``name`` stands for, its modes in canonical order (an old name becomes its new
+    form). Raises ``ValueError`` naming ``flag`` and what is unknown."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{flag}: a setup name is required (e.g. coat, coat-lean+release)")
+    base, *mods = ALIASES.get(name, name).split("+")
+    if base in PEERS:
+        if mods:
+            raise ValueError(f"{flag} {name!r}: {base} is another library's setup and takes no modes")
+        return Setup(base)
+    if base not in RECIPES:
+        raise ValueError(f"{flag} {name!r}: unknown recipe {base!r} (recipes: {', '.join(RECIPES)}; modes after "
+                         f"'+': {', '.join(MODES)})")
+    for m in mods:
+        if m not in MODES:
+            raise ValueError(f"{flag} {name!r}: unknown mode {m!r} (modes: {', '.join(MODES)})")
+        if mods.count(m) > 1:
+            raise ValueError(f"{flag} {name!r}: mode {m!r} given twice")
+    if "fused-loss" in mods and "hf-loss" in mods:
+        raise ValueError(f"{flag} {name!r}: fused-loss and hf-loss exclude each other")
+    return Setup(base, tuple(m for m in MODES if m in mods))
+
+
+def canonical(name: str) -> str:
+    """``name`` as this vocabulary writes it; a name it does not know is returned unchanged."""
+    try:
+        return parse(name).name
+    except ValueError:
+        return name
+
+
+def describe(name: str) -> str:
+    """One line: the recipe's description, then each mode's."""
+    s = parse(name)
+    if s.recipe in PEERS:
+        return PEERS[s.recipe]
+    return "; ".join([RECIPES[s.recipe], *(MODES[m] for m in s.modes)])
+
+
+def help_text() -> str:
+    """The vocabulary in a sentence, for --help."""
+    return ("recipes " + ", ".join(RECIPES) + "; modes after '+': " + ", ".join(MODES)
+            + " (e.g. coat-lean+release)")
+
+
+def alias_help() -> str:
+    return "older names (" + ", ".join(ALIASES) + ") still work"
