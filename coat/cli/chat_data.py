@@ -301,7 +301,7 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-        self._end_marker: str | None = None
+        self._markers: tuple[str, str] | None = None
 
     def _render(self, messages: list[dict], tools: Any, generation_prompt: bool, where: str) -> str:
         if not getattr(self.tok, "chat_template", None):
@@ -313,64 +313,86 @@ class ChatRenderer:
         except Exception as e:  # jinja2's TemplateError, or the template's raise_exception()
             raise ValueError(f"{where}: the chat template refused the conversation ({type(e).__name__}: {e})") from None
 
-    def end_marker(self) -> str:
-        """What the template writes right after an assistant message's content (e.g. "<|im_end|>"):
-        part of what the model must learn to produce, so that it stops."""
-        if self._end_marker is None:
-            probe = [{"role": "user", "content": "coat-probe-question"},
-                     {"role": "assistant", "content": "coat-probe-answer"}]
+    def _probe(self) -> tuple[str, str]:
+        """What the template writes before an assistant reply (its generation prompt, e.g.
+        "<|im_start|>assistant\\n") and right after it (e.g. "<|im_end|>": part of what the model
+        must learn to produce, so that it stops); "" where a probe conversation does not show it."""
+        if self._markers is None:
+            q, a = "615283947", "739184526"  # digits: what templates do to text (trim, case) leaves them
+            header = marker = ""
             try:
-                text = self._render(probe, None, False, "probe")
-                self._end_marker = text.split("coat-probe-answer", 1)[1].rstrip() if "coat-probe-answer" in text else ""
+                asked = self._render([{"role": "user", "content": q}], None, False, "probe")
+                prompt = self._render([{"role": "user", "content": q}], None, True, "probe")
+                full = self._render([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                    None, False, "probe")
             except ValueError:
-                self._end_marker = ""
-        return self._end_marker
+                asked = prompt = full = ""
+            if prompt.startswith(asked) and full.startswith(prompt):
+                header = prompt[len(asked):]
+            if a in full:
+                marker = full.split(a, 1)[1].rstrip()
+            self._markers = (header, marker)
+        return self._markers
 
-    def _span_by_prefix(self, msgs: list[dict], j: int, tools: Any, full: str, where: str) -> tuple[int, int] | None:
-        """The character span of assistant message ``j``: everything the template writes for the
-        turn, from the end of the rendering of the messages before it with the generation prompt
-        to the end of the rendering up to it, where both are prefixes of the whole rendering. None
-        where the template renders the turn differently once later turns follow (Qwen3 drops the
-        reasoning block of past turns)."""
-        if j == 0:  # nothing to render before it (templates refuse an empty conversation): a default
-            return None  # system prompt would fall inside the span, so the reply is found by its content
-        try:
-            start = self._render(msgs[:j], tools, True, where)
-            end = self._render(msgs[: j + 1], tools, False, where)
-        except ValueError:  # e.g. a template that refuses a conversation ending on an assistant turn
-            return None
-        if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
-            return None
-        return len(start), len(end.rstrip())  # the newline after the turn's end is not learned
+    def _span(self, msgs: list[dict], j: int, tools: Any, full: str, pos: int, where: str) -> tuple[int, int]:
+        """The character span in ``full`` (the whole rendering) of assistant message ``j``, which
+        starts at or after ``pos``: everything the template writes for the turn after its
+        generation prompt, up to its end-of-turn marker (the newline after that is not learned).
 
-    def _spans_by_search(self, msgs: list[dict], need: set[int], full: str, where: str) -> dict[int, tuple[int, int]]:
-        """Character spans of the messages in ``need``, found by locating each message's content
-        in order in the rendering, then the template's end-of-turn marker after it."""
-        spans, pos, marker = {}, 0, self.end_marker()
+        Where the rendering of the messages before it with the generation prompt, and of those up
+        to it, are prefixes of ``full``, they give the span exactly. A template may render a turn
+        differently once later turns follow (Qwen3 gives the last turn a reasoning block and drops
+        it from past ones); the span then starts after the generation prompt (the prefix, else the
+        next generation prompt in ``full``, else the reply itself) and ends at the first
+        end-of-turn marker after the reply (tool calls included)."""
+        start = None
+        if j > 0:  # templates refuse to render an empty conversation
+            try:
+                before = self._render(msgs[:j], tools, True, where)
+                upto = self._render(msgs[: j + 1], tools, False, where)
+            except ValueError:  # e.g. a template that refuses a conversation ending on an assistant turn
+                before = upto = ""
+            if before and len(before) >= pos and full.startswith(before):
+                start = len(before)
+                if full.startswith(upto) and len(upto.rstrip()) > start:
+                    return start, len(upto.rstrip())
+        header, marker = self._probe()
+        text = _content_text(msgs[j].get("content")).strip()
+        if start is None and header and full.find(header, pos) >= 0:
+            start = full.find(header, pos) + len(header)
+        at = full.find(text, pos if start is None else start) if text else -1
+        if start is None and at >= 0:
+            start = at
+        turn_end = full.find(marker, start) if marker and start is not None else -1
+        if at >= 0 and (turn_end < 0 or at <= turn_end):  # the reply as written, then the end of its turn
+            after = at + len(text)
+            end = full.find(marker, after) if marker else -1
+        else:  # the template rewrote the reply (or it is empty: tool calls): the turn ends at its marker
+            after, end = start, turn_end
+        if start is None or (end < 0 and after == start):
+            raise ValueError(f"{where}: could not find assistant message {j} in the chat template's rendering of "
+                             "the conversation, so its tokens cannot be told from the prompt's")
+        return start, (end + len(marker) if end >= 0 else after)
+
+    def _spans(self, msgs: list[dict], learn: list[int], tools: Any, full: str, where: str) -> dict[int, tuple[int, int]]:
+        """Spans of the learned messages, found in order; the other messages' contents move the
+        search on past them where the rendering holds them verbatim."""
+        spans, pos, want = {}, 0, set(learn)
         for j, m in enumerate(msgs):
-            text = _content_text(m.get("content")).strip()
-            at = full.find(text, pos)
-            if at < 0:
-                if j in need:
-                    raise ValueError(f"{where}: could not find assistant message {j} in the chat template's "
-                                     "rendering of the conversation (the template rewrites it), so its tokens "
-                                     "cannot be told from the prompt's")
+            if j in want:
+                spans[j] = self._span(msgs, j, tools, full, pos, where)
+                pos = spans[j][1]
                 continue
-            end = at + len(text)
-            if j in need:
-                if marker and full.startswith(marker, end):
-                    end += len(marker)
-                spans[j] = (at, end)
-            pos = end
+            text = _content_text(m.get("content")).strip()
+            at = full.find(text, pos) if text else -1
+            if at >= 0:
+                pos = at + len(text)
         return spans
 
     def chat(self, msgs: list[dict], learn: list[int], tools: Any, where: str) -> tuple[list[int], np.ndarray]:
         """The conversation's token ids, and True on the tokens of the messages ``learn`` indexes."""
         full = self._render(msgs, tools, False, where)
-        spans = {j: self._span_by_prefix(msgs, j, tools, full, where) for j in learn}
-        missing = {j for j, span in spans.items() if span is None}
-        if missing:  # turns the whole conversation renders differently: their replies and ends of turn
-            spans |= self._spans_by_search(msgs, missing, full, where)
+        spans = self._spans(msgs, learn, tools, full, where)
         try:
             enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         except NotImplementedError:

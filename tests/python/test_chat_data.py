@@ -28,7 +28,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 # conversation's prefix is not a prefix of the whole conversation's.
 THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
             "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}"
-            "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+            "{{ m['content'] | trim }}"
+            "{% if m.tool_calls %}<tool_call>{{ m.tool_calls[0].function.name }}</tool_call>{% endif %}"
+            "<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WORDS = ["hello there how are you", "I am fine thank you", "what is two plus two", "four is the answer",
          "be brief", "name a colour", "blue is a colour", "count to three", "one two three"]
@@ -157,12 +159,14 @@ def test_sharegpt_and_prompt_completion(tmp_path: Path) -> None:
 
 
 def test_template_that_rewrites_earlier_turns(tmp_path: Path) -> None:
-    """Where the rendering of a conversation's prefix is not a prefix of the whole (Qwen3-style
-    templates render a reasoning block only in the last turn), what is learned is what the whole
-    rendering writes for each assistant turn: the earlier reply found by its content, with its
-    end-of-turn token; the last turn with its (empty) reasoning block, as the template writes it."""
+    """Where the rendering of a conversation's prefix is not a prefix of the whole (Qwen3's
+    template renders a reasoning block only in the last turn), what is learned is what the whole
+    rendering writes for each assistant turn after its generation prompt, up to its end-of-turn
+    token: an earlier reply as written there, a tool call, the last turn with its (empty) reasoning
+    block."""
     tok = make_tokenizer(tmp_path / "tok", THINKING)
-    _, ids, mask = cd.ChatRenderer(tok).example({"messages": conversation(1)}, "rec")
+    r = cd.ChatRenderer(tok)
+    _, ids, mask = r.example({"messages": conversation(1)}, "rec")
     want_ids, want_mask = pieces_to_example(tok, [
         ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nwhat is two plus two<|im_end|>\n"
          "<|im_start|>assistant\n", False),
@@ -171,11 +175,30 @@ def test_template_that_rewrites_earlier_turns(tmp_path: Path) -> None:
         ("<think></think>blue is a colour<|im_end|>", True),
         ("\n", False)])
     assert ids == want_ids and mask.tolist() == want_mask
-    # An earlier reply that the rendering does not hold verbatim cannot be told apart: refused.
-    rewriting = THINKING.replace("{{ m['content'] | trim }}", "{{ m['content'] | trim | upper }}")
-    tok = make_tokenizer(tmp_path / "tok2", rewriting)
-    with pytest.raises(ValueError, match="rec: could not find assistant message 2"):
-        cd.ChatRenderer(tok).example({"messages": conversation(1)}, "rec")
+
+    tool_use = [{"role": "user", "content": "what is two plus two"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add"}}]},
+                {"role": "tool", "content": "four"},
+                {"role": "assistant", "content": "four is the answer"}]
+    _, ids, mask = r.example({"messages": tool_use}, "tools")
+    assert (ids, mask.tolist()) == pieces_to_example(tok, [
+        ("<|im_start|>user\nwhat is two plus two<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<tool_call>add</tool_call><|im_end|>", True),
+        ("\n<|im_start|>tool\nfour<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<think></think>four is the answer<|im_end|>", True),
+        ("\n", False)])
+
+    # A reply the template rewrites is learned as the template writes it.
+    shouting = make_tokenizer(tmp_path / "tok2", THINKING.replace("| trim }}", "| trim | upper }}"))
+    _, ids, mask = cd.ChatRenderer(shouting).example({"messages": conversation(1)}, "rec")
+    assert shouting.decode([t for t, m in zip(ids, mask) if m]) == \
+        "FOUR IS THE ANSWER<|im_end|><think></think>BLUE IS A COLOUR<|im_end|>"
+    # Refused where nothing shows where the turn starts: the reply opens the conversation, is
+    # rewritten, and the template has no generation prompt to look for.
+    no_prompt = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}"
+    opened = [{"role": "assistant", "content": "hello there"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="rec: could not find assistant message 0"):
+        cd.ChatRenderer(make_tokenizer(tmp_path / "tok3", no_prompt)).example({"messages": opened}, "rec")
 
 
 def test_packing_best_fit_truncation_and_sampling() -> None:
