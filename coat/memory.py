@@ -109,6 +109,12 @@ class ModelShape:
     def n_params(self) -> int:
         return self.layers * self.layer_params + self.embed_params + self.head_params + self.hidden
 
+    def lora_params(self, rank: int) -> int:
+        """Parameters of rank-``rank`` LoRA adapters (A: rank x in, B: out x rank) on every decoder
+        linear (q, k, v, o, gate, up, down)."""
+        h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return self.layers * rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+
     @property
     def largest_fused_weight(self) -> int:
         """Parameters of the largest weight one FP8 GEMM consumes (gate/up, or q/k/v, fused)."""
@@ -224,21 +230,35 @@ class Recipe:
     # The step replayed from CUDA graphs: the same plan (a replay allocates nothing beyond what the
     # captured eager step did; benchmarks/results hold the +graph peaks within 10% of it).
     graph: bool = False
+    # LoRA (coat bench's setups): rank-LORA_RANK adapters on every decoder linear, fp32 (PEFT casts
+    # the adapters of a bf16 model to fp32), torch AdamW over them; the base (weights at
+    # param_bytes) frozen, so it has no master copy, states or gradients.
+    lora: bool = False
 
     def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None,
-                   graph: bool | None = None) -> "Recipe":
-        """This recipe with gradient release, the fused loss and/or CUDA graphs switched on or off
-        (named ``<name>+release``, ``+fused-loss`` where the base recipe has none, ``+hf-loss`` where
-        it has one and it is switched off, ``+graph``)."""
+                   graph: bool | None = None, lora: bool | None = None) -> "Recipe":
+        """This recipe with gradient release, the fused loss, CUDA graphs and/or LoRA switched on or
+        off (named ``<name>+release``, ``+fused-loss`` where the base recipe has none, ``+hf-loss``
+        where it has one and it is switched off, ``+graph``, ``+lora``)."""
         r = replace(self, grad_release=self.grad_release if grad_release is None else grad_release,
                     fused_loss=self.fused_loss if fused_loss is None else fused_loss,
-                    graph=self.graph if graph is None else graph)
+                    graph=self.graph if graph is None else graph, lora=self.lora if lora is None else lora)
         base = self.name.split("+")[0]
+        if r.lora and not self.lora:
+            if base != "bf16" or r.grad_release or r.fused_loss:
+                raise ValueError(f"--recipe {base}+lora: LoRA is modeled for bf16+lora only (coat bench's PEFT "
+                                 "setup; coat+lora, its FP8 counterpart, not yet)")
+            r = replace(r, activations="hf-bf16-lora", fsdp_activations="hf-bf16-lora", master_bytes=0,
+                        state_bytes=0, grad_bytes=0, summary=r.summary.split(",")[0] + " (the base, frozen), "
+                        f"PEFT LoRA r={LORA_RANK} on every decoder linear (fp32 adapters, torch AdamW)")
         default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
         mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
-                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph}
+                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora}
         return replace(r, name=names.Setup(base, tuple(m for m in names.MODES if mods.get(m))).name)
 
+
+#: The rank of ``+lora`` setups (coat bench's LoRA setups: r=16 on every decoder linear).
+LORA_RANK = 16
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("amp", "fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True)", 4, 0, 8, 4, "hf-amp", "hf-bf16",
@@ -262,15 +282,12 @@ def recipe(name: str) -> Recipe:
         kind, what = ("setup", names.PEERS[s.recipe]) if peer else ("recipe", names.RECIPES[s.recipe])
         raise ValueError(f"--recipe {name!r}: {kind} {s.recipe} ({what}) has no memory model (modeled: "
                          f"{', '.join(RECIPES)})")
-    if s.has("lora"):
-        raise ValueError(f"--recipe {name!r}: LoRA setups have no memory model yet (modeled: {', '.join(RECIPES)}, "
-                         "without +lora)")
     r = RECIPES[s.recipe]
     if not s.modes:
         return r
     fused = True if s.has("fused-loss") else False if s.has("hf-loss") else None
     return r.with_modes(grad_release=True if s.has("release") else None, fused_loss=fused,
-                        graph=True if s.has("graph") else None)
+                        graph=True if s.has("graph") else None, lora=True if s.has("lora") else None)
 
 
 # ---- saved activations -------------------------------------------------------------------------------
@@ -306,6 +323,19 @@ def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
                 ("gate/up input", 2 * h * (1 if table == "hf-bf16" else 2)),
                 ("SwiGLU (gate, silu, up, product)", 8 * i)]
         return ops
+    if table == "hf-bf16-lora":
+        # The base frozen: a norm keeps its fp32 input and rstd, not its output (its weight takes no
+        # gradient), and no frozen projection keeps its input; each adapted projection keeps its own
+        # fp32 copy of its input (PEFT casts it to the adapters' dtype) and A's fp32 output.
+        frozen_norm = 4 * h + 4
+        ops = [("input RMSNorm (frozen)", frozen_norm), ("LoRA inputs, fp32 (q, k, v, o, gate, up, down)",
+                                                          4.0 * (5 * h + q + i)),
+               ("LoRA A outputs, fp32", 7 * 4.0 * LORA_RANK)]
+        if shape.qk_norm:
+            ops.append(("q/k RMSNorm (frozen)", 4 * q + 4 * nh + 4 * kv + 4 * shape.kv_heads))
+        ops += [("attention (SDPA)", sdpa), ("post-attention RMSNorm (frozen)", frozen_norm),
+                ("SwiGLU (gate, silu, up)", 6 * i)]
+        return ops
     if table == "coat":
         ops = [("input RMSNorm + q/k/v (FP8 norm input)", _fp8_norm_input(h, 1))]
         if shape.qk_norm:
@@ -323,11 +353,14 @@ def outside_saved(shape: ModelShape, table: str, fused_loss: bool) -> list[tuple
     resid = "hf-amp" if table == "hf-amp" else "hf-bf16"  # the final norm stays Hugging Face's
     if fused_loss:  # coat/nn/loss.py saves nothing: its gradients, made in its forward, are in loss_transient
         return [("token ids", 8.0)]
+    if table == "hf-bf16-lora":  # a frozen final norm and LM head keep neither their output nor their input
+        return [("token ids", 8.0), ("final RMSNorm (frozen)", 4.0 * h + 4), ("cross-entropy log-probabilities (fp32)",
+                                                                              4.0 * v)]
     return [("token ids and labels", 16.0), ("final RMSNorm", _norm(h, 1, resid)), ("LM head input", 2 * h),
             ("cross-entropy log-probabilities (fp32)", 4 * v)]
 
 
-ACTIVATION_TABLES = ("hf-bf16", "hf-amp", "coat")
+ACTIVATION_TABLES = ("hf-bf16", "hf-amp", "coat", "hf-bf16-lora")
 
 
 def fused_loss_transient(shape: ModelShape, tokens: int, chunk_mib: float, x_bytes: int, grad_bytes: int,
@@ -427,6 +460,9 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     table = rec.fsdp_activations if fsdp else rec.activations
     compute = 2  # GEMMs read bf16 weights in every recipe (FSDP2 gathers them in bf16)
 
+    if rec.lora and fsdp:
+        raise ValueError(f"--recipe {rec.name}: LoRA is modeled on one GPU (coat bench runs it without --fsdp)")
+    adapters = s.lora_params(LORA_RANK) if rec.lora else 0
     weights = rec.param_bytes * n / gpus
     master = rec.master_bytes * n / gpus
     states = rec.state_bytes * n / gpus
@@ -444,6 +480,8 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     else:
         loss_tr = 8.0 * v * t  # cross-entropy backward: gradient of the log-probabilities and of the logits (fp32)
     head_grad = (compute if fsdp else rec.grad_bytes) * head  # written before the first layer's backward
+    if rec.lora:  # fp32 adapters, torch AdamW's fp32 states and fp32 gradients; the LM head frozen
+        states, grads, head_grad = 8.0 * adapters, 4.0 * adapters, 0.0
     h, i = s.hidden, s.intermediate
     if table == "coat":
         # SwiGLU backward (mlp.py): dh, d(gate/up) and the recomputed h together, the E5M2 transposed
@@ -478,7 +516,7 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
         fsdp_end = (compute + reduce_copy) * (s.embed_params + s.head_params)
     work = CUDA_WORKSPACE if device == "cuda" else 0.0
 
-    resident = weights + master + states
+    resident = weights + 4.0 * adapters + master + states
     # Backward begins with the loss (everything saved is alive), then the last layer runs with the
     # LM head's gradient written and what was saved outside the layers already freed.
     layers_saved = per_layer * s.layers
@@ -507,6 +545,8 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     start = resident + copies + layers_saved + start_tr + fsdp_tr + work
     end = resident + live_grads + fsdp_end + work
     common = {"weights": weights, "master weights": master, "optimizer states": states}
+    if rec.lora:
+        common["LoRA adapters (fp32)"] = 4.0 * adapters
     if outside + loss_tr >= last_layer:
         start_part = "saved outside layers + loss backward"
     elif rec.grad_release and not fsdp:
@@ -576,13 +616,19 @@ def step_time_floor(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, 
     communication not counted)."""
     rec = recipe(rec) if isinstance(rec, str) else rec
     t = batch * seq
-    dec = 6.0 * shape.layers * shape.layer_linear_params * t
-    head = 6.0 * (shape.head_params or shape.embed_params) * t
+    # 2 FLOPs per parameter and token forward, 2 for the input gradient, 2 for the weight gradient,
+    # which a frozen base (LoRA) does not compute; its adapters' GEMMs are rank-thin (not counted).
+    per = 4.0 if rec.lora else 6.0
+    dec = per * shape.layers * shape.layer_linear_params * t
+    head = per * (shape.head_params or shape.embed_params) * t
     # Causal attention: QK^T and PV, half the square, backward 2.5x the forward.
     attn = 3.5 * 2.0 * batch * seq * seq * shape.q_width * shape.layers
     dec_rate = rates["fp8"] if rec.fp8_weights else rates["bf16"]
     gemm_s = dec / dec_rate + (head + attn) / rates["bf16"]
-    opt_s = OPTIMIZER_BYTES.get(rec.name.split("+")[0], 14.0) * shape.n_params / gpus / rates["bw"]
+    if rec.lora:  # torch AdamW over the fp32 adapters: as amp's optimizer, per adapter parameter
+        opt_s = OPTIMIZER_BYTES["amp"] * shape.lora_params(LORA_RANK) / rates["bw"]
+    else:
+        opt_s = OPTIMIZER_BYTES.get(rec.name.split("+")[0], 14.0) * shape.n_params / gpus / rates["bw"]
     total = gemm_s + opt_s
     return {"step_ms": total * 1e3, "gemm_ms": gemm_s * 1e3, "optimizer_ms": opt_s * 1e3,
             "tokens_per_s": t / total, "tflops": (dec + head + attn) / 1e12}

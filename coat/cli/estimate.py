@@ -156,7 +156,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     # a machine without one). "gpu" names the GPU instead, when there is one to name.
     del out["device"]
     out["gpu"] = gpu
-    modes = [recipes.MODES[m] for m in recipes.parse(rec.name).modes]
+    # LoRA: the plan's own summary says what it models (rank, targets)
+    modes = [recipes.MODES[m] for m in recipes.parse(rec.name).modes if m != "lora"]
     out.update(recipe_summary="; ".join([rec.summary, *modes]), gpu_memory_gib=mem, gpu_memory_source=mem_src,
                max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus),
                # measured on one GPU (benchmarks/RESULTS.md section 6), not yet under FSDP2
