@@ -116,7 +116,7 @@ def _finished(folder: Path) -> dict[str, Any] | None:
     return None
 
 
-def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str, Any]:
+def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], one_seed: bool = True) -> dict[str, Any]:
     from coat.cli import runner
 
     from coat.cli.config import resolve_config
@@ -182,7 +182,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[s
             results[recipe] = runner.run(sub_plan, d, log)
         if not results[recipe].get("finished"):
             return {"runs": results, "out_dir": str(plan.out)}
-    table = comparison_table(results, BASELINE_RECIPE, cfg.recipe)
+    table = comparison_table(results, BASELINE_RECIPE, cfg.recipe, one_seed=one_seed)
     out: dict[str, Any] = {"runs": results, "table": table["markdown"], "out_dir": str(plan.out)}
     if d.is_main:
         (plan.out / "comparison.md").write_text(table["markdown"] + "\n")
@@ -238,8 +238,10 @@ def evaluation_noise(a: dict[str, Any], b: dict[str, Any]) -> str | None:
             "batches, so a seed-to-seed spread comes from training, not from the evaluation): " + "; ".join(parts) + ".")
 
 
-def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str) -> dict[str, Any]:
-    """Markdown and JSON rows: losses, memory, optimizer state, throughput of two finished runs."""
+def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str,
+                     one_seed: bool = False) -> dict[str, Any]:
+    """Markdown and JSON rows: losses, memory, optimizer state, throughput of two finished runs.
+    ``one_seed``: the whole comparison is this one seed; say what it cannot resolve."""
     a, b = results[base], results[other]
     mem_kind = {"cuda_max_allocated": "peak memory (CUDA max allocated)", "peak_rss": "peak memory (process RSS)",
                 "peak_rss_process_lifetime": "peak memory (process RSS, whole process lifetime)"}
@@ -273,6 +275,12 @@ def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str) 
     noise = evaluation_noise(a, b)
     if noise:
         lines.append(noise)
+    if one_seed:
+        lines.append(f"This is one seed. Training itself varies from seed to seed (and, on a GPU, from run to run): "
+                     f"a difference smaller than that variation cannot be told apart from it, and the evaluation "
+                     f"noise is only its floor. `coat train --seeds 5` pairs 5 seeds and gives the mean difference "
+                     f"with a 95% confidence interval; benchmarks/RESULTS.md (section 10) has the spread measured "
+                     f"on the default runs.")
     if b.get("dtype") == "fp32":
         lines.append(f"The {base} baseline is plain PyTorch; here it computed in fp32 (--dtype fp32, the CPU default; "
                      "GPUs default to bf16 autocast).")

@@ -26,6 +26,7 @@ from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import ConfigError, TrainConfig, lr_lambda, setup_name
 from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, HFTokenizer, eval_batches, sample_batch
+from coat.cli.stats import mean_se
 from coat.cli.export import export
 from coat.cli.plot import plot_loss
 from coat.cli.pretrained import InitCheckpoint
@@ -146,16 +147,43 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor, autocast: AbstractConte
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device,
-             autocast: AbstractContextManager, d: dt.Dist = dt.Dist()) -> float:
-    """Mean loss over ``batches`` (this rank's share); averaged over ranks under torchrun."""
+             autocast: AbstractContextManager, d: dt.Dist = dt.Dist()) -> list[float]:
+    """The loss of each held-out batch, in order: this rank scores its share ``batches`` (batches
+    rank, rank + world, ... of the set); under torchrun the others come from the other ranks."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for b in batches:
-        total[0] += lm_loss(model, b.to(device), autocast).double()
-        total[1] += 1
+    losses = torch.zeros(len(batches) * d.world, dtype=torch.float64, device=device)
+    for i, b in enumerate(batches):
+        losses[d.rank + i * d.world] = lm_loss(model, b.to(device), autocast).double()
     model.train()
-    d.all_reduce(total)
-    return (total[0] / total[1]).item()
+    d.all_reduce(losses)
+    return losses.tolist()
+
+
+def held_out_sets(corpus: Corpus, cfg: TrainConfig, d: dt.Dist) -> dict[str, list[torch.Tensor]]:
+    """This rank's share of each held-out set's fixed windows: "val" (the validation split) and
+    each of ``corpus.heldout`` large enough for one window."""
+    per_rank = -(-cfg.eval_batches // d.world)
+    sets = {"val": corpus.val} | {name: t for name, t in corpus.heldout.items() if len(t) > cfg.seq_len + 1}
+    return {name: (chat_data.eval_rows if chat_data.is_packed(t) else eval_batches)(
+                t, per_rank * d.world, cfg.batch_size, cfg.seq_len)[d.rank :: d.world]
+            for name, t in sets.items()}
+
+
+def metric_name(held_out: str) -> str:
+    """The metrics key of a held-out set's loss: val_loss, val_prose_loss, ..."""
+    return "val_loss" if held_out == "val" else f"val_{held_out}_loss"
+
+
+def final_held_out(scores: dict[str, list[float]] | None) -> dict[str, Any]:
+    """Summary figures of the last evaluation: each further held-out set's loss, the standard
+    error of each mean over its batches (how well this fixed set pins its text's loss down), and
+    the batch losses themselves (a comparison pairs them batch by batch)."""
+    if not scores:
+        return {}
+    out: dict[str, Any] = {f"final_{metric_name(n)}": sum(v) / len(v) for n, v in scores.items() if n != "val"}
+    out["final_val_loss_se"] = {n: mean_se(v)[1] for n, v in scores.items()}
+    out["final_eval_batch_losses"] = scores
+    return out
 
 
 def wdt_of(model: torch.nn.Module) -> torch.dtype:
@@ -347,9 +375,13 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     train_tokens = corpus.train[lo:hi]
     packed = chat_data.is_packed(train_tokens)  # rows of packed chat examples, not a token stream
     rng = np.random.default_rng(cfg.seed if not d.enabled else [cfg.seed, d.rank])
-    per_rank = -(-cfg.eval_batches // d.world)
-    val_set = (chat_data.eval_rows if chat_data.is_packed(corpus.val) else eval_batches)(
-        corpus.val, per_rank * d.world, cfg.batch_size, cfg.seq_len)[d.rank :: d.world]
+    held_out = held_out_sets(corpus, cfg, d)
+
+    def evaluate_all() -> dict[str, list[float]]:
+        return {name: evaluate(step_model, batches, device, autocast, d) for name, batches in held_out.items()}
+
+    def losses_of(scores: dict[str, list[float]]) -> dict[str, float]:
+        return {metric_name(name): sum(v) / len(v) for name, v in scores.items()}
     tokens_per_step = cfg.batch_size * cfg.seq_len * d.world
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: measure the norm, never clip
     release = None
@@ -447,8 +479,10 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     state["pending"] = [torch.tensor(p, device=device) for p in state["pending"]]
     export_only = resumed and state["step"] >= cfg.steps  # `--resume OUT --save` of a finished run
     if state["initial_val"] is None:
-        state["initial_val"] = state["last_val"] = evaluate(step_model, val_set, device, autocast, d)
-        record({"step": 0, "tokens": 0, "lr": scheduler.get_last_lr()[0], "val_loss": state["initial_val"]})
+        state["last_scores"] = evaluate_all()
+        first = losses_of(state["last_scores"])
+        state["initial_val"] = state["last_val"] = first["val_loss"]
+        record({"step": 0, "tokens": 0, "lr": scheduler.get_last_lr()[0]} | first)
     stopped_by = diverged_at = None
     rec: dict[str, Any] = {}
     first_step = state["step"] + 1
@@ -504,7 +538,9 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
                 record(rec)
                 break
             if is_eval:
-                rec["val_loss"] = state["last_val"] = evaluate(step_model, val_set, device, autocast, d)
+                state["last_scores"] = evaluate_all()
+                rec |= losses_of(state["last_scores"])
+                state["last_val"] = rec["val_loss"]
             record(rec)
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                             val=f"{state['last_val']:.3f}", refresh=False)
@@ -535,6 +571,7 @@ def _run(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], stop: StopSignal
     results = {
         "recipe": cfg.recipe, "setup": setup_name(cfg),  # setup: coat estimate / bench --recipe take it as is
         "initial_val_loss": state["initial_val"], "final_val_loss": state["last_val"],
+        **final_held_out(state.get("last_scores")),
         "final_train_loss": state.get("last_train", rec.get("loss")), "steps": state["step"], "planned_steps": cfg.steps,
         "tokens": state["step"] * tokens_per_step, "n_params": n_params, "world_size": d.world,
         "tokens_per_s": state["measured_tokens"] / state["measured_time"] if state["measured_time"] else None,

@@ -42,9 +42,9 @@ def paired_stats(losses: Mapping[int, tuple[float, float]]) -> dict[str, Any]:
 
 
 def summary_markdown(stats: dict[str, Any], losses: Mapping[int, tuple[float, float]], base: str, other: str,
-                     failed: Mapping[int, str] = {}) -> str:
-    """The summary table and the sentences that read it."""
-    lines = [f"Final validation loss over {stats['n']} paired seed{'s' * (stats['n'] > 1)} "
+                     failed: Mapping[int, str] = {}, what: str = "validation loss") -> str:
+    """The summary table of one held-out set (``what``) and the sentences that read it."""
+    lines = [f"Final {what} over {stats['n']} paired seed{'s' * (stats['n'] > 1)} "
              f"(seed s: both recipes from the same initial weights, on the same batches)", "",
              f"| seed | {base} | {other} | {other} - {base} | relative |", "|---:|---:|---:|---:|---:|"]
     for s, d, r in zip(stats["seeds"], stats["diffs"], stats["rel_diffs"]):
@@ -123,7 +123,7 @@ def run_seeds(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str
             sub.out.mkdir(exist_ok=True)
         d.barrier()
         log(f"\n=== seed {s} ({s - cfg.seed + 1} of {len(seeds)}): {sub.out} ===")
-        results[s] = run_compare(sub, d, log)
+        results[s] = run_compare(sub, d, log, one_seed=False)
         stopped = results[s].get("stopped_by") or next(
             (r["stopped_by"] for r in results[s]["runs"].values() if r.get("stopped_by")), None)
         if stopped:
@@ -135,15 +135,23 @@ def run_seeds(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str
             log(f"seed {s}: the {' and '.join(bad)} run did not finish (see its output above); going on with the "
                 f"next seed. coat train --resume {plan.out} runs it again")
     out = _result(results, plan.out, None)
-    losses = {s: (r["runs"][BASELINE_RECIPE]["final_val_loss"], r["runs"][cfg.recipe]["final_val_loss"])
-              for s, r in results.items() if s not in failed}
+    finished = {s: r["runs"] for s, r in results.items() if s not in failed}
+    losses = {s: (r[BASELINE_RECIPE]["final_val_loss"], r[cfg.recipe]["final_val_loss"]) for s, r in finished.items()}
     if not losses or not d.is_main:
         return out
     stats = paired_stats(losses)
     md = summary_markdown(stats, losses, BASELINE_RECIPE, cfg.recipe, failed)
+    summary = {**stats, "failed": failed, "final_val_loss": {
+        s: {BASELINE_RECIPE: b, cfg.recipe: o} for s, (b, o) in losses.items()}}
+    # The prose held-out set (the built-in corpus): the same paired reading on text unlike the training data.
+    key = "final_val_prose_loss"
+    if all(r[BASELINE_RECIPE].get(key) is not None and r[cfg.recipe].get(key) is not None for r in finished.values()):
+        prose = {s: (r[BASELINE_RECIPE][key], r[cfg.recipe][key]) for s, r in finished.items()}
+        summary["prose"] = paired_stats(prose) | {"final_loss": {
+            s: {BASELINE_RECIPE: b, cfg.recipe: o} for s, (b, o) in prose.items()}}
+        md += "\n\n" + summary_markdown(summary["prose"], prose, BASELINE_RECIPE, cfg.recipe, what="held-out prose loss")
     (plan.out / "comparison.md").write_text(md + "\n")
-    ckpt.write_json_atomic(plan.out / "comparison.json", {**stats, "failed": failed, "final_val_loss": {
-        s: {BASELINE_RECIPE: b, cfg.recipe: o} for s, (b, o) in losses.items()}})
+    ckpt.write_json_atomic(plan.out / "comparison.json", summary)
     first = results[min(losses)]["runs"][cfg.recipe]
     title = (f"{first['n_params'] / 1e6:.1f}M params, {first['steps']} steps, {len(losses)} seeds, "
              f"{first['world_size']} x {first['device']}: validation loss, mean and min-max band")

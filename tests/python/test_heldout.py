@@ -118,6 +118,20 @@ def test_runs_report_each_held_out_set_and_its_noise(small_builtin: Path) -> Non
         metrics = [json.loads(line) for line in open(r["metrics"])]
         assert [m["step"] for m in metrics if "val_prose_loss" in m] == [0, 3, 6]
     assert "final held-out prose loss" in res["table"] and "Evaluation noise" in res["table"]
+    assert "This is one seed" in res["table"]  # what one seed cannot resolve
+
+
+def test_paired_seeds_read_both_held_out_sets(small_builtin: Path) -> None:
+    cfg = dict(model="tiny", steps=2, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=0, eval_batches=2,
+               cache_dir=str(small_builtin / "cache"), device="cpu", quiet=True, seeds=2)
+    res = train(TrainConfig(**cfg, out=str(small_builtin / "seeds")))
+    summary = json.loads((small_builtin / "seeds" / "comparison.json").read_text())
+    assert summary["n"] == 2 and summary["prose"]["n"] == 2
+    runs = res["runs"]
+    assert summary["prose"]["diffs"] == pytest.approx(
+        [runs[f"seed_{s}/coat"]["final_val_prose_loss"] - runs[f"seed_{s}/bf16"]["final_val_prose_loss"] for s in (0, 1)])
+    assert "Final held-out prose loss over 2 paired seeds" in res["table"]
+    assert "This is one seed" not in (small_builtin / "seeds" / "seed_0" / "comparison.md").read_text()
 
 
 def test_evaluation_noise_pairs_batches() -> None:
