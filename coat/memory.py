@@ -245,12 +245,17 @@ class Recipe:
                     graph=self.graph if graph is None else graph, lora=self.lora if lora is None else lora)
         base = self.name.split("+")[0]
         if r.lora and not self.lora:
-            if base != "bf16" or r.grad_release or r.fused_loss:
-                raise ValueError(f"--recipe {base}+lora: LoRA is modeled for bf16+lora only (coat bench's PEFT "
-                                 "setup; coat+lora, its FP8 counterpart, not yet)")
-            r = replace(r, activations="hf-bf16-lora", fsdp_activations="hf-bf16-lora", master_bytes=0,
-                        state_bytes=0, grad_bytes=0, summary=r.summary.split(",")[0] + " (the base, frozen), "
-                        f"PEFT LoRA r={LORA_RANK} on every decoder linear (fp32 adapters, torch AdamW)")
+            # coat bench's two LoRA setups, with their own loss paths: bf16+lora (PEFT on Hugging Face's
+            # layers) and coat+lora (PEFT on coat.convert's layers, the base kept only in FP8:
+            # convert(frozen_weights="fp8"), the fused loss).
+            if r.grad_release or (base, r.fused_loss) not in (("bf16", False), ("coat", True)):
+                raise ValueError(f"--recipe {r.name}+lora: LoRA is modeled for bf16+lora and coat+lora (coat "
+                                 "bench's setups) only")
+            table, base_summary = {"bf16": ("hf-bf16-lora", "bf16 weights"),
+                                   "coat": ("coat-lora", "coat.convert, decoder weights in FP8 only")}[base]
+            r = replace(r, activations=table, fsdp_activations=table, master_bytes=0, state_bytes=0, grad_bytes=0,
+                        summary=f"{base_summary} (the base, frozen), PEFT LoRA r={LORA_RANK} on every decoder "
+                        "linear (fp32 adapters, torch AdamW)")
         default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
         mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
                 "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora}
@@ -336,13 +341,20 @@ def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
         ops += [("attention (SDPA)", sdpa), ("post-attention RMSNorm (frozen)", frozen_norm),
                 ("SwiGLU (gate, silu, up)", 6 * i)]
         return ops
-    if table == "coat":
+    if table in ("coat", "coat-lora"):
         ops = [("input RMSNorm + q/k/v (FP8 norm input)", _fp8_norm_input(h, 1))]
         if shape.qk_norm:
             ops.append(("q/k RMSNorm (FP8 input)", _fp8_norm_input(q, nh) + _fp8_norm_input(kv, shape.kv_heads)))
         ops += [("attention (SDPA)", sdpa), ("o_proj input (FP8, transposed)", q),
                 ("post-attention RMSNorm + gate/up (FP8 norm input)", _fp8_norm_input(h, 1)),
                 ("SwiGLU + down (FP8 gate/up, 1x16 scales)", 2 * i + 2 * i / 16 * 4)]
+        if table == "coat-lora":
+            # The FP8-frozen base (coat/nn/frozen.py): o_proj keeps no input for a weight gradient;
+            # the adapters (coat/nn/adapters.py) keep their bf16 inputs (q/k/v's and gate/up's shared,
+            # o's is the attention output, already kept; down's the SwiGLU product) and A's bf16
+            # outputs. Their bf16 weight copies are counted apart (per layer, not per token).
+            ops = [op for op in ops if not op[0].startswith("o_proj")]
+            ops += [("LoRA inputs, bf16 (q/k/v, gate/up, down)", 4 * h + 2 * i), ("LoRA A outputs, bf16", 7 * 2 * LORA_RANK)]
         return ops
     raise ValueError(f"unknown activation table {table!r}")
 
@@ -351,6 +363,8 @@ def outside_saved(shape: ModelShape, table: str, fused_loss: bool) -> list[tuple
     """(op, bytes per token) saved outside the decoder layers: token ids, final norm, LM head, loss."""
     h, v = shape.hidden, shape.vocab
     resid = "hf-amp" if table == "hf-amp" else "hf-bf16"  # the final norm stays Hugging Face's
+    if table == "coat-lora":  # and a frozen embedding keeps no token ids
+        return []
     if fused_loss:  # coat/nn/loss.py saves nothing: its gradients, made in its forward, are in loss_transient
         return [("token ids", 8.0)]
     if table == "hf-bf16-lora":  # a frozen final norm and LM head keep neither their output nor their input
@@ -360,11 +374,11 @@ def outside_saved(shape: ModelShape, table: str, fused_loss: bool) -> list[tuple
             ("cross-entropy log-probabilities (fp32)", 4 * v)]
 
 
-ACTIVATION_TABLES = ("hf-bf16", "hf-amp", "coat", "hf-bf16-lora")
+ACTIVATION_TABLES = ("hf-bf16", "hf-amp", "coat", "hf-bf16-lora", "coat-lora")
 
 
 def fused_loss_transient(shape: ModelShape, tokens: int, chunk_mib: float, x_bytes: int, grad_bytes: int,
-                         device: str = "cuda") -> float:
+                         device: str = "cuda", head_trains: bool = True) -> float:
     """Bytes coat/nn/loss.py holds at the peak of its forward, which also computes its gradients
     (its backward only scales them), beyond what the layers saved: the final norm's input
     (``x_bytes`` per element) and the bf16 hidden-state gradient dY throughout, and the largest of
@@ -388,6 +402,9 @@ def fused_loss_transient(shape: ModelShape, tokens: int, chunk_mib: float, x_byt
     rows = rows // 64 * 64 if 64 <= rows < t else rows
     chunk = 2.0 * rows * v
     keep = (x_bytes + 2.0) * h * t
+    if not head_trains:  # a frozen LM head (LoRA): no dW, its accumulator or its cast
+        norm = (28.0 if x_bytes == 2 else 30.0) * h * t
+        return keep + max(2.0 * h * t + chunk + (chunk if t > rows and device != "cuda" else 0.0), norm)
     if t > rows:
         slices = 0.0 if device == "cuda" else chunk
         loop = 2.0 * h * t + 4.0 * head + chunk + slices
@@ -464,6 +481,9 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
         raise ValueError(f"--recipe {rec.name}: LoRA is modeled on one GPU (coat bench runs it without --fsdp)")
     adapters = s.lora_params(LORA_RANK) if rec.lora else 0
     weights = rec.param_bytes * n / gpus
+    if rec.lora and rec.fp8_weights:  # the decoder linears as E4M3 codes (1 byte), the rest as it was
+        linear = s.layers * s.layer_linear_params
+        weights = 1.0 * linear + rec.param_bytes * (n - linear)
     master = rec.master_bytes * n / gpus
     states = rec.state_bytes * n / gpus
     grads = rec.grad_bytes * n / gpus
@@ -476,14 +496,14 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     head = s.head_params or s.embed_params
     if rec.fused_loss:
         loss_tr = fused_loss_transient(s, t, rec.loss_chunk_mib, 4 if table == "hf-amp" else 2,
-                                       compute if fsdp else rec.grad_bytes, device)
+                                       compute if fsdp else rec.grad_bytes, device, head_trains=not rec.lora)
     else:
         loss_tr = 8.0 * v * t  # cross-entropy backward: gradient of the log-probabilities and of the logits (fp32)
     head_grad = (compute if fsdp else rec.grad_bytes) * head  # written before the first layer's backward
     if rec.lora:  # fp32 adapters, torch AdamW's fp32 states and fp32 gradients; the LM head frozen
         states, grads, head_grad = 8.0 * adapters, 4.0 * adapters, 0.0
     h, i = s.hidden, s.intermediate
-    if table == "coat":
+    if table in ("coat", "coat-lora"):
         # SwiGLU backward (mlp.py): dh, d(gate/up) and the recomputed h together, the E5M2 transposed
         # gradient, and the gradient flowing in; then the gate/up block quantizes d(gate/up) (8I too).
         layer_tr = (8 * i + 3 * h) * t
@@ -520,6 +540,7 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     # Backward begins with the loss (everything saved is alive), then the last layer runs with the
     # LM head's gradient written and what was saved outside the layers already freed.
     layers_saved = per_layer * s.layers
+    adapter_copies = 2.0 * adapters if table == "coat-lora" else 0.0  # bf16, kept for the adapters' backward
     last_layer = head_grad + layer_tr + weight_tr
     if rec.grad_release:
         # coat.optim.step_in_backward: a bucket (a decoder layer, the LM head, the embedding) is
@@ -542,7 +563,12 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     else:
         live_grads = grads
     start_tr = max(outside + loss_tr, last_layer)
-    start = resident + copies + layers_saved + start_tr + fsdp_tr + work
+    if table == "coat-lora" and device == "cpu":
+        # The CPU GEMM path's fp32 copies of FP8-frozen weights: measured (live-storage tracking, two
+        # shapes, 64 to 1024 tokens) as 4 bytes per linear parameter of one layer beside the start of
+        # backward, whatever the token count.
+        start_tr += 4.0 * s.layer_linear_params
+    start = resident + copies + layers_saved + adapter_copies + start_tr + fsdp_tr + work
     end = resident + live_grads + fsdp_end + work
     common = {"weights": weights, "master weights": master, "optimizer states": states}
     if rec.lora:
@@ -551,12 +577,14 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
         start_part = "saved outside layers + loss backward"
     elif rec.grad_release and not fsdp:
         start_part = "a layer's gradients + its backward"
+    elif rec.lora:  # the LM head is frozen: no gradient of it
+        start_part = "last layer's backward"
     else:
         start_part = "LM head gradient + last layer's backward"
     if start >= end:
         phase = "backward start"
         parts = {**common, "gradients": 0.0, "autocast bf16 weight copies": copies,
-                 f"saved activations ({s.layers} layers)": layers_saved,
+                 f"saved activations ({s.layers} layers)": layers_saved, "LoRA adapters' bf16 copies": adapter_copies,
                  start_part: start_tr, "FSDP2 gathered weights/gradients": fsdp_tr, "cuBLAS workspaces": work}
     else:
         phase = "backward end"

@@ -263,11 +263,12 @@ def test_a_second_run_keeps_the_first_runs_plot(tmp_path, monkeypatch, capsys):
 
 
 def test_lora_rows_carry_the_estimate_where_modeled(monkeypatch):
-    # bf16+lora (was lora-bf16) is planned by coat.memory; coat+lora, not yet, shows none.
+    # bf16+lora and coat+lora (were lora-bf16, lora-coat) are planned by coat.memory; a peer is not.
     launch, _ = _fake_launch({})
     monkeypatch.setattr(bench, "launch", launch)
-    args = _args("--setups", "lora-bf16", "coat+lora", "--batches", "2", "--device", "cpu")
+    args = _args("--setups", "lora-bf16", "lora-coat", "--batches", "2", "--device", "cpu")
     by = {r["setup"]: r for r in bench.sweep(bench.resolve(args), args, log=lambda m: None)}
-    assert by["bf16+lora"]["estimate_gib"] == pytest.approx(M.plan(M.PRESETS["tiny"], "bf16+lora", 2, 128,
-                                                                    device="cpu").peak_gib)
-    assert by["bf16+lora"]["recipe"] == "bf16+lora" and by["coat+lora"]["estimate_gib"] is None
+    for s in ("bf16+lora", "coat+lora"):
+        assert by[s]["recipe"] == s and by[s]["estimate_gib"] == pytest.approx(
+            M.plan(M.PRESETS["tiny"], s, 2, 128, device="cpu").peak_gib)
+    assert bench_worker.SETUPS["torchao"].recipe is None

@@ -130,12 +130,18 @@ def _count_saved(shape: M.ModelShape, table: str, batch: int, seq: int):
 
         coat.convert(model)
     layers = model.model.layers
-    if table == "hf-bf16-lora":  # as coat bench's bf16+lora builds it
+    if table in ("hf-bf16-lora", "coat-lora"):  # as coat bench's bf16+lora and coat+lora build them
         import peft
 
         from coat.cli.bench_worker import LORA_TARGETS
 
+        if table == "coat-lora":
+            import coat
+
+            coat.convert(model, recipe="coat")
         model = peft.get_peft_model(model, peft.LoraConfig(r=M.LORA_RANK, lora_alpha=32, target_modules=LORA_TARGETS))
+        if table == "coat-lora":
+            coat.convert(model, recipe="coat", frozen_weights="fp8")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     owner: list = ["outside"]
 
@@ -177,7 +183,7 @@ def _count_saved(shape: M.ModelShape, table: str, batch: int, seq: int):
     return per[1], per["outside"], per["copies"], model
 
 
-@pytest.mark.parametrize("table", ["hf-bf16", "hf-amp", "coat", "hf-bf16-lora"])
+@pytest.mark.parametrize("table", ["hf-bf16", "hf-amp", "coat", "hf-bf16-lora", "coat-lora"])
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen3"])
 def test_saved_activation_tables_match_saved_tensors(table, variant):
     extra = dict(model_type="qwen3", head_dim=80, qk_norm=True) if variant == "qwen3" else {}
@@ -186,6 +192,8 @@ def test_saved_activation_tables_match_saved_tensors(table, variant):
     layer, outside, copies, model = _count_saved(shape, table, batch, seq)
     t = batch * seq
     want_layer = sum(b for _, b in M.layer_saved(shape, table)) * t
+    if table == "coat-lora":  # and per layer, not per token, the adapters' bf16 weight copies
+        want_layer += 2 * shape.lora_params(M.LORA_RANK) / shape.layers
     fused = bool(getattr(model, "coat_fused_loss", False))  # coat.convert installs it by default
     want_outside = sum(b for _, b in M.outside_saved(shape, table, fused_loss=fused)) * t
     # Per-tensor FP8 scales (4 bytes each) are the only terms not proportional to tokens.
@@ -201,7 +209,8 @@ def test_saved_activation_tables_match_saved_tensors(table, variant):
 # ---- the whole step on a CPU -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("setup,batch", [("amp", 2), ("bf16", 4), ("coat", 4), ("coat-lean", 1), ("bf16+lora", 2)])
+@pytest.mark.parametrize("setup,batch", [("amp", 2), ("bf16", 4), ("coat", 4), ("coat-lean", 1), ("bf16+lora", 2),
+                                         ("coat+lora", 4)])
 def test_cpu_step_peak_and_resident_match_plan(setup, batch):
     from coat.cli.bench_worker import SETUPS, Context, build_model, measure
 
@@ -372,7 +381,12 @@ def test_lora_plan():
     full, lora = (M.step_time_floor(shape, r, 1, 2048, M.GPU_RATES["h100"]) for r in ("bf16", "bf16+lora"))
     attn = 3.5 * 2.0 * 2048 * 2048 * shape.q_width * shape.layers / 1e12
     assert (lora["tflops"] - attn) == pytest.approx((full["tflops"] - attn) * 4 / 6)  # no weight gradients
-    for name, why in (("coat+lora", "modeled for bf16\\+lora only"), ("bf16+lora+release", "modeled for bf16")):
+    coat = M.plan(shape, "coat+lora", 1, 2048)  # the FP8-frozen base: 1 byte per decoder linear parameter
+    linear = shape.layers * shape.layer_linear_params
+    assert coat.parts["weights"] == linear + 2 * (shape.n_params - linear) and coat.parts["LoRA adapters (fp32)"] == 4 * a
+    assert M.recipe("lora-coat-graph").name == "coat+lora+graph"
+    for name, why in (("coat-lean+lora", "modeled for bf16\\+lora and coat\\+lora"),
+                      ("bf16+lora+release", "modeled for bf16"), ("coat+lora+hf-loss", "modeled for")):
         with pytest.raises(ValueError, match=why):
             M.recipe(name)
     with pytest.raises(ValueError, match="LoRA is modeled on one GPU"):

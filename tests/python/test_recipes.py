@@ -20,7 +20,7 @@ from coat.cli.main import build_parser, main
 
 
 #: coat bench's setups that coat.memory has no plan of (coat bench shows no estimate beside them).
-UNMODELED = {"torchao", "qlora", "coat+lora", "coat+lora+graph"}
+UNMODELED = {"torchao", "qlora"}
 
 
 def test_names_parse_to_one_form_and_older_names_are_aliases():
