@@ -165,6 +165,8 @@ def expand_setup(cfg: TrainConfig) -> tuple[TrainConfig, set[str]]:
         sets.update(TRAIN_MODES[mode])
     if s.has("lora") and not cfg.lora:
         raise ConfigError("--recipe", f"{s.name}: +lora needs the adapters' rank: add --lora RANK")
+    if s.has("lora") and RECIPE_PARTS[recipe][0] == "fp8":
+        sets["frozen_fp8"] = True  # coat+lora names the FP8 layers' LoRA with the base kept only in FP8
     default = TrainConfig()
     for name, value in sets.items():
         given = getattr(cfg, name)
@@ -181,7 +183,8 @@ def expand_setup(cfg: TrainConfig) -> tuple[TrainConfig, set[str]]:
 TRAIN_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16": ("bf16", {}), "amp": ("bf16", {"dtype": "bf16"}), "fp32": ("bf16", {"dtype": "fp32"}), "fp8": ("fp8", {}),
     "coat": ("coat", {}), "coat-lean": ("coat", {"master_weights": "bf16_sr"})}
-#: coat.recipes' modes that coat train runs, and the flags they set (+lora: with --lora RANK).
+#: coat.recipes' modes that coat train runs, and the flags they set (+lora: with --lora RANK, and
+#: on the FP8 layers --frozen-fp8).
 TRAIN_MODES: dict[str, dict[str, Any]] = {"lora": {}, "release": {"release_grads": True},
                                           "graph": {"cuda_graph": True}}
 

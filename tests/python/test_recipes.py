@@ -105,3 +105,12 @@ def test_what_train_ran_is_handed_to_estimate_and_bench_as_is(tmp_path: Path, ca
     assert f"recipe {setup}: " in capsys.readouterr().out
     args = build_parser().parse_args(["bench", "--setups", summary["setup"], "--device", "cpu"])
     assert bench.resolve(args)["setups"] == [setup]
+
+
+def test_lora_names_run_and_estimate_the_setup_they_name():
+    # coat+lora is LoRA on the FP8 layers with the frozen base kept only in FP8 (coat bench's
+    # setup, the one coat estimate plans): given to coat train, it sets --frozen-fp8.
+    cfg = _train_config(recipe="coat+lora", lora=8, init="unused")
+    assert (cfg.recipe, cfg.frozen_fp8, cfg.lora) == ("coat", True, 8) and setup_name(cfg) == "coat+lora"
+    assert memory.recipe(setup_name(cfg)).name == "coat+lora"
+    assert setup_name(_train_config(recipe="coat-lean+release", lora=4, init="unused")) == "coat-lean+lora+release"
