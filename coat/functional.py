@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
 from ._ops import quantize as _ops
 from .fp8.formats import CORE_ID, DTYPES, GROUP_SIZES, MAX, SCALE_KINDS, format_name
 from .fp8.tensor import DreTensor, Fp8Tensor
@@ -23,7 +22,7 @@ __all__ = [
     "DRE_GROUP_SIZE",
 ]
 
-DRE_GROUP_SIZE: int = _C.DRE_GROUP_SIZE
+DRE_GROUP_SIZE: int = _ops.DRE_GROUP_SIZE
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -124,7 +123,7 @@ def dre_quantize(x: torch.Tensor, fmt: str | torch.dtype = "e4m3", *, log2_range
     _check_input(x, dtypes=(torch.float32,))
     name = format_name(fmt)
     if log2_range is None:
-        log2_range = _C.DRE_LOG2_RANGE_E4M3 if name == "e4m3" else _C.DRE_LOG2_RANGE_E5M2
+        log2_range = _ops.DRE_LOG2_RANGE[name]
     if not (0.0 < float(log2_range) < 64.0):
         raise ValueError(f"log2_range must be in (0, 64), got {log2_range}")
     q, gmax, k16 = _ops.dre_quantize(x.detach(), CORE_ID[name], float(log2_range))

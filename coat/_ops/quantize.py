@@ -14,6 +14,9 @@ from ._util import custom_op
 from ._util import dev_ctx, dtype_id, stream
 
 _DRE_GROUP = _C.DRE_GROUP_SIZE
+#: The core's DRE group size and, per FP8 format, the log2 of its dynamic range (what DRE expands to).
+DRE_GROUP_SIZE: int = _C.DRE_GROUP_SIZE
+DRE_LOG2_RANGE: dict[str, float] = {"e4m3": _C.DRE_LOG2_RANGE_E4M3, "e5m2": _C.DRE_LOG2_RANGE_E5M2}
 _U8 = torch.uint8
 
 

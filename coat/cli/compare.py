@@ -23,7 +23,7 @@ from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import BASELINE_RECIPE, RECIPE_PARTS, ConfigError, TrainConfig
 from coat.cli.plot import plot_comparison
-from coat.cli.runner import RunPlan
+from coat.cli.plan import RunPlan
 
 _MiB = 2**20
 
@@ -56,7 +56,7 @@ def _run_child(cfg: TrainConfig, explicit: set[str] | None = None) -> tuple[int,
     """Runs one recipe in a child process; returns its exit status and the name of the signal
     the parent forwarded to it (if any: the comparison then stops after this child)."""
     # A Ctrl-C while the child still imports torch ends it quietly (the parent reports it).
-    code = ("import sys\ntry:\n    from coat.cli.compare import child_main\nexcept KeyboardInterrupt:\n"
+    code = ("import sys\ntry:\n    from coat.cli.train import child_main\nexcept KeyboardInterrupt:\n"
             "    sys.exit(130)\nsys.exit(child_main(sys.argv[1]))")
     arg = json.dumps({"cfg": asdict(cfg), "explicit": sorted(explicit) if explicit is not None else None})
     proc = subprocess.Popen([sys.executable, "-c", code, arg], preexec_fn=_set_death_signal)
@@ -74,33 +74,6 @@ def _run_child(cfg: TrainConfig, explicit: set[str] | None = None) -> tuple[int,
     finally:
         for s, h in forwarded.items():
             signal.signal(s, h)
-
-
-def child_main(arg: str) -> int:
-    """One recipe of a comparison, in its own process (errors end it with a message, not a traceback)."""
-    from coat.cli.train import exit_code, train
-
-    spec = json.loads(arg)
-    cfg = TrainConfig(**spec["cfg"])
-    explicit = set(spec["explicit"]) if spec["explicit"] is not None else None
-    # Test hook (tests/python/test_cli_train_seeds.py): a fresh (not resumed) run of this --seed fails.
-    if cfg.resume is None and os.environ.get("COAT_TEST_FAIL_SEED") == str(cfg.seed):
-        print(f"coat train: error: COAT_TEST_FAIL_SEED={cfg.seed}: failing this run", file=sys.stderr)
-        return 1
-    try:
-        return exit_code(train(cfg, explicit=explicit))
-    except ConfigError as e:
-        print(f"coat train: error: {e}", file=sys.stderr)
-        return 2
-    except ckpt.WriteError as e:
-        print(f"coat train: error: {e}", file=sys.stderr)
-        return 1
-    except BaseException as e:
-        from coat.cli.main import interrupted
-
-        if interrupted(e):
-            return 130
-        raise
 
 
 def _sub_runs(plan: RunPlan) -> dict[str, Path]:
@@ -276,11 +249,11 @@ def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str,
     if noise:
         lines.append(noise)
     if one_seed:
-        lines.append(f"This is one seed. Training itself varies from seed to seed (and, on a GPU, from run to run): "
-                     f"a difference smaller than that variation cannot be told apart from it, and the evaluation "
-                     f"noise is only its floor. `coat train --seeds 5` pairs 5 seeds and gives the mean difference "
-                     f"with a 95% confidence interval; benchmarks/RESULTS.md (section 10) has the spread measured "
-                     f"on the default runs.")
+        lines.append("This is one seed. Training itself varies from seed to seed (and, on a GPU, from run to run): "
+                     "a difference smaller than that variation cannot be told apart from it, and the evaluation "
+                     "noise is only its floor. `coat train --seeds 5` pairs 5 seeds and gives the mean difference "
+                     "with a 95% confidence interval; benchmarks/RESULTS.md (section 10) has the spread measured "
+                     "on the default runs.")
     if b.get("dtype") == "fp32":
         lines.append(f"The {base} baseline is plain PyTorch; here it computed in fp32 (--dtype fp32, the CPU default; "
                      "GPUs default to bf16 autocast).")

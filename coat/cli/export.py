@@ -16,7 +16,7 @@ from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 
 if TYPE_CHECKING:
-    from coat.cli.runner import RunPlan
+    from coat.cli.plan import RunPlan
 
 
 def _save_adapter(model: torch.nn.Module, out: Path, tokenizer: Any | None, base: Path | None) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import random
 import signal
@@ -13,8 +12,7 @@ import sys
 import time
 import uuid
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any, Callable
 
 import numpy as np
@@ -25,24 +23,11 @@ from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import ConfigError, TrainConfig, lr_lambda, setup_name
-from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, HFTokenizer, eval_batches, sample_batch
+from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, eval_batches, sample_batch
 from coat.cli.stats import mean_se
 from coat.cli.export import export
+from coat.cli.plan import RunPlan
 from coat.cli.plot import plot_loss
-from coat.cli.pretrained import InitCheckpoint
-
-
-@dataclass
-class RunPlan:
-    """A validated run: settings, data and where it writes."""
-
-    cfg: TrainConfig
-    corpus: Corpus
-    out: Path
-    init: InitCheckpoint | None = None
-    tokenizer: HFTokenizer | None = None
-    resume: Path | None = None  # the checkpoint folder to continue from
-    flags: TrainConfig | None = None  # the settings as given, before defaults: what --resume resolves again
 
 
 # ---- model and optimizer ------------------------------------------------------------------------

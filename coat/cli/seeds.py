@@ -13,7 +13,6 @@ ranks' processes; an error there ends the set (the finished seeds stay, --resume
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, Callable, Mapping
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import BASELINE_RECIPE
-from coat.cli.runner import RunPlan
+from coat.cli.plan import RunPlan
 from coat.cli.stats import mean_std, t975
 
 def paired_stats(losses: Mapping[int, tuple[float, float]]) -> dict[str, Any]:

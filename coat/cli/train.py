@@ -11,7 +11,9 @@ fine-tunes a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3) instead. Und
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -25,7 +27,8 @@ from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT
                              TrainConfig, check_init_flags, expand_setup, explicit_fields, flag, lr_lambda,
                              resolve_config, validate)
 from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, default_cache_dir, load_corpus
-from coat.cli.runner import RunPlan, build_model, build_optimizer, evaluate, lm_loss
+from coat.cli.plan import RunPlan
+from coat.cli.runner import build_model, build_optimizer, evaluate, lm_loss
 
 __all__ = ["TrainConfig", "ConfigError", "resolve_config", "validate", "lr_lambda", "build_model",
            "build_optimizer", "lm_loss", "evaluate", "train", "prepare", "register"]
@@ -502,3 +505,27 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             shutdown(d, clean)
     return exit_code(result)
 
+
+def child_main(arg: str) -> int:
+    """One recipe of a comparison, in its own process (errors end it with a message, not a traceback)."""
+    spec = json.loads(arg)
+    cfg = TrainConfig(**spec["cfg"])
+    explicit = set(spec["explicit"]) if spec["explicit"] is not None else None
+    # Test hook (tests/python/test_cli_train_seeds.py): a fresh (not resumed) run of this --seed fails.
+    if cfg.resume is None and os.environ.get("COAT_TEST_FAIL_SEED") == str(cfg.seed):
+        print(f"coat train: error: COAT_TEST_FAIL_SEED={cfg.seed}: failing this run", file=sys.stderr)
+        return 1
+    try:
+        return exit_code(train(cfg, explicit=explicit))
+    except ConfigError as e:
+        print(f"coat train: error: {e}", file=sys.stderr)
+        return 2
+    except ckpt.WriteError as e:
+        print(f"coat train: error: {e}", file=sys.stderr)
+        return 1
+    except BaseException as e:
+        from coat.cli.main import interrupted
+
+        if interrupted(e):
+            return 130
+        raise

@@ -34,11 +34,15 @@ def _lora_linear_type():
     return Linear
 
 
-@functools.cache
-def _plain_linear_types() -> tuple:
-    from .linear import Fp8Linear  # linear.py imports this module's users: resolved lazily, once
+#: The exact linear classes whose weight coat reads as a floating-point matrix: nn.Linear, and
+#: coat's own (coat.nn.linear registers Fp8Linear, so this low module imports no layer above it).
+_PLAIN_LINEAR_TYPES: list[type] = [nn.Linear]
 
-    return (nn.Linear, Fp8Linear)
+
+def register_plain_linear(cls: type) -> None:
+    """Accept ``cls`` (exactly, not its subclasses) as a plain linear projection."""
+    if cls not in _PLAIN_LINEAR_TYPES:
+        _PLAIN_LINEAR_TYPES.append(cls)
 
 
 def transformers_class(cls: type) -> type:
@@ -86,7 +90,7 @@ def base_linear(mod: nn.Module, name: str) -> nn.Linear:
     base = mod.base_layer if is_lora(mod) else mod
     # Exact types: subclasses of nn.Linear (bitsandbytes' Linear4bit/8bitLt, ...) keep weights coat
     # cannot read as a floating-point matrix.
-    if type(base) not in _plain_linear_types():
+    if type(base) not in _PLAIN_LINEAR_TYPES:
         raise ValueError(
             f"coat.convert: {name} is a {_describe(mod)}"
             + (f" around a {_describe(base)}" if base is not mod else "")

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .adapters import register_plain_linear
 from .fused import norm_linear
 from .recipe import Fp8Recipe, resolve
 from .weights import invalidate_weight_cache
@@ -71,3 +72,6 @@ class Fp8Linear(nn.Linear):
         linear.__class__ = cls
         linear.coat_recipe = resolve(recipe)
         return linear
+
+
+register_plain_linear(Fp8Linear)

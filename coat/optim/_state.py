@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from .. import _C
+from .._ops import adamw as _adamw_ops
 from .._ops import quantize as _qops
 from .._ops._util import fmt_id
 from ..fp8.formats import DTYPES
 
-G = _C.DRE_GROUP_SIZE
+G = _qops.DRE_GROUP_SIZE
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASK63 = (1 << 63) - 1
 
@@ -22,7 +22,13 @@ def groups(n: int) -> int:
 
 
 def log2_range(fmt: str) -> float:
-    return _C.DRE_LOG2_RANGE_E4M3 if fmt == "e4m3" else _C.DRE_LOG2_RANGE_E5M2
+    return _qops.DRE_LOG2_RANGE[fmt]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the step works on: the local shard of a DTensor (FSDP2), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def shard_index(p: torch.Tensor) -> int:
@@ -142,7 +148,7 @@ def tensor_ptrs(state: dict[str, Any]) -> list[int]:
 
 
 #: int64 words of one descriptor row (coat::AdamwTensor).
-DESC_WORDS = _C.ADAMW_DESC_WORDS
+DESC_WORDS = _adamw_ops.DESC_WORDS
 
 
 def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int, shard: int) -> list[int]:
@@ -364,8 +370,6 @@ def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[
     groups) from a ``torch.optim.AdamW`` state dict: moments quantized with each group's formats (in
     each parameter's memory order), fp32 masters taken from the current parameters, ``maximize``
     kept. Load it with ``optimizer.load_state_dict``."""
-    from .adamw import _local
-
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in torch_state["param_groups"] for i in g["params"]]
     if len(ids) != len(params) or len(torch_state["param_groups"]) != len(optimizer.param_groups):

@@ -9,10 +9,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import _C
 from .._ops import adamw as _ops
+from .._ops import quantize as _qops
 from ..fp8.formats import CORE_ID, format_name
 from . import _compat, _state
+from ._state import _local
 
 __all__ = ["AdamW", "CoatAdamW"]
 
@@ -27,12 +28,6 @@ def _finite(x: float) -> bool:
 def _capturing(device: torch.device) -> bool:
     """Whether the current stream of ``device`` is capturing a CUDA graph."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor the step works on: the local shard of a DTensor (FSDP2), else the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 class AdamW(torch.optim.Optimizer):
@@ -123,8 +118,8 @@ class AdamW(torch.optim.Optimizer):
         nonfinite: str = "propagate",
         seed: int = 0,
     ) -> None:
-        if group_size != _C.DRE_GROUP_SIZE:
-            raise ValueError(f"group_size must be {_C.DRE_GROUP_SIZE} (the fused kernel's group size), got {group_size}")
+        if group_size != _qops.DRE_GROUP_SIZE:
+            raise ValueError(f"group_size must be {_qops.DRE_GROUP_SIZE} (the fused kernel's group size), got {group_size}")
         if master_weights not in _MASTER:
             raise ValueError(f"master_weights must be one of {_MASTER}, got {master_weights!r}")
         if nonfinite not in _NONFINITE:

@@ -27,7 +27,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from . import _state
-from .adamw import AdamW, _local
+from ._state import _local
+from .adamw import AdamW
 
 __all__ = ["GradRelease", "step_in_backward", "clip_scale"]
 

@@ -74,7 +74,7 @@ def test_seeds_need_the_comparison(tmp_path: Path, extra: list[str], capsys: pyt
 
 def test_two_seeds_a_failing_seed_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     top = tmp_path / "run"
-    monkeypatch.setenv("COAT_TEST_FAIL_SEED", "8")  # the hook in coat.cli.compare.child_main
+    monkeypatch.setenv("COAT_TEST_FAIL_SEED", "8")  # the hook in coat.cli.train.child_main
     assert main(_argv(tmp_path, "--seed", "7", "--seeds", "2")) == 1
     done = json.loads((top / "seed_7" / "coat" / "summary.json").read_text())
     assert done["finished"] and (top / "seed_7" / "comparison.md").is_file()  # seed 7 is kept
