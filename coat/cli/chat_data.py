@@ -20,7 +20,7 @@ another, and targets are never taken across an example boundary. The validation 
 whole examples.
 
 A packed split is an int32 array of shape (rows, 3, seq_len): ``[:, 0]`` input ids, ``[:, 1]`` the
-next-token targets (-100: no loss), ``[:, 2]`` position ids. ``runner.lm_loss`` takes a batch of
+next-token targets (-100: no loss), ``[:, 2]`` position ids. ``coat.cli.model.lm_loss`` takes a batch of
 such rows (int64) where it takes a (B, T+1) token window for text corpora.
 """
 

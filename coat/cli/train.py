@@ -28,7 +28,7 @@ from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT
                              resolve_config, validate)
 from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, default_cache_dir, load_corpus
 from coat.cli.plan import RunPlan
-from coat.cli.runner import build_model, build_optimizer, evaluate, lm_loss
+from coat.cli.model import build_model, build_optimizer, evaluate, lm_loss
 
 __all__ = ["TrainConfig", "ConfigError", "resolve_config", "validate", "lr_lambda", "build_model",
            "build_optimizer", "lm_loss", "evaluate", "train", "prepare", "register"]

@@ -251,7 +251,7 @@ def test_packed_rows_attend_within_each_example(tmp_path: Path) -> None:
     import coat
     from transformers import AutoModelForCausalLM
 
-    from coat.cli.runner import lm_loss
+    from coat.cli.model import lm_loss
 
     ckpt = make_checkpoint(tmp_path / "ckpt", tokenizer=False)
     rng = np.random.default_rng(1)
