@@ -212,6 +212,36 @@ def train_comparison(data: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def quality_study(data: dict[str, Any], source: str) -> str:
+    """A multi-seed quality record (benchmarks/plot_quality.py's input): each setup's final
+    validation loss over seeds, and each recipe's paired difference from bf16 with its 95% CI."""
+    from coat.cli.seeds import paired_stats
+    from coat.cli.stats import mean_std
+
+    setups: dict[str, dict[str, dict[int, float]]] = {}
+    for name, r in data["runs"].items():
+        recipe = r["recipe"] + (" lean" if r.get("master_weights") == "bf16_sr" else "")
+        setups.setdefault(name[0], {}).setdefault(recipe, {})[r["seed"]] = r["final_val_loss"]
+    lines = ["| setup | recipe | seeds | mean final val loss | std / mean | paired diff. from bf16 | 95% CI |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for setup, recipes_ in sorted(setups.items()):
+        base = recipes_.get("bf16", {})
+        for recipe, seeds in sorted(recipes_.items(), key=lambda kv: kv[0] != "bf16"):
+            mean, sd = mean_std(list(seeds.values()))
+            spread = f"{sd / mean:.2%}" if sd is not None else "-"
+            diff = ci = "-"
+            pairs = {s: (base[s], v) for s, v in seeds.items() if s in base}
+            if recipe != "bf16" and len(pairs) >= 2:
+                st = paired_stats(pairs)
+                bm = st["base"]["mean"]
+                diff = f"{st['mean_diff'] / bm:+.2%}"
+                ci = f"[{st['ci95'][0] / bm:+.2%}, {st['ci95'][1] / bm:+.2%}]"
+            lines.append(f"| {setup} | {recipe} | {len(seeds)} | {mean:.4f} | {spread} | {diff} | {ci} |")
+    lines += ["", f"{data['device']}, commit `{data['commit']}`; " + "; ".join(
+        f"{k}: `{v}`" for k, v in data["commands"].items()) + f" ({source})."]
+    return "\n".join(lines)
+
+
 # ---- README block name -> (JSON under the repository root, formatter) ---------------------------
 
 Formatter = Callable[[dict[str, Any], str], str]
@@ -222,6 +252,7 @@ BLOCKS: dict[str, tuple[str, Formatter]] = {
     "e2e-largest": (E2E, e2e_largest),
     "train-h200-300": ("benchmarks/results/train_h200/compare_300.json", train_comparison),
     "estimate-80gb": (E2E, estimate_table),
+    "quality-defaults": ("benchmarks/results/quality_defaults_cf2b811.json", quality_study),
 }
 
 
