@@ -18,8 +18,8 @@ fi
 # torch first (TORCH_SPEC overrides; the default is the CPU-or-CUDA build pip picks for 2.13.0).
 step "torch: ${TORCH_SPEC:-torch==2.13.0}"
 python3 -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-step "build and test requirements: nanobind, scikit-build-core, pytest, expecttest, peft"
-python3 -m pip install -q "nanobind>=2" "scikit-build-core>=0.10" "pytest>=7" expecttest "peft>=0.14"
+step "build and test requirements: nanobind, scikit-build-core, pytest, expecttest, peft, pyarrow"
+python3 -m pip install -q "nanobind>=2" "scikit-build-core>=0.10" "pytest>=7" expecttest "peft>=0.14" pyarrow
 # cuBLASLt (the FP8 GEMMs) only when the CUDA kernels are compiled and the toolkit lacks it: the
 # nvidia-cublas wheel is 568 MB, and a CUDA build of torch has brought it already (pip then has
 # nothing to do). tools/cuda_deps.py decides, as it does for the wheel's dependencies.

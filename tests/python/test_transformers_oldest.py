@@ -18,8 +18,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SUITES = ["tests/python/test_generate.py", "tests/python/test_convert.py", "tests/python/test_peft.py"]
-# transformers 5.0's own pins (its METADATA): the installed, newer releases are outside them.
-COMPANIONS = ["huggingface-hub>=1.3,<2", "tokenizers>=0.22,<=0.23.0", "httpx", "httpcore", "h11"]
+# transformers 5.0's own pins (its METADATA): the installed, newer releases are outside them; and
+# what huggingface-hub 1.x imports that 2.x does not (httpx and its dependencies), all pure Python.
+COMPANIONS = ["huggingface-hub>=1.3,<2", "tokenizers>=0.22,<=0.23.0", "httpx", "httpcore", "h11", "anyio", "certifi",
+              "idna", "sniffio"]
 
 
 def oldest_transformers() -> str:
