@@ -354,6 +354,16 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
         raise ConfigError("--vocab-size", f"only applies to --tokenizer bpe (the tokenizer is {cfg.tokenizer})")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device", "cuda requested but torch sees no CUDA device")
+    _validate_fine_tuning(cfg)
+    _validate_step_variants(cfg)
+    if cfg.keep_last < 1:
+        raise ConfigError("--keep-last", f"must be >= 1, got {cfg.keep_last}")
+    if cfg.from_step is not None and cfg.resume is None:
+        raise ConfigError("--from-step", "only applies with --resume DIR")
+
+
+def _validate_fine_tuning(cfg: TrainConfig) -> None:
+    """The optimizer's weight flags and LoRA's."""
     if cfg.optim == "torch" and cfg.master_weights != "fp32":
         raise ConfigError("--master-weights", "only applies to --optim coat (torch.optim.AdamW keeps fp32 weights)")
     if cfg.lora < 0:
@@ -373,6 +383,10 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     if cfg.frozen_fp8 and cfg.activations != "fp8":
         raise ConfigError("--frozen-fp8", "needs the FP8 layers (--recipe coat or fp8): it keeps the frozen base "
                                           "weights as FP8 codes those layers read")
+
+
+def _validate_step_variants(cfg: TrainConfig) -> None:
+    """--fp8-stats, --release-grads and --cuda-graph, and what each cannot be combined with."""
     if cfg.fp8_stats:
         if cfg.activations != "fp8":
             raise ConfigError("--fp8-stats", "needs the FP8 layers (--recipe coat or fp8): it reports their GEMM operands")
@@ -389,10 +403,6 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
                                                   "step; that flag runs Python hooks or compiled code in it)")
         if cfg.device == "cpu":
             raise ConfigError("--cuda-graph", "needs a CUDA device (--device cuda or auto on a GPU machine)")
-    if cfg.keep_last < 1:
-        raise ConfigError("--keep-last", f"must be >= 1, got {cfg.keep_last}")
-    if cfg.from_step is not None and cfg.resume is None:
-        raise ConfigError("--from-step", "only applies with --resume DIR")
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
