@@ -220,3 +220,17 @@ def dre_dequantize(q: torch.Tensor, gmax: torch.Tensor, k16: torch.Tensor, fmt: 
 @dre_dequantize.register_fake
 def _(q, gmax, k16, fmt):
     return _new(q.shape, torch.float32, q)
+
+
+@custom_op("coat::fp8_operand_stats", mutates_args=("counts", "amax"))
+def fp8_operand_stats(x: torch.Tensor, scale: torch.Tensor, half_sub: float, clip: float, counts: torch.Tensor,
+                      amax: torch.Tensor) -> None:
+    """Adds x's FP8 statistics (coat/operand_stats.h) to ``counts`` (int64 [3]: non-zero, underflow,
+    saturated) and ``amax`` (fp32, one value), in place, on x's device, without a sync."""
+    with dev_ctx(x):
+        _C.fp8_operand_stats(x, scale, half_sub, clip, counts, amax, stream(x))
+
+
+@fp8_operand_stats.register_fake
+def _(x, scale, half_sub, clip, counts, amax):
+    return None

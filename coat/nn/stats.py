@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._ops import quantize as qops
+
 __all__ = ["Fp8Stats", "fp8_stats", "ROLES"]
 
 ROLES = ("x", "w", "dy", "x_wgrad")
@@ -43,16 +45,22 @@ _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _LIMITS = {_E4M3: (2.0**-10, 464.0 + 2.0**-15), _E5M2: (2.0**-17, 61440.0)}
 
 
-def _counts(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """([non-zero, underflow, saturated] int64, amax fp32) of one operand quantized with ``scale``."""
+def _add_counts(entry: "_Entry", x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+    """Adds one operand, quantized with ``scale``, to ``entry``: [non-zero, underflow, saturated]
+    counts and amax. On the CPU in one pass by the core (coat/operand_stats.h). On a GPU with torch
+    ops for now: the core's CUDA kernel compiles but has not run on a GPU yet
+    (test_gpu_one_pass_counts_equal_the_cpu_reference checks it there; then it takes over)."""
     half_sub, clip = _LIMITS[fp8_dtype]
+    if not x.is_cuda:
+        qops.fp8_operand_stats(x.contiguous(), scale.float().reshape(1), half_sub, clip, entry.counts, entry.amax)
+        return
     a = x.abs() * torch.reciprocal(scale.float().reshape(1))  # fp32, as the quantizer's x * (1/s)
     nonzero = torch.count_nonzero(x)
     # Zeros give a == 0 <= half_sub too: subtracting them leaves the non-zero elements that underflow.
     under = torch.count_nonzero(a <= half_sub) - (x.numel() - nonzero)
-    sat = torch.count_nonzero(a >= clip)
-    amax = torch.linalg.vector_norm(x, float("inf")).float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-    return torch.stack([nonzero, under, sat]), amax
+    entry.counts += torch.stack([nonzero, under, torch.count_nonzero(a >= clip)])
+    if x.numel():
+        torch.maximum(entry.amax, torch.linalg.vector_norm(x, float("inf")).float(), out=entry.amax)
 
 
 class _Entry:
@@ -123,9 +131,7 @@ class Fp8Stats:
         if entry is None:
             entry = self._entries[key] = _Entry(scale.device)
         for part in (x if isinstance(x, (list, tuple)) else (x,)):
-            counts, amax = _counts(part, scale, fp8_dtype)
-            entry.counts += counts
-            torch.maximum(entry.amax, amax, out=entry.amax)
+            _add_counts(entry, part, scale, fp8_dtype)
             entry.numel += part.numel()
         entry.calls += 1
 

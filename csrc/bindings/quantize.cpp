@@ -1,4 +1,5 @@
 // nanobind registration of the quantize family.
+#include "coat/operand_stats.h"
 #include "coat/quantize.h"
 #include "ops.h"
 #include "registry.h"
@@ -231,6 +232,28 @@ nb::object dre_dequantize_py(const Array& q_, const Array& gmax_, const Array& k
   return y.tensor;
 }
 
+// coat/operand_stats.h: adds x's statistics to counts (int64 [3]) and amax (fp32, one value), in place.
+void fp8_operand_stats_py(const Array& x_, const Array& scale_, double half_sub, double clip, const Array& counts_,
+                          const Array& amax_, uintptr_t stream) {
+  const View x = view_of(x_, "x"), scale = view_of(scale_, "scale");
+  const View counts = view_of(counts_, "counts"), amax = view_of(amax_, "amax");
+  const DType dt = float_dtype(x);
+  check_scale(scale);
+  expect_kind(counts, Kind::kInt64);
+  expect_numel(counts, 3, "the three counters");
+  expect_kind(amax, Kind::kFloat32);
+  expect_numel(amax, 1, "one amax");
+  const bool cuda = same_device({&x, &scale, &counts, &amax});
+  const auto* s = static_cast<const float*>(scale.data);
+  auto* c = static_cast<int64_t*>(counts.data);
+  auto* a = static_cast<float*>(amax.data);
+  if (cuda)
+    COAT_GPU_CALL(fp8_operand_stats(x.data, dt, x.numel, s, static_cast<float>(half_sub), static_cast<float>(clip), c, a,
+                                    stream_of(stream)));
+  else
+    ref::fp8_operand_stats(x.data, dt, x.numel, s, static_cast<float>(half_sub), static_cast<float>(clip), c, a);
+}
+
 void register_quantize(nb::module_& m) {
   m.attr("DRE_GROUP_SIZE") = kDreGroupSize;
   m.attr("DRE_LOG2_RANGE_E4M3") = kDreLog2RangeE4M3;
@@ -249,6 +272,8 @@ void register_quantize(nb::module_& m) {
   m.def("dequantize_per_group", &dequantize_per_group_py, restore_device(), arg("q"), arg("scales"), arg("group_size"), arg("fmt"),
         arg("dtype"), arg("stream"));
   m.def("dre_quantize", &dre_quantize_py, restore_device(), arg("x"), arg("fmt"), arg("log2_range"), arg("stream"));
+  m.def("fp8_operand_stats", &fp8_operand_stats_py, restore_device(), arg("x"), arg("scale"), arg("half_sub"),
+        arg("clip"), arg("counts"), arg("amax"), arg("stream"));
   m.def("dre_dequantize", &dre_dequantize_py, restore_device(), arg("q"), arg("gmax"), arg("k16"), arg("fmt"), arg("stream"));
 }
 

@@ -68,6 +68,67 @@ def test_outlier_underflows():
     assert roles["w"]["underflow"] == 0 and roles["dy"]["underflow"] == 0
 
 
+def _counts(x, scale, fp8_dtype):
+    """One operand's ([non-zero, underflow, saturated], amax) as Fp8Stats records it (the core's op)."""
+    entry = S._Entry(x.device)
+    S._add_counts(entry, x, scale, fp8_dtype)
+    return entry.counts, entry.amax
+
+
+def _torch_counts(x, scale, fp8_dtype):
+    """The same statistics written with torch ops: the definition the core's one pass must meet."""
+    half_sub, clip = S._LIMITS[fp8_dtype]
+    a = x.abs().float() * torch.reciprocal(scale.float().reshape(1))
+    nz = x != 0
+    counts = [int(nz.sum()), int((nz & (a <= half_sub)).sum()), int((a >= clip).sum())]
+    amax = torch.linalg.vector_norm(x.float(), float("inf")) if x.numel() else torch.zeros(())
+    return counts, amax
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_one_pass_counts_equal_the_torch_definition(dtype, fp8_dtype, gen):
+    """Random, odd-sized and adversarial operands (zeros, values on both thresholds, huge and tiny
+    magnitudes, infinities, NaN): the core's counts and amax equal the torch formulas, and a
+    second operand adds to the first."""
+    half_sub, clip = S._LIMITS[fp8_dtype]
+    for n in (0, 1, 7, 1000, 4099):
+        x = (torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 20, (n,), generator=gen).float()))
+        x[::5] = 0
+        scale = torch.tensor([0.37])
+        if n > 10:
+            x[1:5] = torch.tensor([half_sub, -half_sub * 1.01, clip, -clip * 0.999]) * scale
+            x[6] = float("inf")
+        x = x.to(dtype)
+        counts, amax = _counts(x, scale, fp8_dtype)
+        want, want_amax = _torch_counts(x, scale, fp8_dtype)
+        assert counts.tolist() == want and amax.item() == want_amax.item()
+    entry = S._Entry(torch.device("cpu"))
+    a, b = torch.randn(300, generator=gen).to(dtype), torch.randn(77, generator=gen).to(dtype) * 1e3
+    b[3] = float("nan")
+    for part in (a, b):
+        S._add_counts(entry, part, torch.tensor([0.01]), fp8_dtype)
+    ca, _ = _torch_counts(a, torch.tensor([0.01]), fp8_dtype)
+    cb, _ = _torch_counts(b, torch.tensor([0.01]), fp8_dtype)
+    assert entry.counts.tolist() == [i + j for i, j in zip(ca, cb)] and entry.amax.isnan()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_one_pass_counts_equal_the_cpu_reference(dtype, gen):
+    for n in (1, 4099, 3 * 2**20 + 5):
+        x = (torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 20, (n,), generator=gen).float())).to(dtype)
+        x[::9] = 0
+        x[n // 2] = float("inf")
+        scale = torch.tensor([0.37])
+        cpu = _counts(x, scale, torch.float8_e4m3fn)
+        counts, amax = torch.zeros(3, dtype=torch.int64, device="cuda"), torch.zeros((), device="cuda")
+        half_sub, clip = S._LIMITS[torch.float8_e4m3fn]
+        S.qops.fp8_operand_stats(x.cuda(), scale.cuda(), half_sub, clip, counts, amax)  # the CUDA kernel
+        assert counts.tolist() == cpu[0].tolist() and amax.item() == cpu[1].item()
+        assert _counts(x.cuda(), scale.cuda(), torch.float8_e4m3fn)[0].tolist() == cpu[0].tolist()
+
+
 def _direct_underflow(x, fp8_dtype):
     q, _, scale = mm.quantize(x, fp8_dtype, False)
     zero_code = (q.view(torch.uint8) & 0x7F) == 0
@@ -86,7 +147,7 @@ def test_counts_match_direct_computation(fp8_dtype, gen):
     x[0, :3] = torch.tensor([half_sub, half_sub * 1.0078125, -half_sub], dtype=torch.float32).mul(scale).to(x.dtype)
     under, scale2 = _direct_underflow(x, fp8_dtype)
     assert scale2 == scale and 0 < under < (x != 0).sum()
-    counts, amax = S._counts(x, scale, fp8_dtype)
+    counts, amax = _counts(x, scale, fp8_dtype)
     assert counts.tolist() == [int((x != 0).sum()), under, 0] and amax.item() == x.abs().max().item()
 
     # The role a layer records is that operand: fp8_linear's input (no norm) and its output gradient.
@@ -108,12 +169,12 @@ def test_saturation_boundaries():
     E5M2: from 61440, where the tie rounds up) and infinities; NaN counts nowhere, amax shows it."""
     one = torch.ones(1)
     e4 = torch.tensor([448.0, 464.0, 464.0 + 2**-15, 1e6, float("inf"), -float("inf"), 0.0])
-    assert S._counts(e4, one, torch.float8_e4m3fn)[0].tolist() == [6, 0, 4]
+    assert _counts(e4, one, torch.float8_e4m3fn)[0].tolist() == [6, 0, 4]
     e5 = torch.tensor([57344.0, 61439.996, 61440.0, -1e6])
-    assert S._counts(e5, one, torch.float8_e5m2)[0].tolist() == [4, 0, 2]
+    assert _counts(e5, one, torch.float8_e5m2)[0].tolist() == [4, 0, 2]
     # Agrees with torch's (non-saturating) E5M2 cast: exactly the clipped values become infinite.
     assert torch.isinf(e5.to(torch.float8_e5m2).float()).sum() == 2
-    counts, amax = S._counts(torch.tensor([1.0, float("nan")]), one, torch.float8_e4m3fn)
+    counts, amax = _counts(torch.tensor([1.0, float("nan")]), one, torch.float8_e4m3fn)
     assert counts.tolist() == [2, 0, 0] and amax.isnan()
 
 
