@@ -111,15 +111,22 @@ def e2e_summary(data: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def _ok_pairs(recs: dict, base: str, other: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(base, other) records of the batches where both setups ran without error."""
+    pairs = []
+    for b in _runs(recs, base):
+        o = recs.get((other, b["batch"]))
+        if b["status"] == "ok" and o is not None and o["status"] == "ok":
+            pairs.append((b, o))
+    return pairs
+
+
 def e2e_peer(data: dict[str, Any], source: str) -> str:
     """torchao (float8 training, torch.compile, 8-bit AdamW) beside coat lean, per batch."""
     recs = _records(data, H100, "llama2-7b")
     lines = ["| batch | torchao: peak | tokens/s | coat lean: peak | tokens/s | coat lean tokens/s vs torchao | commits |",
              "|---:|---:|---:|---:|---:|---:|---|"]
-    for peer in _runs(recs, "torchao"):
-        lean = recs.get(("coat-lean", peer["batch"]))
-        if peer["status"] != "ok" or lean is None or lean["status"] != "ok":
-            continue
+    for peer, lean in _ok_pairs(recs, "torchao", "coat-lean"):
         lines.append(f"| {peer['batch']} | {peer['peak_gib']:.1f} GiB | {_tok(peer)} | {lean['peak_gib']:.1f} GiB | "
                      f"{_tok(lean)} | {lean['tokens_per_s'] / peer['tokens_per_s']:.2f}x | "
                      f"{_commits([peer, lean])} |")
@@ -132,10 +139,7 @@ def e2e_lora(data: dict[str, Any], source: str) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for model, name in (("llama2-7b", "Llama-2-7B"), ("llama3-8b", "Llama-3-8B")):
         recs = _records(data, H100, model)
-        for peft in _runs(recs, "bf16+lora"):
-            ours = recs.get(("coat+lora", peft["batch"]))
-            if peft["status"] != "ok" or ours is None or ours["status"] != "ok":
-                continue
+        for peft, ours in _ok_pairs(recs, "bf16+lora", "coat+lora"):
             lines.append(f"| {name} | {peft['batch']} | {peft['peak_gib']:.1f} GiB | {_tok(peft)} | "
                          f"{ours['peak_gib']:.1f} GiB | {_tok(ours)} | {ours['peak_gib'] / peft['peak_gib']:.2f}x | "
                          f"{ours['tokens_per_s'] / peft['tokens_per_s']:.2f}x |")
