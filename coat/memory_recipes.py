@@ -1,0 +1,101 @@
+"""How each modeled recipe stores a training step, for the memory plan (``coat.memory``): bytes per
+parameter of each persistent part, the saved-activation table its layers follow, and the transients
+it adds. The recipe names and their meaning are ``coat.recipes``'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from coat import recipes as names
+
+#: coat.optim.AdamW: per moment 1 byte of FP8 code + per 128-element group a fp32 max and a 1-byte exponent.
+COAT_STATE_BYTES = 2 * (1 + 5 / 128)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a recipe stores a step: bytes per parameter of each persistent part, which saved-activation
+    table its layers follow, and which transients it adds. One entry of ``RECIPES`` per recipe of
+    ``coat.recipes`` that is modeled (or a ``with_modes`` variant): names and their meaning are there."""
+
+    name: str
+    summary: str
+    param_bytes: int  # the model's weights
+    master_bytes: int  # a separate master copy held by the optimizer (fp32 master of bf16 weights)
+    state_bytes: float  # optimizer states
+    grad_bytes: int
+    activations: str  # key of ``ACTIVATION_TABLES``
+    fsdp_activations: str  # the table under FSDP2 (AMP computes with bf16 weights gathered in bf16)
+    weight_copies: bool = False  # autocast's bf16 copy of each linear weight, saved for backward
+    fp8_weights: bool = False  # FP8 GEMMs: the largest fused weight exists in FP8 while its op runs
+    fsdp_reduce_bytes: int = 2  # FSDP2 reduce-scatter dtype
+    grad_release: bool = False  # optimizer step inside backward: one layer's gradients at a time
+    fused_loss: bool = False  # LM head + cross-entropy chunked over tokens: no full logits
+    # coat.nn.loss.DEFAULT_CHUNK_MIB: compute-dtype (bf16) logits of one chunk at most this many MiB.
+    loss_chunk_mib: float = 512.0
+    # The step replayed from CUDA graphs: the same plan (a replay allocates nothing beyond what the
+    # captured eager step did).
+    graph: bool = False
+    # LoRA (coat bench's setups): rank-LORA_RANK adapters on every decoder linear, fp32 (PEFT casts
+    # the adapters of a bf16 model to fp32), torch AdamW over them; the base (weights at
+    # param_bytes) frozen, so it has no master copy, states or gradients.
+    lora: bool = False
+
+    def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None,
+                   graph: bool | None = None, lora: bool | None = None) -> "Recipe":
+        """This recipe with gradient release, the fused loss, CUDA graphs and/or LoRA switched on or
+        off (named ``<name>+release``, ``+fused-loss`` where the base recipe has none, ``+hf-loss``
+        where it has one and it is switched off, ``+graph``, ``+lora``)."""
+        r = replace(self, grad_release=self.grad_release if grad_release is None else grad_release,
+                    fused_loss=self.fused_loss if fused_loss is None else fused_loss,
+                    graph=self.graph if graph is None else graph, lora=self.lora if lora is None else lora)
+        base = self.name.split("+")[0]
+        if r.lora and not self.lora:
+            # coat bench's two LoRA setups, with their own loss paths: bf16+lora (PEFT on Hugging Face's
+            # layers) and coat+lora (PEFT on coat.convert's layers, the base kept only in FP8:
+            # convert(frozen_weights="fp8"), the fused loss).
+            if r.grad_release or (base, r.fused_loss) not in (("bf16", False), ("coat", True)):
+                raise ValueError(f"--recipe {r.name}+lora: LoRA is modeled for bf16+lora and coat+lora (coat "
+                                 "bench's setups) only")
+            table, base_summary = {"bf16": ("hf-bf16-lora", "bf16 weights"),
+                                   "coat": ("coat-lora", "coat.convert, decoder weights in FP8 only")}[base]
+            r = replace(r, activations=table, fsdp_activations=table, master_bytes=0, state_bytes=0, grad_bytes=0,
+                        summary=f"{base_summary} (the base, frozen), PEFT LoRA r={LORA_RANK} on every decoder "
+                        "linear (fp32 adapters, torch AdamW)")
+        default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
+        mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
+                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora}
+        return replace(r, name=names.Setup(base, tuple(m for m in names.MODES if mods.get(m))).name)
+
+
+#: The rank of ``+lora`` setups (coat bench's LoRA setups: r=16 on every decoder linear).
+LORA_RANK = 16
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("amp", "fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True)", 4, 0, 8, 4, "hf-amp", "hf-bf16",
+           weight_copies=True, fsdp_reduce_bytes=4),
+    Recipe("bf16", "bf16 weights, torch.optim.AdamW(fused=True) (bf16 states)", 2, 0, 4, 2, "hf-bf16", "hf-bf16"),
+    # coat.convert installs the fused LM head + loss by default.
+    Recipe("coat", "bf16 weights, coat.convert, coat.optim.AdamW (FP8 states, fp32 master)", 2, 4, COAT_STATE_BYTES,
+           2, "coat", "coat", fp8_weights=True, fused_loss=True),
+    Recipe("coat-lean", "bf16 weights, coat.convert, coat.optim.AdamW(master_weights='bf16_sr')", 2, 0,
+           COAT_STATE_BYTES, 2, "coat", "coat", fp8_weights=True, fused_loss=True),
+)}
+
+
+def recipe(name: str) -> Recipe:
+    """The plan of setup ``name`` (``coat.recipes``): ``RECIPES[name]``, or a ``with_modes``
+    variant (``+release``, ``+fused-loss``, ``+hf-loss``, ``+graph``). ``ValueError`` naming
+    --recipe for a name that is unknown or not modeled."""
+    s = names.parse(name)
+    if s.recipe not in RECIPES:
+        peer = s.recipe in names.PEERS
+        kind, what = ("setup", names.PEERS[s.recipe]) if peer else ("recipe", names.RECIPES[s.recipe])
+        raise ValueError(f"--recipe {name!r}: {kind} {s.recipe} ({what}) has no memory model (modeled: "
+                         f"{', '.join(RECIPES)})")
+    r = RECIPES[s.recipe]
+    if not s.modes:
+        return r
+    fused = True if s.has("fused-loss") else False if s.has("hf-loss") else None
+    return r.with_modes(grad_release=True if s.has("release") else None, fused_loss=fused,
+                        graph=True if s.has("graph") else None, lora=True if s.has("lora") else None)
