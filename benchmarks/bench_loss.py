@@ -20,7 +20,7 @@ and at the first size with FP8 gradient GEMMs (``fp8_backward=True``).
 ``--accuracy``: no timing; the error of an FP8 LM head (per-tensor E4M3 operands, E5M2 logit
 gradient, coat's FP8 GEMM, exact CPU emulation off the GPU) against fp64, beside BF16's, at
 random init and at a trained-like logit distribution (labels drawn from the model's own softmax,
-loss ~2-3 nats). This is how the fused loss's precision was chosen (BF16; see coat/nn/loss.py).
+loss ~2-3 nats). This is how the fused loss's precision was chosen (BF16; see docs/numerics.md).
 
     python benchmarks/bench_loss.py [--batch 8 --seq 2048 --hidden 4096 --vocab 128256]
         [--chunks 512,128] [--autocast] [--reps 10] [--out results.json]

@@ -1,4 +1,4 @@
-"""coat.nn.loss computes its gradients in the forward (three GEMMs per chunk of tokens): several
+"""coat.nn.lm_head_loss (the fused loss) computes its gradients in the forward (three GEMMs per chunk of tokens): several
 chunks against one, the per-chunk cross-entropy ``_ce_grad_`` against torch (the contract a fused
 kernel must meet), the fp32 accumulation of the LM head's gradient across chunks, no gradient work
 where none is wanted, the upstream gradient's scale, a second backward refused. GPU part: several
@@ -11,7 +11,7 @@ from test_loss import gpu_head_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from coat.nn import _fp8mm as mm
-from coat.nn import loss as L
+from coat.nn import lm_head_loss as L
 from coat.nn.loss import fused_lm_head_loss
 
 SMALL = 0.01  # chunk_mib: 2-row chunks of fp32 logits at vocabulary 1001 (5 rows in bf16)
