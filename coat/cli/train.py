@@ -139,6 +139,26 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
     if cfg.resume is not None:
         cfg, ran = resume_config(cfg, explicit)
     flags = cfg
+    cfg, init = _check_settings(cfg, d)
+    tokenizer = pretrained.load_tokenizer(init) if init else None
+    corpus = _load_data(cfg, d, log, init, tokenizer)
+    resume_from = None
+    if cfg.resume is not None:
+        resume_from, step = _check_resume(cfg, corpus, d, "save" in explicit)
+        if resume_from is not None and ran is not None:
+            anchor = _continue_schedule(cfg, resolve_config(ran), step, log)
+            # --from-step is used up here: a later resume starts from the latest checkpoint again.
+            cfg, flags = (replace(c, lr_anchor=anchor, from_step=None) for c in (cfg, flags))
+    out = _reserve(cfg, d, resume_from)
+    return RunPlan(cfg, corpus, out, init, tokenizer, resume_from, flags)
+
+
+def _check_settings(cfg: TrainConfig, d: dt.Dist) -> tuple[TrainConfig, Any]:
+    """The flags resolved and checked against each other, --init (inspected, not loaded), the
+    imports the run needs, --data's existence and the output folder; returns the resolved
+    settings and what --init holds (None without --init)."""
+    from coat.cli import pretrained
+
     check_init_flags(cfg)
     init = None
     if cfg.init is not None:
@@ -169,8 +189,12 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
                 ckpt.check_default_root(Path("runs"))
         except ckpt.OutputError as e:
             raise ConfigError("--out", str(e)) from None
+    return cfg, init
 
-    tokenizer = pretrained.load_tokenizer(init) if init else None
+
+def _load_data(cfg: TrainConfig, d: dt.Dist, log: Callable[[str], None], init: Any, tokenizer: Any) -> Any:
+    """--data tokenized (on rank 0 first: into the shared cache once), checked against --seq-len,
+    the ranks and the --init model's vocabulary."""
     max_id = init.vocab_size - 1 if init else MAX_TOKEN_ID
     chat = _check_chat_data(cfg, tokenizer)
 
@@ -200,16 +224,7 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
     if init is not None and tokenizer is None and corpus.info.get("tokenizer") != "pretokenized":
         log(f"note: {cfg.init} has no tokenizer; text is tokenized with --tokenizer {cfg.tokenizer} "
             f"({corpus.vocab_size} ids of the model's {init.vocab_size})")
-
-    resume_from = None
-    if cfg.resume is not None:
-        resume_from, step = _check_resume(cfg, corpus, d, "save" in explicit)
-        if resume_from is not None and ran is not None:
-            anchor = _continue_schedule(cfg, resolve_config(ran), step, log)
-            # --from-step is used up here: a later resume starts from the latest checkpoint again.
-            cfg, flags = (replace(c, lr_anchor=anchor, from_step=None) for c in (cfg, flags))
-    out = _reserve(cfg, d, resume_from)
-    return RunPlan(cfg, corpus, out, init, tokenizer, resume_from, flags)
+    return corpus
 
 
 def _check_chat_data(cfg: TrainConfig, tokenizer: Any) -> str | None:
@@ -341,29 +356,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` subcommand to the ``coat`` parser."""
     p = subparsers.add_parser("train", help="train with COAT's FP8 recipe beside BF16 (or fine-tune with --init)",
                               description=__doc__, argument_default=argparse.SUPPRESS)
-    cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
-    n, x = dict(type=int, metavar="N"), dict(type=float, metavar="X")
+    for add_group in (_model_flags, _data_flags, _optimization_flags, _runtime_flags, _output_flags):
+        add_group(p)
+    p.set_defaults(handler=lambda args: _run(args, p))
 
-    def default(name: str) -> str:  # flags default to "not given"; TrainConfig holds the value
-        return f" (default: {getattr(TrainConfig, name)})"
 
-    def by_device(name: str) -> str:
-        return f"(default: {cpu[name]} on CPU, {gpu[name]} on GPU)"
+_N, _X = dict(type=int, metavar="N"), dict(type=float, metavar="X")
 
-    def from_preset(name: str) -> str:
-        return "(default: from --model: " + ", ".join(f"{k} {v[name]}" for k, v in MODEL_PRESETS.items()) + ")"
 
+def _default(name: str) -> str:  # flags default to "not given"; TrainConfig holds the value
+    return f" (default: {getattr(TrainConfig, name)})"
+
+
+def _by_device(name: str) -> str:
+    return f"(default: {DEVICE_DEFAULTS['cpu'][name]} on CPU, {DEVICE_DEFAULTS['cuda'][name]} on GPU)"
+
+
+def _from_preset(name: str) -> str:
+    return "(default: from --model: " + ", ".join(f"{k} {v[name]}" for k, v in MODEL_PRESETS.items()) + ")"
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=list(MODEL_PRESETS), help="model size preset " + by_device("model"))
-    g.add_argument("--hidden-size", **n, help=from_preset("hidden_size"))
-    g.add_argument("--layers", **n, help=from_preset("layers"))
-    g.add_argument("--heads", **n, help=from_preset("heads"))
-    g.add_argument("--intermediate-size", **n, help="MLP width " + from_preset("intermediate_size"))
-    g.add_argument("--max-positions", **n, help="longest sequence " + from_preset("max_positions"))
+    g.add_argument("--model", choices=list(MODEL_PRESETS), help="model size preset " + _by_device("model"))
+    g.add_argument("--hidden-size", **_N, help=_from_preset("hidden_size"))
+    g.add_argument("--layers", **_N, help=_from_preset("layers"))
+    g.add_argument("--heads", **_N, help=_from_preset("heads"))
+    g.add_argument("--intermediate-size", **_N, help="MLP width " + _from_preset("intermediate_size"))
+    g.add_argument("--max-positions", **_N, help="longest sequence " + _from_preset("max_positions"))
     g.add_argument("--init", metavar="PATH", help="start from this Hugging Face checkpoint folder (Llama, Mistral, "
                    f"Qwen2, Qwen3) and its tokenizer; implies --save and a default --lr of {INIT_LR} "
                    f"({LORA_LR} with --lora)")
 
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", help="a text file, a JSONL file of {\"text\": ...} records, a folder of "
                    "those, or a token array (.npy, or .bin of uint16) (default: Python source on this machine: "
@@ -374,33 +400,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "assistant tokens only, examples packed into --seq-len rows without attending to each other")
     g.add_argument("--tokenizer", choices=TOKENIZERS, help="byte: 256 byte values + EOS (default); bpe: byte-level "
                    "BPE trained on the training text. With --init, the checkpoint's own tokenizer")
-    g.add_argument("--vocab-size", **n, help="vocabulary size of --tokenizer bpe (default: 4096)")
-    g.add_argument("--val-fraction", **x, help="held-out share (last documents, else last tokens)" + default("val_fraction"))
+    g.add_argument("--vocab-size", **_N, help="vocabulary size of --tokenizer bpe (default: 4096)")
+    g.add_argument("--val-fraction", **_X,
+                   help="held-out share (last documents, else last tokens)" + _default("val_fraction"))
     g.add_argument("--cache-dir", metavar="DIR", help="tokenized corpus cache (default: ~/.cache/coat/corpus)")
 
+
+def _optimization_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", **n, help="optimizer steps " + by_device("steps"))
-    g.add_argument("--batch-size", **n, help="sequences per step and process " + by_device("batch_size"))
-    g.add_argument("--seq-len", **n, help="tokens per sequence " + by_device("seq_len"))
-    g.add_argument("--lr", **x, help="peak learning rate " + by_device("lr"))
-    g.add_argument("--min-lr", **x, help="final learning rate (default: lr / 10)")
-    g.add_argument("--warmup-steps", **n, help="linear warmup steps (default: steps / 10, at most "
-                   f"{cpu['warmup_steps']} on CPU, {gpu['warmup_steps']} on GPU)")
-    g.add_argument("--schedule", choices=SCHEDULES, help="decay after warmup" + default("schedule"))
-    g.add_argument("--weight-decay", **x, help="AdamW weight decay (matrices only)" + default("weight_decay"))
-    g.add_argument("--beta1", **x, help="AdamW beta1" + default("beta1"))
-    g.add_argument("--beta2", **x, help="AdamW beta2" + default("beta2"))
-    g.add_argument("--grad-clip", **x, help="max gradient norm (0 disables clipping)" + default("grad_clip"))
+    g.add_argument("--steps", **_N, help="optimizer steps " + _by_device("steps"))
+    g.add_argument("--batch-size", **_N, help="sequences per step and process " + _by_device("batch_size"))
+    g.add_argument("--seq-len", **_N, help="tokens per sequence " + _by_device("seq_len"))
+    g.add_argument("--lr", **_X, help="peak learning rate " + _by_device("lr"))
+    g.add_argument("--min-lr", **_X, help="final learning rate (default: lr / 10)")
+    g.add_argument("--warmup-steps", **_N, help="linear warmup steps (default: steps / 10, at most "
+                   f"{DEVICE_DEFAULTS['cpu']['warmup_steps']} on CPU, "
+                   f"{DEVICE_DEFAULTS['cuda']['warmup_steps']} on GPU)")
+    g.add_argument("--schedule", choices=SCHEDULES, help="decay after warmup" + _default("schedule"))
+    g.add_argument("--weight-decay", **_X, help="AdamW weight decay (matrices only)" + _default("weight_decay"))
+    g.add_argument("--beta1", **_X, help="AdamW beta1" + _default("beta1"))
+    g.add_argument("--beta2", **_X, help="AdamW beta2" + _default("beta2"))
+    g.add_argument("--grad-clip", **_X, help="max gradient norm (0 disables clipping)" + _default("grad_clip"))
     g.add_argument("--optim", choices=OPTIMIZERS, help="torch: torch.optim.AdamW; coat: coat.optim.AdamW with FP8 "
                    "states (default: from --recipe)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, help="master weight format of --optim coat "
-                   "(bf16_sr: bf16 with stochastic rounding)" + default("master_weights"))
+                   "(bf16_sr: bf16 with stochastic rounding)" + _default("master_weights"))
     g.add_argument("--lora", type=int, metavar="RANK",
                    help="fine-tune PEFT LoRA adapters of this rank instead of every weight (needs --init); "
                         f"--save then writes the adapter; the default --lr is then {LORA_LR} "
                         "(default: 0, no LoRA)")
-    g.add_argument("--lora-alpha", **n, help="LoRA alpha (PEFT's default)" + default("lora_alpha"))
-    g.add_argument("--lora-dropout", **x, help="LoRA dropout (PEFT's default)" + default("lora_dropout"))
+    g.add_argument("--lora-alpha", **_N, help="LoRA alpha (PEFT's default)" + _default("lora_alpha"))
+    g.add_argument("--lora-dropout", **_X, help="LoRA dropout (PEFT's default)" + _default("lora_dropout"))
     g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module names to adapt, e.g. "
                    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default: PEFT's for the model type)")
     g.add_argument("--frozen-fp8", action="store_true", help="with --lora and the FP8 layers: keep the frozen "
@@ -411,6 +441,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "running estimate of the step's norm (this step's layers so far + the previous step's for "
                         "the rest; the first step only measures it)")
 
+
+def _runtime_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("precision and runtime")
     g.add_argument("--recipe", metavar="NAME", help="coat (default): FP8 GEMMs and saved activations in the "
                    "decoder layers, FP8 optimizer states; coat-lean: coat with --master-weights bf16_sr; fp8: the "
@@ -425,42 +457,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "--recipe is not given)")
     g.add_argument("--activations", choices=ACTIVATIONS, help="fp8: decoder layers converted with coat.convert "
                    "(default: from --recipe)")
-    g.add_argument("--dtype", choices=DTYPES, help="autocast dtype (auto: bf16 on GPU, fp32 on CPU)" + default("dtype"))
-    g.add_argument("--device", choices=DEVICES, help="auto: cuda when available" + default("device"))
+    g.add_argument("--dtype", choices=DTYPES,
+                   help="autocast dtype (auto: bf16 on GPU, fp32 on CPU)" + _default("dtype"))
+    g.add_argument("--device", choices=DEVICES, help="auto: cuda when available" + _default("device"))
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--cuda-graph", action="store_true", help="capture each training step (forward, backward, "
                    "clipping, optimizer step) in CUDA graphs after 3 eager steps and replay it "
                    "(coat.CudaGraphStep): much less host time per step, for small batches where the GPU waits "
                    "on Python; one GPU, no --release-grads / --compile")
-    g.add_argument("--threads", **n, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
-    g.add_argument("--seed", **n, help="seeds model init and batch sampling" + default("seed"))
-    g.add_argument("--seeds", **n, help="with the comparison: N paired comparisons, seeds --seed .. --seed + N - 1, "
+    g.add_argument("--threads", **_N, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
+    g.add_argument("--seed", **_N, help="seeds model init and batch sampling" + _default("seed"))
+    g.add_argument("--seeds", **_N, help="with the comparison: N paired comparisons, seeds --seed .. --seed + N - 1, "
                    "each in OUT/seed_<s>/, then the mean paired difference of final validation loss with its 95%% "
                    "confidence interval (Student t) and a plot of the mean curves with a min-max band; a seed that "
-                   "fails does not stop the others, --resume OUT runs the missing ones" + default("seeds"))
+                   "fails does not stop the others, --resume OUT runs the missing ones" + _default("seeds"))
 
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("evaluation, output and checkpoints")
-    g.add_argument("--eval-every", **n, help="steps between validation evaluations (default: steps / 10)")
-    g.add_argument("--eval-batches", **n, help="validation batches per evaluation " + by_device("eval_batches"))
-    g.add_argument("--log-every", **n, help="steps per metrics.jsonl record" + default("log_every"))
+    g.add_argument("--eval-every", **_N, help="steps between validation evaluations (default: steps / 10)")
+    g.add_argument("--eval-batches", **_N, help="validation batches per evaluation " + _by_device("eval_batches"))
+    g.add_argument("--log-every", **_N, help="steps per metrics.jsonl record" + _default("log_every"))
     g.add_argument("--fp8-stats", action="store_true", help="record how much of each FP8 GEMM operand underflows "
                    "to zero or saturates (coat.fp8_stats) in the last step of each --log-every interval: printed, "
                    "in metrics.jsonl and summary.json (a recorded step costs ~2.7x)")
     g.add_argument("--out", metavar="DIR", help="output folder, new or empty (default: a new runs/<timestamp>)")
     g.add_argument("--save", action=argparse.BooleanOptionalAction, help="write the trained model with "
                    "save_pretrained (and the tokenizer) to OUT/model (default: on with --init)")
-    g.add_argument("--save-every", **n, help="write a checkpoint (model, optimizer, scheduler, RNG, data "
+    g.add_argument("--save-every", **_N, help="write a checkpoint (model, optimizer, scheduler, RNG, data "
                    "position) every N steps and at the end")
-    g.add_argument("--keep-last", **n, help="checkpoints kept (older ones are deleted)" + default("keep_last"))
+    g.add_argument("--keep-last", **_N, help="checkpoints kept (older ones are deleted)" + _default("keep_last"))
     g.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, "
                    "verified whole and of this run (may change only " + ", ".join(flag(k) for k in RESUME_OVERRIDES)
                    + "; any other flag given must repeat the run's value). A new --steps of a cosine or linear "
                    "schedule continues the decay from the lr at the resume point to --min-lr at the new total "
                    "(no jump). On a finished run, --save exports the model from its final checkpoint")
-    g.add_argument("--from-step", **n, help="with --resume: continue from the checkpoint of step N instead of the "
+    g.add_argument("--from-step", **_N, help="with --resume: continue from the checkpoint of step N instead of the "
                    "latest (the later ones are set aside, renamed set-aside-step_*)")
     g.add_argument("--quiet", action="store_true", help="no progress bar or messages")
-    p.set_defaults(handler=lambda args: _run(args, p))
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
