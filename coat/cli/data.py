@@ -413,27 +413,11 @@ def _load_text_corpus(
         units = [u for u in docs.units if u[0] not in prose_docs]
         if not units:
             raise ValueError(f"no documents found in {source}")
-        by_file: dict[Path, list] = {}
-        for u in units:
-            by_file.setdefault(u[0], []).append(u)
-        split = _split_directories if by_directory else _split_units
-        train_units, val_units = [], []
-        for fs in groups.values():
-            tr, va = split([u for f in fs for u in by_file.get(f, [])], val_fraction)
-            train_units += tr
-            val_units += va
+        train_units, val_units = _split_groups(groups, units, by_directory, val_fraction)
         digests = dict(zip(files, _content_hashes(files, cache_dir)))
         train_units, copies = _drop_copies(docs, train_units, val_units + prose_units, digests)
         dtype = _token_dtype(vocab)
-        if tokenizer == "byte":
-            encode: Callable[[list], np.ndarray] = lambda us: _encode_bytes(docs, us)  # noqa: E731
-        elif tokenizer == "bpe":
-            # With a document-level split the tokenizer never sees validation text.
-            tok = _train_bpe(docs, train_units, vocab_size)
-            tok.save(str(tok_path))
-            encode = lambda us: _encode_bpe(tok, docs, us, dtype)  # noqa: E731
-        else:
-            encode = lambda us: _encode_hf(hf, docs, us, dtype)  # noqa: E731
+        encode = _encoder(tokenizer, docs, train_units, vocab_size, tok_path, hf, dtype)
         if val_units:
             train, val = encode(train_units), encode(val_units)
             meta = {"split": "directories" if by_directory else "documents", "val_documents": len(val_units),
@@ -456,6 +440,36 @@ def _load_text_corpus(
     if hf is not None:
         eos = hf.tokenizer.eos_token_id
     return Corpus(train, val, vocab, eos, info, heldout)
+
+
+def _split_groups(groups: dict[str, list[Path]], units: list, by_directory: bool,
+                  val_fraction: float) -> tuple[list, list]:
+    """(train, held-out) documents: held-out ones from each group (whole directories with
+    ``by_directory``), so every source is represented in the validation split."""
+    by_file: dict[Path, list] = {}
+    for u in units:
+        by_file.setdefault(u[0], []).append(u)
+    split = _split_directories if by_directory else _split_units
+    train_units, val_units = [], []
+    for fs in groups.values():
+        tr, va = split([u for f in fs for u in by_file.get(f, [])], val_fraction)
+        train_units += tr
+        val_units += va
+    return train_units, val_units
+
+
+def _encoder(tokenizer: str, docs: _Documents, train_units: list, vocab_size: int, tok_path: Path,
+             hf: HFTokenizer | None, dtype: type) -> Callable[[list], np.ndarray]:
+    """Documents -> token ids with ``tokenizer``; a BPE tokenizer is trained on ``train_units``
+    first and saved at ``tok_path``."""
+    if tokenizer == "byte":
+        return lambda us: _encode_bytes(docs, us)
+    if tokenizer == "bpe":
+        # With a document-level split the tokenizer never sees validation text.
+        tok = _train_bpe(docs, train_units, vocab_size)
+        tok.save(str(tok_path))
+        return lambda us: _encode_bpe(tok, docs, us, dtype)
+    return lambda us: _encode_hf(hf, docs, us, dtype)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
