@@ -89,7 +89,9 @@ class Fp8Tensor:
 class DreTensor:
     """FP8 codes with Dynamic Range Expansion: per group of 128 consecutive elements its largest
     magnitude ``gmax`` (fp32) and exponent ``k = k16 / 16`` (uint8). 1 + 5/128 bytes per element.
-    Decodes as ``sign(q) * gmax * (|q| / fmt_max) ** (1 / k)``."""
+    Decodes as ``sign(q) * gmax * (|q| / fmt_max) ** (1 / k)``; a group whose max is 16 or more times
+    the rest keeps it apart and ``gmax`` holds a negative word instead (split groups,
+    coat/quantize.h)."""
 
     data: torch.Tensor
     gmax: torch.Tensor

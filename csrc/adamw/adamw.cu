@@ -135,7 +135,8 @@ constexpr int kLutFloats = 128 * kLutCopies;
 template <MasterKind M>
 constexpr bool kLutDecode = M != MasterKind::kBf16Sr;
 
-// The 8 decoded values of a lane's codes (two words): mx 2^(lut[code] / k), signed for m (kSigned);
+// The 8 decoded values of a lane's codes (two words): mx 2^((lut[code] + off) / k) (the top code: out),
+// signed for m (kSigned);
 // v is never negative, so its sign bit is not looked at (a negative NaN code is NaN either way).
 template <bool kSigned>
 __device__ __forceinline__ void decode8(const uint32_t (&w)[2], const float* lut_lane, const DreGroupFast& g,
@@ -147,7 +148,7 @@ __device__ __forceinline__ void decode8(const uint32_t (&w)[2], const float* lut
     // Byte offset of entry (code & 0x7F) in the lane's column: (code & 0x7F) * 128.
     const uint32_t off = (b == 0 ? c << 7 : c >> (8 * b - 7)) & 0x3F80u;
     const float t = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(lut_lane) + off);
-    float a = g.mx * fast_exp2(t * g.inv_k);
+    float a = t == 0.0f ? g.out : g.mx * fast_exp2((t + g.off) * g.inv_k);  // t == 0: the top code
     if constexpr (kSigned) a = __uint_as_float(__float_as_uint(a) | ((b == 3 ? c : c << (24 - 8 * b)) & 0x80000000u));
     x[j] = a;
   }
@@ -402,7 +403,7 @@ __device__ __forceinline__ void store_codes(const AdamwTensor& d, const LanePos&
   }
 }
 
-// A group's new metadata (the same in all 16 lanes of its half-warp).
+// A group's new metadata (the same in all 16 lanes of its half-warp); m_mx, v_mx: gmax words.
 struct GroupMeta {
   float m_mx, v_mx;
   uint32_t m_k16, v_k16;
@@ -491,17 +492,23 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
     v_hi = __uint_as_float(half_max(__float_as_uint(vh), upper));
     v_lo = __uint_as_float(half_min(__float_as_uint(vl), upper));
   }
-  const float m_l = fast_log2(m_hi), v_l = fast_log2(v_hi);
-  const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, m_l, c.expansion, c.m_log2_range, MF);
-  const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, v_l, c.expansion, c.v_log2_range, VF);
-  const DreGroupFast m_new = dre_group_fast_l(m_hi, m_l, m_k16, MF);
-  const DreGroupFast v_new = dre_group_fast_l(v_hi, v_l, v_k16, VF);
+  // The largest |x| below the group max: a group whose max is far above it is split (dre.h).
+  float m_2 = 0.0f, v_2 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kE; ++j) {
+    adamw::group_second(m[j], m_hi, m_2);
+    adamw::group_second(v[j], v_hi, v_2);
+  }
+  m_2 = __uint_as_float(half_max(__float_as_uint(m_2), upper));
+  v_2 = __uint_as_float(half_max(__float_as_uint(v_2), upper));
+  const DreNewGroupFast m_new = adamw::new_group(m_hi, m_2, m_lo, c.expansion, c.m_log2_range, MF);
+  const DreNewGroupFast v_new = adamw::new_group(v_hi, v_2, v_lo, c.expansion, c.v_log2_range, VF);
   uint32_t mq[2], vq[2];
   if (!nonfinite) {
 #pragma unroll
     for (int j = 0; j < kE; ++j) {
-      m[j] = dre_encode_value_fast(m[j], m_new, MF);
-      v[j] = dre_encode_value_fast(v[j], v_new, VF);
+      m[j] = dre_encode_value_fast(m[j], m_new.g, MF);
+      v[j] = dre_encode_value_fast(v[j], v_new.g, VF);
     }
     float_to_fp8x8<MF>(m, mq);
     float_to_fp8x8<VF>(v, vq);
@@ -509,12 +516,12 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
     mq[0] = mq[1] = vq[0] = vq[1] = 0;
 #pragma unroll
     for (int j = 0; j < kE; ++j) {
-      mq[j / 4] |= uint32_t(adamw::encode_state(m[j], m_new, MF)) << (8 * (j % 4));
-      vq[j / 4] |= uint32_t(adamw::encode_state(v[j], v_new, VF)) << (8 * (j % 4));
+      mq[j / 4] |= uint32_t(adamw::encode_state(m[j], m_new.g, MF)) << (8 * (j % 4));
+      vq[j / 4] |= uint32_t(adamw::encode_state(v[j], v_new.g, VF)) << (8 * (j % 4));
     }
   }
   store_codes<kFull>(d, at, mq, vq);
-  return {m_hi, v_hi, m_k16, v_k16};
+  return {m_new.word, v_new.word, m_new.k16, v_new.k16};
 }
 
 // A group's metadata straight to global memory (lanes 0 and 16 for their groups). Scattered

@@ -93,14 +93,22 @@ COAT_HD void group_minmax(float x, float& mx, float& mn) {
   mn = fminf(mn, a > 0.0f ? a : INFINITY);
 }
 
+// Fold |x| into the largest |x| below the group max hi (what splits a group, dre.h): NaN and inf
+// never enter (they do not compare below a finite hi).
+COAT_HD void group_second(float x, float hi, float& mx2) {
+  const float a = fabsf(x);
+  mx2 = a < hi ? fmaxf(mx2, a) : mx2;
+}
+
 // The states use dre.h's fast variants (hardware log2/exp2 on the GPU, libm on the CPU): the exact
 // variants cost ~100 instructions per element each way and would make the step compute-bound.
 // CPU and GPU steps therefore agree to ~1e-7 relative in the fp32 math; a code differs by one step
 // only where a value sits within an ulp of an FP8 rounding boundary.
-// log2_mx = fast_log2(mx), shared with the group's encoding parameters (dre_group_fast_l).
-// Without expansion k is 1, or below 1 where the group is wider than the format (compression).
-COAT_HD uint8_t group_k16(float mx, float mn, float log2_mx, bool expansion, float log2_range, Fp8Format fmt) {
-  return dre_k16_fast_l(mx, mn, log2_mx, expansion ? log2_range : 0.0f, fmt);
+// A group's new gmax word, k16 and encoding parameters from its statistics (hi, mx2, mn: see
+// dre_new_group_fast). Without expansion k is 1, or below 1 where the group is wider than the
+// format (compression).
+COAT_HD DreNewGroupFast new_group(float hi, float mx2, float mn, bool expansion, float log2_range, Fp8Format fmt) {
+  return dre_new_group_fast(hi, mx2, mn, expansion ? log2_range : 0.0f, fmt);
 }
 
 // The decode table of a format (dre_fast_lut_entry: identical on host and device).

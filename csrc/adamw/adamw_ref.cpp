@@ -55,18 +55,20 @@ void step_group(const AdamwTensor& d, int64_t lg, const adamw::Scalars& s, const
     adamw::group_minmax(m[i], m_hi, m_lo);
     adamw::group_minmax(v[i], v_hi, v_lo);
   }
-  const float m_l = fast_log2(m_hi), v_l = fast_log2(v_hi);
-  const uint8_t m_k16 = adamw::group_k16(m_hi, m_lo, m_l, c.expansion, c.m_log2_range, c.m_fmt);
-  const uint8_t v_k16 = adamw::group_k16(v_hi, v_lo, v_l, c.expansion, c.v_log2_range, c.v_fmt);
-  d.m_gmax[lg] = m_hi;
-  d.m_k16[lg] = m_k16;
-  d.v_gmax[lg] = v_hi;
-  d.v_k16[lg] = v_k16;
-  const DreGroupFast m_new = dre_group_fast_l(m_hi, m_l, m_k16, c.m_fmt);
-  const DreGroupFast v_new = dre_group_fast_l(v_hi, v_l, v_k16, c.v_fmt);
+  float m_2 = 0.0f, v_2 = 0.0f;
   for (int i = 0; i < n; ++i) {
-    d.m_q[begin + i] = adamw::encode_state(m[i], m_new, c.m_fmt);
-    d.v_q[begin + i] = adamw::encode_state(v[i], v_new, c.v_fmt);
+    adamw::group_second(m[i], m_hi, m_2);
+    adamw::group_second(v[i], v_hi, v_2);
+  }
+  const DreNewGroupFast m_new = adamw::new_group(m_hi, m_2, m_lo, c.expansion, c.m_log2_range, c.m_fmt);
+  const DreNewGroupFast v_new = adamw::new_group(v_hi, v_2, v_lo, c.expansion, c.v_log2_range, c.v_fmt);
+  d.m_gmax[lg] = m_new.word;
+  d.m_k16[lg] = m_new.k16;
+  d.v_gmax[lg] = v_new.word;
+  d.v_k16[lg] = v_new.k16;
+  for (int i = 0; i < n; ++i) {
+    d.m_q[begin + i] = adamw::encode_state(m[i], m_new.g, c.m_fmt);
+    d.v_q[begin + i] = adamw::encode_state(v[i], v_new.g, c.v_fmt);
   }
   if constexpr (M == MasterKind::kBf16Sr) {
     // begin is a multiple of 4, so the quads are the kernel's (element index / 4).

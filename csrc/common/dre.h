@@ -28,6 +28,62 @@ COAT_HD float fp8_min_subnormal(Fp8Format f) {
   return f == Fp8Format::kE4M3 ? 0.001953125f : 1.52587890625e-05f;  // 2^-9, 2^-16
 }
 
+// ---- Split groups: a group's largest element kept apart ------------------------------------------
+// One element far above the rest of its group would set the scale of all 128: the others land in
+// the format's coarse low end (or need compression, k < 1), and while the outlier's moment decays
+// over the next hundreds of steps their codes stay put as the scale moves, so they follow its
+// decay. A group whose largest finite |x| (hi) is at least kDreSplitRatio times the largest of the
+// others (mx2) is split: hi is kept in the group's gmax word and the others form a group of their
+// own, of max s = hi_t 2^(-e/2) >= mx2 (e half-octaves, the largest such e), whose top is the
+// format's second-largest code; the top code decodes to hi_t. gmax word of a split group: sign bit
+// set, bits 8-30 hi truncated to 15 mantissa bits (hi_t, relative error < 2^-15), bits 0-7 e. A
+// word without the sign bit is a whole group (gmax >= 0, the format before split groups existed),
+// which decodes as it always did. Everything here is IEEE arithmetic on exponents: host and device
+// split alike.
+constexpr float kDreSplitRatio = 16.0f;
+constexpr uint32_t kDreSplitMaxE = 250;  // s >= hi_t 2^-125: the power of two stays a normal float
+
+// log2(fmt_max / the format's second-largest value): 448 / 416, 57344 / 49152.
+COAT_HD float fp8_log2_top_gap(Fp8Format f) { return f == Fp8Format::kE4M3 ? 0.106915204f : 0.222392421f; }
+
+COAT_HD float dre_split_scale(float hi_t, uint32_t e) {
+  const float s = hi_t * float_of((127u - (e >> 1)) << 23);
+  return (e & 1u) ? s * float_of(0x3F3504F3u) : s;  // 2^-1/2
+}
+
+// e of a split group, 0 to keep it whole. mx2 below fp32's normal range never splits (the device
+// flushes such values).
+COAT_HD uint32_t dre_split_e(float hi, float mx2) {
+  if (!(mx2 >= 1.17549435e-38f) || !(hi >= kDreSplitRatio * mx2) || !(hi <= 3.40282347e38f)) return 0;
+  const float t = float_of(bits_of(hi) & 0x7FFFFF00u);
+  // log2(t / mx2) < (exponent difference) + 1: from the largest e that could hold, down (<= 4 tries).
+  int e = 2 * (static_cast<int>(bits_of(t) >> 23) - static_cast<int>(bits_of(mx2) >> 23)) + 1;
+  e = e < static_cast<int>(kDreSplitMaxE) ? e : static_cast<int>(kDreSplitMaxE);
+  for (; e > 0; --e)
+    if (dre_split_scale(t, static_cast<uint32_t>(e)) >= mx2) return static_cast<uint32_t>(e);
+  return 0;
+}
+
+// The gmax word of a group from its largest finite |x| and the largest finite |x| below it.
+COAT_HD float dre_gmax_word(float hi, float mx2) {
+  const uint32_t e = dre_split_e(hi, mx2);
+  return e == 0 ? hi : float_of(0x80000000u | (bits_of(hi) & 0x7FFFFF00u) | e);
+}
+
+// What a gmax word says: the max the codes below the top code are scaled to (mx), what the top
+// code decodes to (out), and log2(fmt_max / the value of the others' top code) (off: 0 for a whole
+// group).
+struct DreTop {
+  float mx, out, off;
+};
+
+COAT_HD DreTop dre_top(float word, Fp8Format fmt) {
+  const uint32_t w = bits_of(word);
+  if ((w & 0x80000000u) == 0 || (w & 0xFFu) == 0) return {fabsf(word), fabsf(word), 0.0f};
+  const float t = float_of(w & 0x7FFFFF00u);
+  return {dre_split_scale(t, w & 0xFFu), t, fp8_log2_top_gap(fmt)};
+}
+
 // k16 from 16 log2_range / span and 16 log2_normal_range / span (span = log2(mx / mn) > 0):
 // expansion where the group fits the range (>= 16), else compression down to the normal range,
 // never above 1; floored, clamped to [kDreMinK16, kDreMaxK16] (a zero span -> +inf -> the max).
@@ -37,51 +93,76 @@ COAT_HD float dre_k16_choose(float k16_expand, float k16_compress) {
 }
 
 // k16 from the group's largest and smallest non-zero finite |x| (mn = +inf when there is none);
-// log2_range <= 0 turns expansion off (k <= 1: compression only where the group needs it).
-COAT_HD uint8_t dre_k16(float mx, float mn, float log2_range, Fp8Format fmt) {
+// log2_range <= 0 turns expansion off (k <= 1: compression only where the group needs it). The
+// others of a split group have a top code off octaves below the format's max (DreTop::off): both
+// ranges are that much shorter for them.
+COAT_HD uint8_t dre_k16(float mx, float mn, float log2_range, Fp8Format fmt, float off = 0.0f) {
   using namespace detail;
   if (!(mx > mn) || !(mn > 0.0f)) return kDreUnitK16;  // constant, empty or all-zero group: k is moot
   const float span = fsub(det_log2(mx), det_log2(mn));
   if (!(span > 0.0f)) return kDreMaxK16;
-  const float e = floorf(fdiv(fmul(16.0f, fmaxf(log2_range, 0.0f)), span));
-  const float c = floorf(fdiv(fmul(16.0f, fp8_log2_normal_range(fmt)), span));
+  const float e = floorf(fdiv(fmul(16.0f, log2_range > 0.0f ? fsub(log2_range, off) : 0.0f), span));
+  const float c = floorf(fdiv(fmul(16.0f, fsub(fp8_log2_normal_range(fmt), off)), span));
   return static_cast<uint8_t>(dre_k16_choose(e, c));
 }
 
 struct DreGroup {
-  float mx;       // largest finite |x| of the group (0 for an all-zero group)
-  float log2_mx;  // log2(mx), 0 when mx == 0
-  float k;        // k16 / 16
-  float inv_k;    // 16 / k16
+  float mx;        // the others' max (DreTop::mx; 0 for an all-zero group)
+  float out;       // what the top code stands for (DreTop::out)
+  float log2_mx;   // log2(mx), 0 when mx == 0
+  float log2_top;  // log2 of the value of the others' top code: log2 fmt_max - DreTop::off
+  float k;         // k16 / 16
+  float inv_k;     // 16 / k16
 };
 
-COAT_HD DreGroup dre_group(float mx, uint8_t k16) {
+// A group from its gmax word (dre_gmax_word) and k16.
+COAT_HD DreGroup dre_group(float word, uint8_t k16, Fp8Format fmt) {
   using namespace detail;
+  const DreTop t = dre_top(word, fmt);
   DreGroup g;
-  g.mx = mx;
-  g.log2_mx = mx > 0.0f ? det_log2(mx) : 0.0f;
+  g.mx = t.mx;
+  g.out = t.out;
+  g.log2_mx = t.mx > 0.0f ? det_log2(t.mx) : 0.0f;
+  g.log2_top = fsub(fp8_log2_max(fmt), t.off);
   g.k = fmul(static_cast<float>(k16), 0.0625f);
   g.inv_k = fdiv(16.0f, static_cast<float>(k16));
   return g;
 }
 
+// gmax word, k16 and encoding parameters of a group from its statistics: the largest finite |x|
+// (hi), the largest finite |x| below hi (mx2, 0 when none) and the smallest non-zero finite |x|
+// (mn, +inf when none).
+struct DreNewGroup {
+  float word;
+  uint8_t k16;
+  DreGroup g;
+};
+
+COAT_HD DreNewGroup dre_new_group(float hi, float mx2, float mn, float log2_range, Fp8Format fmt) {
+  const float word = dre_gmax_word(hi, mx2);
+  const DreTop t = dre_top(word, fmt);
+  const uint8_t k16 = dre_k16(t.mx, mn, log2_range, fmt, t.off);
+  return {word, k16, dre_group(word, k16, fmt)};
+}
+
 // log2 of the magnitude of FP8 code `mag` (1..127): the table entries kernels and the CPU share.
 COAT_HD float dre_log2_code(uint8_t mag, Fp8Format fmt) { return det_log2(decode_fp8(mag, fmt)); }
 
-// q = fp8(sign(x) fmt_max (|x|/mx)^k), computed as 2^(k (log2|x| - log2 mx) + log2 fmt_max).
+// q = fp8(sign(x) top (|x|/mx)^k), computed as 2^(k (log2|x| - log2 mx) + log2 top) (top = fmt_max
+// for a whole group); the group max gets the top code.
 COAT_HD uint8_t dre_encode(float x, const DreGroup& g, Fp8Format fmt) {
   using namespace detail;
   const float a = fabsf(x);
   if (a != a) return kFp8NaN;
   if (a == 0.0f) return 0;
   const uint8_t sign = x < 0.0f ? 0x80 : 0x00;
-  if (a >= g.mx) return sign | fp8_max_code(fmt);  // the group max (and +-inf) decode to mx exactly
-  const float t = fadd(fmul(g.k, fsub(det_log2(a), g.log2_mx)), fp8_log2_max(fmt));
+  if (a >= g.out) return sign | fp8_max_code(fmt);  // the group max (and +-inf) decode to it exactly
+  const float t = fadd(fmul(g.k, fsub(det_log2(a), g.log2_mx)), g.log2_top);
   const float y = fmaxf(det_exp2(t), fp8_min_subnormal(fmt));  // never the zero code
   return encode_fp8(sign ? -y : y, fmt);
 }
 
-// x = sign(q) mx (|q| / fmt_max)^(1/k); log2_lut[mag] = dre_log2_code(mag, fmt).
+// x = sign(q) mx (|q| / top)^(1/k), the top code sign(q) out; log2_lut[mag] = dre_log2_code(mag, fmt).
 COAT_HD float dre_decode(uint8_t c, const DreGroup& g, Fp8Format fmt, const float* log2_lut) {
   using namespace detail;
   const uint8_t mag = c & 0x7F;
@@ -89,9 +170,9 @@ COAT_HD float dre_decode(uint8_t c, const DreGroup& g, Fp8Format fmt, const floa
   const float sign = (c & 0x80) ? -1.0f : 1.0f;
   if (mag >= fp8_max_code(fmt)) {
     if (fmt == Fp8Format::kE4M3 ? mag == 0x7F : mag > 0x7C) return float_of(0x7FC00000u);  // NaN
-    return sign * g.mx;
+    return sign * g.out;
   }
-  const float t = fadd(g.log2_mx, fmul(fsub(log2_lut[mag], fp8_log2_max(fmt)), g.inv_k));
+  const float t = fadd(g.log2_mx, fmul(fsub(log2_lut[mag], g.log2_top), g.inv_k));
   return sign * det_exp2(t);
 }
 
@@ -158,37 +239,63 @@ COAT_HD float floor_biased(float x) {
 // Branch-free (the kernel computes it once per group and lane): a zero span gives +inf and clamps
 // to the largest k16; a constant, empty or all-zero group gets k = 1. log2_range <= 0 turns
 // expansion off. log2_mx = fast_log2(mx), which the caller also needs for encoding.
-COAT_HD uint8_t dre_k16_fast_l(float mx, float mn, float log2_mx, float log2_range, Fp8Format fmt) {
+// off: DreTop::off, as in dre_k16.
+COAT_HD uint8_t dre_k16_fast_l(float mx, float mn, float log2_mx, float log2_range, Fp8Format fmt, float off) {
   const float inv = fast_div(16.0f, log2_mx - fast_log2(mn));
-  float k16 = dre_k16_choose(fmaxf(log2_range, 0.0f) * inv, fp8_log2_normal_range(fmt) * inv);
+  const float expand = log2_range > 0.0f ? log2_range - off : 0.0f;
+  float k16 = dre_k16_choose(expand * inv, (fp8_log2_normal_range(fmt) - off) * inv);
   k16 = mx > mn && mn > 0.0f ? k16 : static_cast<float>(kDreUnitK16);
   return static_cast<uint8_t>(bits_of(floor_biased(k16)));
 }
 
 struct DreGroupFast {
-  float mx;     // largest finite |x| (0 for an all-zero group)
+  float mx;     // the others' max (DreTop::mx; 0 for an all-zero group)
+  float out;    // the top code's value (DreTop::out)
+  float at;     // |x| from which x takes the top code: out (+inf in an all-zero group, where 0 stays 0)
+  float off;    // DreTop::off
   float k;      // k16 / 16
-  float c_enc;  // log2 fmt_max - k log2 mx      : log2 q = k log2|x| + c_enc
-  float inv_k;  // 16 / k16                       : |x| = mx 2^(log2(|q| / fmt_max) / k)
+  float c_enc;  // log2 fmt_max - off - k log2 mx : log2 q = k log2|x| + c_enc
+  float inv_k;  // 16 / k16                       : |x| = mx 2^((log2(|q| / fmt_max) + off) / k)
 };
 
 // 1 / fmt_max rounded to fp32: fmt_max times it is exactly 1 (both maxima are 7 2^n), so the top
 // code decodes to mx exactly without a compare.
 COAT_HD float fp8_inv_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 1.0f / kE4M3Max : 1.0f / kE5M2Max; }
 
-// log2_mx = fast_log2(mx) (ignored when mx == 0).
-COAT_HD DreGroupFast dre_group_fast_l(float mx, float log2_mx, uint8_t k16, Fp8Format fmt) {
+// log2_mx = fast_log2(t.mx) (ignored when it is 0).
+COAT_HD DreGroupFast dre_group_fast_l(const DreTop& t, float log2_mx, uint8_t k16, Fp8Format fmt) {
   DreGroupFast g;
   const float kf = small_uint_to_float(k16);
-  g.mx = mx;
+  g.mx = t.mx;
+  g.out = t.out;
+  g.at = t.out > 0.0f ? t.out : INFINITY;
+  g.off = t.off;
   g.k = kf * 0.0625f;
   g.inv_k = fast_div(16.0f, kf);
-  g.c_enc = fp8_log2_max(fmt) - g.k * (mx > 0.0f ? log2_mx : 0.0f);
+  g.c_enc = (fp8_log2_max(fmt) - t.off) - g.k * (t.mx > 0.0f ? log2_mx : 0.0f);
   return g;
 }
 
-COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
-  return dre_group_fast_l(mx, fast_log2(mx), k16, fmt);
+// A group from its gmax word (dre_gmax_word) and k16.
+COAT_HD DreGroupFast dre_group_fast(float word, uint8_t k16, Fp8Format fmt) {
+  const DreTop t = dre_top(word, fmt);
+  return dre_group_fast_l(t, fast_log2(t.mx), k16, fmt);
+}
+
+// gmax word, k16 and encoding parameters from a group's statistics (as dre_new_group; log2_range
+// 0 with expansion off).
+struct DreNewGroupFast {
+  float word;
+  uint8_t k16;
+  DreGroupFast g;
+};
+
+COAT_HD DreNewGroupFast dre_new_group_fast(float hi, float mx2, float mn, float log2_range, Fp8Format fmt) {
+  const float word = dre_gmax_word(hi, mx2);
+  const DreTop t = dre_top(word, fmt);
+  const float l = fast_log2(t.mx);
+  const uint8_t k16 = dre_k16_fast_l(t.mx, mn, l, log2_range, fmt, t.off);
+  return {word, k16, dre_group_fast_l(t, l, k16, fmt)};
 }
 
 // The value whose FP8 rounding is x's code, sign(x) fmt_max (|x| / mx)^k. log2(0) = -inf maps a
@@ -202,10 +309,9 @@ COAT_HD DreGroupFast dre_group_fast(float mx, uint8_t k16, Fp8Format fmt) {
 // the host keeps it, and CPU and GPU codes agree (tests/cpp test_adamw_gpu).
 COAT_HD float dre_encode_value_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
   float y = fast_exp2(g.k * fast_log2(fabsf(x)) + g.c_enc);
+  y = fabsf(x) >= g.at ? fp8_max(fmt) : y;  // the group max (already fmt_max in a whole group)
 #if !defined(__CUDA_ARCH__)
   y = y < fp8_min_subnormal(fmt) && x != 0.0f ? fp8_min_subnormal(fmt) : y;  // NaN compares false
-#else
-  (void)fmt;
 #endif
   return copysignf(y, x);
 }
@@ -219,7 +325,8 @@ COAT_HD uint8_t dre_encode_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
 // a packed hardware conversion and the log2 from the MUFU; dre_decode_fast below takes the log2
 // from a table instead (same formula).
 COAT_HD float dre_decode_value_fast(float q, const DreGroupFast& g, Fp8Format fmt) {
-  return copysignf(g.mx * fast_exp2(fast_log2(fabsf(q) * fp8_inv_max(fmt)) * g.inv_k), q);
+  const float l = fast_log2(fabsf(q) * fp8_inv_max(fmt));  // exactly 0 for the top code only
+  return copysignf(l == 0.0f ? g.out : g.mx * fast_exp2((l + g.off) * g.inv_k), q);
 }
 
 // Entry `mag` of the decode table: log2(|q| / fmt_max) (exactly 0 for the top code), -inf for 0
@@ -232,7 +339,8 @@ COAT_HD float dre_fast_lut_entry(int mag, Fp8Format fmt) {
 
 // dre_decode_value_fast with the log2 from the table (lut[mag] = dre_fast_lut_entry(mag, fmt)).
 COAT_HD float dre_decode_fast(uint8_t c, const DreGroupFast& g, const float* lut) {
-  const float a = g.mx * fast_exp2(lut[c & 0x7F] * g.inv_k);
+  const float l = lut[c & 0x7F];
+  const float a = l == 0.0f ? g.out : g.mx * fast_exp2((l + g.off) * g.inv_k);
   return (c & 0x80) ? -a : a;
 }
 

@@ -380,15 +380,18 @@ __global__ void dre_quantize_kernel(const float* __restrict__ x, int64_t n, bool
     }
     mx = cuda::warp_max_nonneg(mx);  // finite magnitudes; mn may be +inf
     mn = cuda::warp_min_nonneg(mn);
-    const uint8_t k = dre_k16(mx, mn, log2_range, fmt);
+    float mx2 = 0.0f;  // the largest finite |x| below mx (NaN compares false)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) mx2 = fabsf(v[j]) < mx ? fmaxf(mx2, fabsf(v[j])) : mx2;
+    mx2 = cuda::warp_max_nonneg(mx2);
+    const DreNewGroup grp = dre_new_group(mx, mx2, mn, log2_range, fmt);
     if (lane == 0) {
-      gmax[g] = mx;
-      k16[g] = k;
+      gmax[g] = grp.word;
+      k16[g] = grp.k16;
     }
-    const DreGroup grp = dre_group(mx, k);
     uint8_t c[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) c[j] = dre_encode(v[j], grp, fmt);
+    for (int j = 0; j < 4; ++j) c[j] = dre_encode(v[j], grp.g, fmt);
     if (whole(g) && qvec) {
       *reinterpret_cast<uchar4*>(q + i0) = make_uchar4(c[0], c[1], c[2], c[3]);
     } else {
@@ -422,7 +425,7 @@ __global__ void dre_dequantize_kernel(const uint8_t* __restrict__ q, const float
 #pragma unroll
       for (int j = 0; j < 4; ++j) c[j] = i0 + j < n ? q[i0 + j] : 0;
     }
-    const DreGroup grp = dre_group(gmax[g], k16[g]);
+    const DreGroup grp = dre_group(gmax[g], k16[g], fmt);
     float v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = dre_decode(c[j], grp, fmt, lut);

@@ -175,11 +175,13 @@ void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, ui
       mx = std::max(mx, a);
       if (a > 0.0f) mn = std::min(mn, a);
     }
-    const uint8_t k = dre_k16(mx, mn, log2_range, fmt);
-    gmax[g] = mx;
-    k16[g] = k;
-    const DreGroup grp = dre_group(mx, k);
-    for (int64_t i = begin; i < end; ++i) q[i] = dre_encode(x[i], grp, fmt);
+    float mx2 = 0.0f;  // the largest finite |x| below mx (NaN compares false)
+    for (int64_t i = begin; i < end; ++i)
+      if (std::fabs(x[i]) < mx) mx2 = std::max(mx2, std::fabs(x[i]));
+    const DreNewGroup grp = dre_new_group(mx, mx2, mn, log2_range, fmt);
+    gmax[g] = grp.word;
+    k16[g] = grp.k16;
+    for (int64_t i = begin; i < end; ++i) q[i] = dre_encode(x[i], grp.g, fmt);
   }
 }
 
@@ -192,7 +194,7 @@ void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int
   detail::check_ptr(y, n, "y");
   const float* lut = dre_host_log2_lut(fmt);
   for (int64_t g = 0; g * kDreGroupSize < n; ++g) {
-    const DreGroup grp = dre_group(gmax[g], k16[g]);
+    const DreGroup grp = dre_group(gmax[g], k16[g], fmt);
     const int64_t end = std::min(n, (g + 1) * kDreGroupSize);
     for (int64_t i = g * kDreGroupSize; i < end; ++i) y[i] = dre_decode(q[i], grp, fmt, lut);
   }

@@ -69,12 +69,14 @@ void fast_decode(const std::vector<uint8_t>& q, const std::vector<float>& gm, co
 void fast_quantize(const std::vector<float>& x, int64_t n, Fp8Format f, bool expansion, float range,
                    std::vector<uint8_t>& q, std::vector<float>& gm, std::vector<uint8_t>& k) {
   for (int64_t g = 0; g * G < n; ++g) {
-    float mx = 0.0f, mn = INFINITY;
-    for (int64_t j = g * G; j < std::min<int64_t>(n, g * G + G); ++j) adamw::group_minmax(x[j], mx, mn);
-    gm[g] = mx;
-    k[g] = adamw::group_k16(mx, mn, fast_log2(mx), expansion, range, f);
-    const DreGroupFast grp = dre_group_fast(mx, k[g], f);
-    for (int64_t j = g * G; j < std::min<int64_t>(n, g * G + G); ++j) q[j] = adamw::encode_state(x[j], grp, f);
+    const int64_t end = std::min<int64_t>(n, g * G + G);
+    float mx = 0.0f, mn = INFINITY, mx2 = 0.0f;
+    for (int64_t j = g * G; j < end; ++j) adamw::group_minmax(x[j], mx, mn);
+    for (int64_t j = g * G; j < end; ++j) adamw::group_second(x[j], mx, mx2);
+    const DreNewGroupFast grp = adamw::new_group(mx, mx2, mn, expansion, range, f);
+    gm[g] = grp.word;
+    k[g] = grp.k16;
+    for (int64_t j = g * G; j < end; ++j) q[j] = adamw::encode_state(x[j], grp.g, f);
   }
 }
 

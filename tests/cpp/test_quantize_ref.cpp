@@ -265,12 +265,16 @@ TEST(Dre, BeatsPlainGroupQuantizationOnNarrowGroups) {
   EXPECT_LT(rel_err(y, x), 0.8 * rel_err(yp, x));
 }
 
-// The bound on |decoded / x - 1| of one element: half the FP8 quantum at y = fmt_max (|x|/mx)^k,
-// relative to y, either way, through the k-th root that decoding takes, plus fp32 slack.
-double dre_bound(float x, float mx, int k16, Fp8Format fmt) {
-  const double k = k16 / 16.0, fmax = fmt == Fp8Format::kE4M3 ? 448.0 : 57344.0;
+// The bound on |decoded / x - 1| of one element: half the FP8 quantum at y = top (|x|/mx)^k,
+// relative to y, either way, through the k-th root that decoding takes, plus fp32 slack. top is
+// fmt_max, or the second-largest code for the others of a split group, whose max is kept to 15
+// bits.
+double dre_bound(float x, float word, int k16, Fp8Format fmt) {
+  const DreTop t = dre_top(word, fmt);
+  if (std::fabs(x) >= t.out) return std::ldexp(1.0, -15);
+  const double k = k16 / 16.0, fmax = (fmt == Fp8Format::kE4M3 ? 448.0 : 57344.0) / std::exp2(t.off);
   const int mant = fmt == Fp8Format::kE4M3 ? 3 : 2, emin = fmt == Fp8Format::kE4M3 ? -6 : -14;
-  const double y = fmax * std::pow(std::fabs(x) / mx, k);
+  const double y = fmax * std::pow(std::fabs(x) / t.mx, k);
   const double quantum = std::ldexp(1.0, std::max(static_cast<int>(std::floor(std::log2(y))), emin) - mant);
   const double e = 0.5 * quantum / y;
   if (e >= 1.0) return std::pow(quantum / y, 1.0 / k) - 1.0 + 1e-4;  // lifted to the smallest code
@@ -304,7 +308,50 @@ TEST(Dre, WideGroupsKeepEveryValue) {
               << " k16 " << int(k[i / 128]);
         }
         if (span > (fmt == Fp8Format::kE4M3 ? 17 : 30)) EXPECT_LT(k[0], kDreUnitK16) << "compressed";
+        // The single outlier is kept apart: its group is split, and the others keep their own scale
+        // (expanded where expansion is on, never compressed).
+        EXPECT_TRUE(std::signbit(gmax[1])) << "span 2^" << span << ": the outlier's group is split";
+        EXPECT_GE(k[1], range > 0.0f ? kDreUnitK16 + 1 : kDreUnitK16) << "span 2^" << span;
       }
+    }
+  }
+}
+
+// A split group: the outlier decodes to 15 bits, the others as a group of their own (the same codes
+// as the group without the outlier would have, up to the one code the split reserves), and a
+// moderate maximum leaves the group whole.
+TEST(Dre, SplitGroupsKeepTheOutlierApart) {
+  for (auto fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    auto x = randn(256, 9, 1e-3f);
+    x[3] = -7.25e5f;      // group 0: an outlier ~1e9 times the rest
+    x[128 + 3] = 0.01f;   // group 1: a max ~ 4x the rest's (|randn| reaches ~3e-3): whole
+    std::vector<uint8_t> q(256), k(2);
+    std::vector<float> gmax(2), y(256);
+    ref::dre_quantize(x.data(), 256, fmt, dre_default_log2_range(fmt), q.data(), gmax.data(), k.data());
+    ref::dre_dequantize(q.data(), gmax.data(), k.data(), 256, fmt, y.data());
+    ASSERT_TRUE(std::signbit(gmax[0]));
+    ASSERT_FALSE(std::signbit(gmax[1]));
+    EXPECT_LE(std::fabs(y[3] / x[3] - 1.0), std::ldexp(1.0, -15));
+    EXPECT_EQ(q[3], 0x80 | (fmt == Fp8Format::kE4M3 ? 0x7E : 0x7B));
+    const DreTop t = dre_top(gmax[0], fmt);
+    float mx2 = 0.0f;
+    for (int i = 0; i < 128; ++i)
+      if (i != 3) mx2 = std::max(mx2, std::fabs(x[i]));
+    EXPECT_GE(t.mx, mx2);
+    EXPECT_LT(t.mx, mx2 * 1.4143f) << "the others' scale is within half an octave of their max";
+    for (int i = 0; i < 256; ++i) {
+      if (i < 128 && i != 3) EXPECT_NE(q[i] & 0x7F, fmt == Fp8Format::kE4M3 ? 0x7E : 0x7B) << "only the outlier is top";
+      ASSERT_LE(std::fabs(y[i] / x[i] - 1.0), dre_bound(x[i], gmax[i / 128], k[i / 128], fmt)) << i;
+    }
+    // Elements tied for the max are all kept apart (and exact: 1.0 has 15 bits).
+    std::vector<float> z(128, 1e-3f);
+    z[5] = z[9] = 1.0f;
+    ref::dre_quantize(z.data(), 128, fmt, dre_default_log2_range(fmt), q.data(), gmax.data(), k.data());
+    ref::dre_dequantize(q.data(), gmax.data(), k.data(), 128, fmt, y.data());
+    EXPECT_TRUE(std::signbit(gmax[0]));
+    for (int i = 0; i < 128; ++i) {
+      if (i == 5 || i == 9) EXPECT_EQ(y[i], 1.0f);
+      else ASSERT_LE(std::fabs(y[i] / z[i] - 1.0), dre_bound(z[i], gmax[0], k[0], fmt)) << i;
     }
   }
 }

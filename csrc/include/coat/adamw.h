@@ -12,7 +12,8 @@
 // from device memory *after* the caller has incremented it. The update uses the unquantized new m
 // and v (as COAT does); then each group of 128 elements of m and of v is re-encoded with a new gmax
 // and exponent k16 (dre_k16; k16 = 16 when expansion is off, i.e. plain per-group FP8 with scale
-// gmax / fmt_max). m or v values that are NaN or +-Inf are stored as the NaN code, so a non-finite
+// gmax / fmt_max), a group with one element far above the rest split as dre_quantize splits it
+// (coat/quantize.h). m or v values that are NaN or +-Inf are stored as the NaN code, so a non-finite
 // gradient shows up in the state and the parameter (as with torch.optim.AdamW) instead of being
 // clamped silently.
 //
@@ -52,7 +53,7 @@ struct AdamwTensor {
   const void* grad;     // numel elements of the gradient dtype
   float* master;        // numel fp32 (kFp32), else null
   uint8_t* m_q;         // numel FP8 codes of m
-  float* m_gmax;        // per group: largest |m|
+  float* m_gmax;        // per group: largest |m| (a split group's word: coat/quantize.h)
   uint8_t* m_k16;       // per group: 16 k
   uint8_t* v_q;
   float* v_gmax;

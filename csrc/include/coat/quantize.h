@@ -99,11 +99,16 @@ void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t
 // each group costs 5 bytes of metadata. Zeros stay zero, |x| == gmax is stored as +-fmt_max and
 // decodes to gmax exactly (so constant groups are exact), non-finite inputs never enter gmax or
 // the minimum, and no finite input produces NaN or Inf.
+// Split groups: where the group max is at least 16 times the largest of the others, the max is
+// kept apart (to 15 bits) and the others are encoded as a group of their own below the format's
+// second-largest code, so that one outlier does not set the scale of its 127 neighbours. gmax[g]
+// is then a negative word (sign bit set, the max truncated to 15 mantissa bits, the others' scale
+// in the low byte: common/dre.h); a non-negative gmax[g] is a whole group as above.
 // n may be any size; the last group may be partial. Groups: ceil(n / 128).
 void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, uint8_t* q,
                   float* gmax, uint8_t* k16, cudaStream_t stream);
 
-// x = sign(q) gmax (|q| / fmt_max)^(1/k).
+// x = sign(q) gmax (|q| / fmt_max)^(1/k) (split groups: see above).
 void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int64_t n,
                     Fp8Format fmt, float* y, cudaStream_t stream);
 
