@@ -26,25 +26,11 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from . import _state
 from ._state import _local
+from ._norm import _NormClip, clip_scale
 from .adamw import AdamW
 
 __all__ = ["GradRelease", "step_in_backward", "clip_scale"]
-
-
-def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The kernel's ``grad_scale`` (gradients are multiplied by ``1 / grad_scale``) that clips like
-    ``torch.nn.utils.clip_grad_norm_``: coefficient ``min(1, max_norm / (norm + 1e-6))``, so an
-    infinite norm gives coefficient 0 (scale inf: the gradients become 0) and a NaN norm NaN."""
-    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
-    return torch.reciprocal(coef)
-
-
-def _finite_or(new: torch.Tensor, ok: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
-    """new where the iteration's norm is finite (ok), else the value carried before (new itself when
-    nothing finite was carried yet), on the device, without synchronising."""
-    return new if old is None else torch.where(ok, new, old.to(new.device, new.dtype))
 
 
 def _refuse_wrappers(model: torch.nn.Module | None) -> None:
@@ -107,7 +93,7 @@ def _explicit_buckets(buckets: Iterable[Any]) -> list[list[torch.nn.Parameter]]:
     return out
 
 
-class GradRelease:
+class GradRelease(_NormClip):
     """The handle that ``step_in_backward`` returns: the hooks, the buckets and the iteration's
     bookkeeping. See ``step_in_backward`` for the semantics."""
 
@@ -386,79 +372,6 @@ class GradRelease:
                 _local(g).record_stream(torch.cuda.current_stream(g.device))
             p.grad = None
 
-    def _running_clip(self) -> bool:
-        return (self.norm_estimate == "running" and self._prev_total_sq is not None
-                and not math.isinf(self.max_grad_norm))
-
-    def _is_sharded(self, p: torch.nn.Parameter) -> bool:
-        return self._norm_group is not None and _state._is_dtensor(p) and any(pl.is_shard() for pl in p.placements)
-
-    def _squares(self, b: int, fresh: list, over_ranks: bool) -> list[tuple[int, torch.Tensor]]:
-        """(position, squared norm in fp64: the square of an fp32 norm cannot overflow there) of the
-        gradients bucket b launches now; with ``over_ranks``, a sharded parameter's summed over the
-        ranks (the whole gradient's), in one all-reduce per bucket."""
-        sq = {i: n.double().square() for i, n in fresh}
-        sharded = self._sharded_of[b]
-        if not (over_ranks and sharded):
-            return list(sq.items())
-        where = [self._position(p)[2] for p in sharded]
-        dev = fresh[0][1].device
-        zero = torch.zeros((), dtype=torch.float64, device=dev)  # a shard without a gradient here
-        summed = torch.stack([sq[i].to(dev) if i in sq else zero for i in where])
-        torch.distributed.all_reduce(summed, group=self._norm_group)
-        sq.update((i, summed[j]) for j, i in enumerate(where) if i in sq)
-        return list(sq.items())
-
-    def _released_sq(self, fresh_sq: list) -> torch.Tensor:
-        """Add this bucket's squared norms to the iteration's sum so far and return the sum."""
-        dev = fresh_sq[0][1].device
-        cur = torch.stack([q.to(dev) for _, q in fresh_sq]).sum()
-        self._done_cur_sq = cur if self._done_cur_sq is None else self._done_cur_sq + cur
-        return self._done_cur_sq
-
-    def _previous_scale(self, fresh_sq: list) -> torch.Tensor:
-        """The carried scale, unless the gradients released so far already have a non-finite norm:
-        then, as clip_grad_norm_ would for the whole iteration, coefficient 0 (inf) or NaN. (Under
-        FSDP2 the gradients this rank released: no collective.)"""
-        done = self._released_sq(fresh_sq)
-        bad = clip_scale(done.sqrt(), self.max_grad_norm)
-        carried = self._clip_scale if self._clip_scale is not None else torch.ones_like(bad)
-        return torch.where(torch.isfinite(done), carried.to(bad.device), bad)
-
-    def _running_scale(self, fresh_sq: list) -> torch.Tensor:
-        """The clipping scale of a bucket launching now: the norm estimated from the current
-        gradients released so far (this bucket's included) and the previous iteration's norms of
-        the parameters still to come, scaled by the current/previous ratio of those released. A
-        gradient that grows from one iteration to the next is clipped in the bucket where it grows
-        (and, as clip_grad_norm_ does, the buckets after it); the last bucket of a backward clips
-        by the exact norm of the iteration. Sums of squares are fp64; sharded parameters' norms
-        are over all ranks (current and previous), as in the total."""
-        done = self._released_sq(fresh_sq)
-        dev = done.device
-        known = [self._prev_norms[i].to(dev, torch.float64) for i, _ in fresh_sq if i in self._prev_norms]
-        if known:  # parameters without a previous norm (new in this iteration) add nothing to P
-            prev = torch.stack(known).square().sum()
-            self._done_prev_sq = prev if self._done_prev_sq is None else self._done_prev_sq + prev
-        if self._done_prev_sq is None:
-            self._done_prev_sq = torch.zeros((), dtype=torch.float64, device=dev)
-        # The parameters still to come: their previous squared norms, scaled by how this iteration's
-        # released gradients compare with the same parameters' previous ones (norms drift together:
-        # early in training they fall by ~10% per step, and an unscaled previous norm over-clips).
-        total = self._prev_total_sq.to(dev)
-        rest = torch.clamp(total - self._done_prev_sq, min=0.0)
-        ratio = torch.where(self._done_prev_sq > 0, done / self._done_prev_sq, 1.0)
-        est = done + rest * ratio
-        # A non-finite carried norm (no finite iteration yet) clips to nothing; a non-finite current
-        # one gives coefficient 0 (inf) or NaN, as clip_grad_norm_ does for the whole iteration.
-        est = torch.where(torch.isfinite(total), est, total)
-        est = torch.where(torch.isfinite(done), est, done)
-        return clip_scale(est.sqrt(), self.max_grad_norm)
-
-    def _measuring(self) -> bool:
-        """Whether this iteration only measures the norm (first_iteration="skip", no norm carried)."""
-        return (self.first_iteration == "skip" and self.max_grad_norm is not None
-                and not math.isinf(self.max_grad_norm) and self._clip_scale is None)
-
     # ---- optimizer.step() --------------------------------------------------------------------
 
     def _before_step(self, grad_scale: Any, found_inf: Any) -> None:
@@ -481,181 +394,38 @@ class GradRelease:
                 self._finish_norm()
             self._reset_iteration()
 
-    def _find_norm_group(self) -> Any:
-        """The process group over which sharded gradients' squared norms are summed (None: no sharded
-        parameters)."""
-        found = set()
-        for b in self._buckets:
-            for p in b:
-                if not _state._is_dtensor(p):
-                    continue
-                dims = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
-                if len(dims) > 1:
-                    raise NotImplementedError(f"gradient release with max_grad_norm: parameter '{self._names[id(p)]}' "
-                                              f"is sharded over {len(dims)} mesh dimensions {tuple(p.placements)}; "
-                                              "only one sharded dimension (FSDP2, HSDP) is supported")
-                if dims:
-                    found.add((p.device_mesh, dims[0]))
-        if len(found) > 1:
-            raise NotImplementedError("gradient release with max_grad_norm: parameters are sharded over different "
-                                      "meshes; the norm needs one process group")
-        if not found:
-            return None
-        mesh, dim = found.pop()
-        return mesh.get_group(dim)
-
-    def _finish_norm(self) -> None:
-        """The total norm of this iteration's released gradients (as clip_grad_norm_ computes it over
-        the whole model), and from it the clipping scale of the next iteration."""
-        sharded, plain = [], []
-        for b in self._buckets:
-            for p in b:
-                index = self._position(p)[2]
-                n = self._norms.get(index)
-                if self._is_sharded(p):
-                    sharded.append((index, p, n))
-                elif n is not None:
-                    plain.append((index, n))
-        plain.sort(key=lambda x: x[0])  # the optimizer's order, whatever order the buckets launched in
-        sharded.sort(key=lambda x: x[0])
-        total = None
-        if plain:
-            dev = plain[0][1].device
-            total = torch.linalg.vector_norm(torch.stack([n.to(dev) for _, n in plain]))
-        if self._norm_group is not None:
-            # Every rank sums a vector of the same length (a zero where a shard got no gradient), so
-            # the collective matches on all ranks whatever each released.
-            dev = _local(sharded[0][1]).device
-            zero = torch.zeros((), dtype=torch.float32, device=dev)
-            sq = torch.stack([(n.to(dev) if n is not None else zero) ** 2 for _, _, n in sharded])
-            torch.distributed.all_reduce(sq, group=self._norm_group)
-            sq_total = sq.sum()
-            total = torch.sqrt(sq_total + (total.to(dev) ** 2 if total is not None else 0.0))
-            # The running estimate's previous norms of sharded parameters: the whole gradients'.
-            plain += [(i, torch.sqrt(sq[j])) for j, (i, _, n) in enumerate(sharded) if n is not None]
-        self.grad_norm = total
-        if total is None:
-            self._carried, self._prev_norms, self._prev_total_sq, self._clip_scale = None, {}, None, None
-            return
-        # An iteration whose norm is not finite was clipped to nothing (or NaN, as clip_grad_norm_);
-        # its norms are no estimate of the next one's: the last finite iteration's stay carried.
-        ok = torch.isfinite(total)
-        old = self._prev_norms
-        self._prev_norms = {i: _finite_or(n, ok, old.get(i)) for i, n in plain}
-        self._carry(_finite_or(total.float(), ok, self._carried))
-
-    def _carry(self, norm: torch.Tensor) -> None:
-        """Make ``norm`` (fp32, on the device) the total norm the next iteration clips by."""
-        self._carried = norm
-        self._prev_total_sq = norm.double() ** 2
-        self._clip_scale = None if math.isinf(self.max_grad_norm) else clip_scale(norm, self.max_grad_norm)
-
-
 def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, buckets: Iterable[Any] | None = None,
                      max_grad_norm: float | None = None, first_iteration: str = "skip",
                      norm_estimate: str = "running") -> GradRelease:
     """Gradient release: ``optimizer`` (a ``coat.optim.AdamW``) steps each parameter inside
     backward, as soon as its gradient is complete, and frees that gradient, so at most a bucket's
-    gradients (a decoder layer's) exist at a time instead of the whole model's.
+    gradients (a decoder layer's) exist at a time instead of the whole model's. The result is the
+    ordinary step's, bit for bit, without clipping. docs/release.md has the whole contract
+    (accumulation, FSDP2, tied and missing parameters, checkpointing, what is refused).
 
     Args:
-        optimizer: the ``coat.optim.AdamW`` over the model's parameters (its groups, formats,
-            master weights, lr and scheduler work as without release).
+        optimizer: the ``coat.optim.AdamW`` over the model's parameters.
         model: the model; each element of every outermost ``nn.ModuleList`` (a decoder layer) is
-            one bucket, each other module's own parameters another. Under FSDP2 pass the sharded
-            model: its DTensor parameters are the optimizer's, each rank releases its own shards as
-            FSDP2's reduce-scatter completes them.
+            one bucket, each other module's own parameters another. Under FSDP2 the sharded model.
         buckets: instead of the model's layout, an explicit list of buckets (each a Module or an
-            iterable of Parameters and Modules). Parameters of the optimizer outside every bucket
-            get a bucket of their own.
-        max_grad_norm: clip by an estimate of the total gradient norm (the current one is not
-            known until every layer has been stepped): a bucket's gradients are multiplied by
-            ``min(1, max_grad_norm / (estimate + 1e-6))``, see ``norm_estimate``. ``math.inf`` only
-            measures the norm. The norm (of the released gradients, as ``clip_grad_norm_``
-            computes it over the optimizer's parameters in their order; summed over ranks under
-            FSDP2) is ``release.grad_norm`` after ``optimizer.step()``. None: no norm is computed.
-        first_iteration: what an iteration without a carried norm (the first one, unless
-            ``release.load_state_dict`` restored it) does when clipping: "skip" (default) only
-            measures the norm, dropping its released gradients without a step; "unclipped" steps
-            them unclipped. An unclipped first gradient is typically several times the clipped
-            ones, and AdamW's second moment remembers its square for ~1 / (1 - beta2) steps and
-            more, scaling the early updates down; a skipped first step costs one step at the
-            warm-up's smallest lr. On ``coat train``'s CPU default run (clip 1.0) both rules ended
-            as close to the ordinary clipped step as another seed does. (Measured figures belong
-            in benchmarks/RESULTS.md, not in docstrings, where they go stale.)
-        norm_estimate: "running" (default): when a bucket launches, the norm is estimated as
-            ``sqrt(D + R * D / P)``: D the sum of this iteration's squared norms released so far
-            (this bucket's included), P the previous iteration's squared norms of the same
-            parameters, R the previous iteration's squared norms of the parameters still to come
-            (R alone while P is 0); the last
-            bucket of a backward therefore clips by the iteration's exact norm, and a gradient that
-            spikes is clipped in its own bucket. "previous": every bucket clips by the previous
-            iteration's total norm, ``norm_{t-1}``. Why the default: under "previous" a spike
-            passes unclipped (its norm is known only afterwards) and AdamW's second moment keeps
-            its square for ~1 / (1 - beta2) steps, slowing every later update: on a 1000-step GPU
-            run of ``coat train`` (clip 1.0) the validation loss lagged the ordinary clipped run
-            mid-run and at the end (benchmarks/RESULTS.md section 5). Under FSDP2 the squared norms of a
-            bucket's sharded parameters are summed over the ranks when it launches (one small
-            all-reduce per bucket, on the current stream, no host synchronisation), so every
-            rank clips by the same estimate and the last bucket by the exact norm. In both
-            modes, once the norm of the gradients released in an iteration is infinite (an
-            element above ~1.8e19 overflows its tensor's fp32 norm, as in ``clip_grad_norm_``)
-            or NaN, that bucket and the later ones clip with coefficient 0 (or NaN), as
-            ``clip_grad_norm_`` clips the whole iteration; the next iteration clips by the
-            last finite norm.
+            iterable of Parameters and Modules); parameters outside every bucket get their own.
+        max_grad_norm: clip each bucket by ``min(1, max_grad_norm / (estimate + 1e-6))`` of an
+            estimate of the total gradient norm (see ``norm_estimate``); ``math.inf`` only
+            measures it. The iteration's norm is ``release.grad_norm`` after ``optimizer.step()``.
+            None: no norm is computed.
+        first_iteration: with clipping and no carried norm (the first iteration, unless
+            ``load_state_dict`` restored one): "skip" (default) only measures the norm and drops
+            the released gradients; "unclipped" steps them unclipped.
+        norm_estimate: "running" (default): the norm released so far plus the previous
+            iteration's norms of the parameters still to come, scaled by how the released ones
+            changed (the last bucket clips by the exact norm; summed over ranks under FSDP2);
+            "previous": the previous iteration's total norm. A non-finite norm clips with
+            coefficient 0 (or NaN), as ``clip_grad_norm_`` does.
 
-    Returns a ``GradRelease`` handle: ``release.accumulate()``, ``release.grad_norm``,
-    ``release.state_dict()`` / ``load_state_dict()`` (the carried norm: save it beside the
-    optimizer's to resume a clipped run exactly), ``release.buckets`` (parameter names per
-    launch group), ``release.stats`` (flushes, launches, incomplete buckets, skipped iterations),
-    ``release.remove()`` (also as a context manager: ``with step_in_backward(opt, model): ...``
-    removes the hooks on exit).
-
-    The training loop stays the ordinary one::
-
-        release = coat.optim.step_in_backward(opt, model, max_grad_norm=1.0)
-        for batch in data:
-            model(**batch).loss.backward()   # every layer is stepped here, its gradient freed
-            opt.step()                       # ends the iteration (launches nothing already done)
-            opt.zero_grad()                  # nothing left to zero
-            scheduler.step()                 # the lr is read when a bucket steps: next iteration
-
-    Same result as without release, bit for bit (same data, same seed, no clipping): each
-    element's update depends only on its own gradient, state, step count and seed, and the
-    stochastic-rounding seed derives from the parameter's position in the optimizer, not from
-    which bucket or launch it is stepped in.
-
-    What the ordinary step allows and how it is handled here:
-
-    - ``optimizer.step()`` must be called once per iteration. It launches what is still pending,
-      steps any parameter that still holds a gradient (one whose hook did not fire), computes
-      ``grad_norm`` and the next clipping scale, and ends the iteration. A parameter that gets a
-      second gradient before it raises ``RuntimeError`` (it would be stepped twice).
-    - Gradient accumulation: run every micro-batch but the last inside ``release.accumulate()``
-      (gradients accumulate in ``.grad``); the last backward releases the sums. Under FSDP2,
-      ``model.set_requires_gradient_sync(False)`` on the earlier micro-batches works the same way
-      (FSDP2 fires the hooks only when it reduce-scatters). A parameter already stepped in this
-      iteration that gets a gradient inside ``accumulate()`` raises ``RuntimeError``.
-    - Global-norm clipping of the current gradients is impossible (``clip_grad_norm_`` needs every
-      gradient first, which release never holds): use ``max_grad_norm`` (the running estimate,
-      or the previous iteration's norm). Parameters stepped by ``optimizer.step()`` (not
-      released) are clipped by the previous iteration's norm (unclipped in a skipped first
-      iteration) but are not in the norm.
-    - ``torch.amp.GradScaler``: ``scaler.step(optimizer)`` raises ``RuntimeError`` (a skipped step
-      needs every gradient before any write). Train bf16 without a scaler.
-    - Parameters shared between modules (tied embeddings): autograd sums every use's gradient
-      before the parameter's hook fires once, so they are stepped once with the full gradient (in
-      the bucket of the module that owns them first; its gradient lives until its last use's
-      backward). The same parameter in two *separate* backward passes of one iteration needs
-      ``accumulate()`` around the first.
-    - A parameter whose hook does not fire in a backward (no gradient) is not stepped; its bucket
-      launches without it when the backward ends.
-    - Activation checkpointing (reentrant or not): a layer's recomputed forward reads only its
-      own weights, stepped after its backward.
-    - lr schedulers and ``lr`` changes: the lr is read when a bucket launches.
-    - ``nonfinite='raise'`` and ``DistributedDataParallel`` (which reduces after the hooks fire) are
-      refused at attach time; ``state_dict`` / ``load_state_dict`` / distributed checkpoints are
-      unchanged (resume and attach release again).
+    Returns a ``GradRelease`` handle: ``accumulate()``, ``grad_norm``, ``state_dict()`` /
+    ``load_state_dict()`` (the carried norm), ``buckets``, ``stats``, ``remove()`` (also a context
+    manager). The training loop stays the ordinary one (``backward``, ``optimizer.step()``,
+    ``zero_grad``, the lr scheduler); ``optimizer.step()`` ends each iteration.
     """
     return GradRelease(optimizer, model, buckets=buckets, max_grad_norm=max_grad_norm, first_iteration=first_iteration,
                        norm_estimate=norm_estimate)
