@@ -6,7 +6,8 @@ README.md holds blocks
     ...
     <!-- end generated -->
 
-and BLOCKS below names, for each NAME, the JSON file under benchmarks/results it is made from and
+and BLOCKS below names, for each NAME, the JSON file under benchmarks/results it is made from (or a
+wildcard: every matching file, e.g. all the quality_*.json records of the multi-seed study) and
 the function that formats it. `python tools/readme_tables.py` rewrites the blocks in place;
 `--check` writes nothing and exits 1 with a diff when README.md differs from what the results give
 (tests/python/test_readme.py runs it, so CI fails on a stale README). Every block in README.md must
@@ -216,33 +217,46 @@ def train_comparison(data: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def _quality_records():
+    """benchmarks/quality_records.py (the quality_*.json reader plot_quality.py also uses)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality_records", ROOT / "benchmarks" / "quality_records.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def quality_study(data: dict[str, Any], source: str) -> str:
-    """A multi-seed quality record (benchmarks/plot_quality.py's input): each setup's final
-    validation loss over seeds, and each recipe's paired difference from bf16 with its 95% CI."""
+    """The multi-seed quality records ({file: record}, every benchmarks/results/quality_*.json,
+    benchmarks/quality_records.py's format) as one study: each setup's final validation loss over
+    seeds, and each recipe's paired difference from bf16 (same seed) with its 95% CI."""
     from coat.cli.seeds import paired_stats
     from coat.cli.stats import mean_std
 
-    setups: dict[str, dict[str, dict[int, float]]] = {}
-    for name, r in data["runs"].items():
-        recipe = r["recipe"] + (" lean" if r.get("master_weights") == "bf16_sr" else "")
-        setups.setdefault(name[0], {}).setdefault(recipe, {})[r["seed"]] = r["final_val_loss"]
+    qr = _quality_records()
+    runs = qr.merge(data)
     lines = ["| setup | recipe | seeds | mean final val loss | std / mean | paired diff. from bf16 | 95% CI |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    for setup, recipes_ in sorted(setups.items()):
-        base = recipes_.get("bf16", {})
-        for recipe, seeds in sorted(recipes_.items(), key=lambda kv: kv[0] != "bf16"):
-            mean, sd = mean_std(list(seeds.values()))
+    for setup, recipes_ in sorted(qr.groups(runs).items()):
+        base = {s: r["final_val_loss"] for s, r in recipes_.get("bf16", {}).items()}
+        for recipe, seeds in sorted(recipes_.items(), key=lambda kv: (kv[0] != "bf16", kv[0])):
+            losses = {s: r["final_val_loss"] for s, r in sorted(seeds.items())}
+            mean, sd = mean_std(list(losses.values()))
             spread = f"{sd / mean:.2%}" if sd is not None else "-"
             diff = ci = "-"
-            pairs = {s: (base[s], v) for s, v in seeds.items() if s in base}
+            pairs = {s: (base[s], v) for s, v in losses.items() if s in base}
             if recipe != "bf16" and len(pairs) >= 2:
                 st = paired_stats(pairs)
                 bm = st["base"]["mean"]
                 diff = f"{st['mean_diff'] / bm:+.2%}"
                 ci = f"[{st['ci95'][0] / bm:+.2%}, {st['ci95'][1] / bm:+.2%}]"
-            lines.append(f"| {setup} | {recipe} | {len(seeds)} | {mean:.4f} | {spread} | {diff} | {ci} |")
-    lines += ["", f"{data['device']}, commit `{data['commit']}`; " + "; ".join(
-        f"{k}: `{v}`" for k, v in data["commands"].items()) + f" ({source})."]
+            lines.append(f"| {setup} | {recipe} | {len(losses)} | {mean:.4f} | {spread} | {diff} | {ci} |")
+    lines.append("")
+    for path, rec in data.items():
+        lines.append(f"{rec['device']}, commit `{rec['commit']}`; " + "; ".join(
+            f"{k}: `{v}`" for k, v in rec["commands"].items()) + f" ({path}).")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -256,14 +270,21 @@ BLOCKS: dict[str, tuple[str, Formatter]] = {
     "e2e-largest": (E2E, e2e_largest),
     "train-h200-300": ("benchmarks/results/train_h200/compare_300.json", train_comparison),
     "estimate-80gb": (E2E, estimate_table),
-    "quality-defaults": ("benchmarks/results/quality_defaults_cf2b811.json", quality_study),
+    "quality-study": ("benchmarks/results/quality_*.json", quality_study),
 }
 
 
 def render(name: str) -> str:
+    """A block's text. A source with a wildcard is every matching file, read as {path: JSON}."""
     source, fmt = BLOCKS[name]
-    with open(ROOT / source) as f:
-        data = json.load(f)
+    if any(c in source for c in "*?["):
+        paths = sorted(ROOT.glob(source))
+        if not paths:
+            raise ValueError(f"block {name!r}: no file matches {source}")
+        data = {p.relative_to(ROOT).as_posix(): json.loads(p.read_text()) for p in paths}
+    else:
+        with open(ROOT / source) as f:
+            data = json.load(f)
     return fmt(data, source).rstrip("\n")
 
 
