@@ -47,20 +47,9 @@ _LIMITS = {_E4M3: (2.0**-10, 464.0 + 2.0**-15), _E5M2: (2.0**-17, 61440.0)}
 
 def _add_counts(entry: "_Entry", x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> None:
     """Adds one operand, quantized with ``scale``, to ``entry``: [non-zero, underflow, saturated]
-    counts and amax. On the CPU in one pass by the core (coat/operand_stats.h). On a GPU with torch
-    ops for now: the core's CUDA kernel compiles but has not run on a GPU yet
-    (test_gpu_one_pass_counts_equal_the_cpu_reference checks it there; then it takes over)."""
+    counts and amax, in one pass of the core (coat/operand_stats.h) on x's device, no host sync."""
     half_sub, clip = _LIMITS[fp8_dtype]
-    if not x.is_cuda:
-        qops.fp8_operand_stats(x.contiguous(), scale.float().reshape(1), half_sub, clip, entry.counts, entry.amax)
-        return
-    a = x.abs() * torch.reciprocal(scale.float().reshape(1))  # fp32, as the quantizer's x * (1/s)
-    nonzero = torch.count_nonzero(x)
-    # Zeros give a == 0 <= half_sub too: subtracting them leaves the non-zero elements that underflow.
-    under = torch.count_nonzero(a <= half_sub) - (x.numel() - nonzero)
-    entry.counts += torch.stack([nonzero, under, torch.count_nonzero(a >= clip)])
-    if x.numel():
-        torch.maximum(entry.amax, torch.linalg.vector_norm(x, float("inf")).float(), out=entry.amax)
+    qops.fp8_operand_stats(x.contiguous(), scale.float().reshape(1), half_sub, clip, entry.counts, entry.amax)
 
 
 class _Entry:

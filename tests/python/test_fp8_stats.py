@@ -127,6 +127,7 @@ def test_gpu_one_pass_counts_equal_the_cpu_reference(dtype, gen):
         S.qops.fp8_operand_stats(x.cuda(), scale.cuda(), half_sub, clip, counts, amax)  # the CUDA kernel
         assert counts.tolist() == cpu[0].tolist() and amax.item() == cpu[1].item()
         assert _counts(x.cuda(), scale.cuda(), torch.float8_e4m3fn)[0].tolist() == cpu[0].tolist()
+        assert _torch_counts(x.cuda(), scale.cuda(), torch.float8_e4m3fn)[0] == cpu[0].tolist()  # torch's definition
 
 
 def _direct_underflow(x, fp8_dtype):
