@@ -138,7 +138,7 @@ constexpr bool kLutDecode = M != MasterKind::kBf16Sr;
 // The 8 decoded values of a lane's codes (two words): mx 2^((lut[code] + off) / k) (the top code: out),
 // signed for m (kSigned);
 // v is never negative, so its sign bit is not looked at (a negative NaN code is NaN either way).
-template <bool kSigned>
+template <bool kSigned, bool kSplit>
 __device__ __forceinline__ void decode8(const uint32_t (&w)[2], const float* lut_lane, const DreGroupFast& g,
                                         float (&x)[kE]) {
 #pragma unroll
@@ -148,7 +148,9 @@ __device__ __forceinline__ void decode8(const uint32_t (&w)[2], const float* lut
     // Byte offset of entry (code & 0x7F) in the lane's column: (code & 0x7F) * 128.
     const uint32_t off = (b == 0 ? c << 7 : c >> (8 * b - 7)) & 0x3F80u;
     const float t = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(lut_lane) + off);
-    float a = t == 0.0f ? g.out : g.mx * fast_exp2((t + g.off) * g.inv_k);  // t == 0: the top code
+    float a;
+    if constexpr (kSplit) a = t == 0.0f ? g.out : g.mx * fast_exp2((t + g.off) * g.inv_k);  // t == 0: top code
+    else a = g.mx * fast_exp2(t * g.inv_k);
     if constexpr (kSigned) a = __uint_as_float(__float_as_uint(a) | ((b == 3 ? c : c << (24 - 8 * b)) & 0x80000000u));
     x[j] = a;
   }
@@ -409,6 +411,29 @@ struct GroupMeta {
   uint32_t m_k16, v_k16;
 };
 
+// A lane's 8 values of m and of v from their codes and their groups' old metadata (kSplit: the
+// warp holds a split group).
+template <MasterKind M, Fp8Format MF, Fp8Format VF, bool kSplit, typename Src, typename Gr>
+__device__ __forceinline__ void decode_pair(const LaneIn<Src, Gr>& in, const float* lut, float (&m)[kE],
+                                            float (&v)[kE]) {
+  const DreTop mt = kSplit ? dre_top(in.m_mx, MF) : DreTop{in.m_mx, in.m_mx, 0.0f};
+  const DreTop vt = kSplit ? dre_top(in.v_mx, VF) : DreTop{in.v_mx, in.v_mx, 0.0f};
+  const DreGroupFast mg = dre_group_fast_l(mt, fast_log2(mt.mx), static_cast<uint8_t>(in.m_k16), MF);
+  const DreGroupFast vg = dre_group_fast_l(vt, fast_log2(vt.mx), static_cast<uint8_t>(in.v_k16), VF);
+  if constexpr (kLutDecode<M>) {
+    decode8<true, kSplit>(in.mq, lut + (threadIdx.x & 31), mg, m);
+    decode8<false, kSplit>(in.vq, lut + kLutFloats + (threadIdx.x & 31), vg, v);
+  } else {
+    fp8x8_to_float<MF>(in.mq, m);
+    fp8x8_to_float<VF>(in.vq, v);
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      m[j] = dre_decode_value_fast<kSplit>(m[j], mg, MF);
+      v[j] = dre_decode_value_fast<kSplit>(v[j], vg, VF);
+    }
+  }
+}
+
 // Decode -> AdamW -> new group max / non-zero min -> k16 -> encode -> store, for a lane's 8
 // elements; returns the group's new metadata for the caller to store. kFull: a full group of an
 // aligned tensor (vector stores); else element-wise, guarded.
@@ -416,20 +441,15 @@ template <typename P, typename Src, typename Gr, MasterKind M, Fp8Format MF, Fp8
 __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LanePos& at, const LaneIn<Src, Gr>& in,
                                           const TensorStep& ts, const AdamwConfig& c, const float* lut) {
   const bool upper = (threadIdx.x & 31) >= 16;
-  const DreGroupFast m_old = dre_group_fast(in.m_mx, static_cast<uint8_t>(in.m_k16), MF);
-  const DreGroupFast v_old = dre_group_fast(in.v_mx, static_cast<uint8_t>(in.v_k16), VF);
+  // Split groups (dre.h) are rare: the warp takes the split-aware decoding only when one of its
+  // four states holds one (a negative gmax word), and the plain one otherwise.
+  const bool split_old =
+      __any_sync(0xFFFFFFFFu, ((__float_as_uint(in.m_mx) | __float_as_uint(in.v_mx)) & 0x80000000u) != 0);
   float p[kE], m[kE], v[kE];
-  if constexpr (kLutDecode<M>) {
-    decode8<true>(in.mq, lut + (threadIdx.x & 31), m_old, m);
-    decode8<false>(in.vq, lut + kLutFloats + (threadIdx.x & 31), v_old, v);
+  if (split_old) {
+    decode_pair<M, MF, VF, true>(in, lut, m, v);
   } else {
-    fp8x8_to_float<MF>(in.mq, m);
-    fp8x8_to_float<VF>(in.vq, v);
-#pragma unroll
-    for (int j = 0; j < kE; ++j) {
-      m[j] = dre_decode_value_fast(m[j], m_old, MF);
-      v[j] = dre_decode_value_fast(v[j], v_old, VF);
-    }
+    decode_pair<M, MF, VF, false>(in, lut, m, v);
   }
   // Statistics over |x|: max as a float, non-zero min as min over 2 bits(x) - 1 (unsigned: drops
   // the sign, and zero wraps to the largest value). NaN never wins either.
@@ -474,6 +494,7 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
       else reinterpret_cast<uint16_t*>(d.param)[i] = static_cast<uint16_t>(pw[j / 2] >> (16 * (j % 2)));
     }
   }
+  float m_lane = m_hi, v_lane = v_hi;  // this lane's maxima
   m_hi = __uint_as_float(half_max(__float_as_uint(m_hi), upper));
   v_hi = __uint_as_float(half_max(__float_as_uint(v_hi), upper));
   float m_lo = __uint_as_float((half_min(m_lo2, upper) + 1u) >> 1);  // 0: no non-zero value
@@ -491,24 +512,47 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
     m_lo = __uint_as_float(half_min(__float_as_uint(ml), upper));
     v_hi = __uint_as_float(half_max(__float_as_uint(vh), upper));
     v_lo = __uint_as_float(half_min(__float_as_uint(vl), upper));
+    m_lane = mh;
+    v_lane = vh;
   }
-  // The largest |x| below the group max: a group whose max is far above it is split (dre.h).
-  float m_2 = 0.0f, v_2 = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kE; ++j) {
-    adamw::group_second(m[j], m_hi, m_2);
-    adamw::group_second(v[j], v_hi, v_2);
-  }
-  m_2 = __uint_as_float(half_max(__float_as_uint(m_2), upper));
-  v_2 = __uint_as_float(half_max(__float_as_uint(v_2), upper));
-  const DreNewGroupFast m_new = adamw::new_group(m_hi, m_2, m_lo, c.expansion, c.m_log2_range, MF);
-  const DreNewGroupFast v_new = adamw::new_group(v_hi, v_2, v_lo, c.expansion, c.v_log2_range, VF);
-  uint32_t mq[2], vq[2];
-  if (!nonfinite) {
+  // A group splits where its max is >= kDreSplitRatio times the largest of the others (dre.h):
+  // the warp finds the exact second maximum only where its lanes' maxima leave that possible.
+  // A lane whose max lies in (max / kDreSplitRatio, max) rules its group's split out.
+  const uint32_t half = upper ? 0xFFFF0000u : 0x0000FFFFu;
+  const uint32_t m_no = __ballot_sync(0xFFFFFFFFu, m_lane < m_hi && kDreSplitRatio * m_lane > m_hi) & half;
+  const uint32_t v_no = __ballot_sync(0xFFFFFFFFu, v_lane < v_hi && kDreSplitRatio * v_lane > v_hi) & half;
+  const bool may_split = __any_sync(0xFFFFFFFFu, (m_no == 0 && m_hi >= kDreSplitRatio * FLT_MIN) ||
+                                                     (v_no == 0 && v_hi >= kDreSplitRatio * FLT_MIN));
+  DreNewGroupFast m_new, v_new;
+  if (may_split) {
+    float m_2 = 0.0f, v_2 = 0.0f;
 #pragma unroll
     for (int j = 0; j < kE; ++j) {
-      m[j] = dre_encode_value_fast(m[j], m_new.g, MF);
-      v[j] = dre_encode_value_fast(v[j], v_new.g, VF);
+      adamw::group_second(m[j], m_hi, m_2);
+      adamw::group_second(v[j], v_hi, v_2);
+    }
+    m_2 = __uint_as_float(half_max(__float_as_uint(m_2), upper));
+    v_2 = __uint_as_float(half_max(__float_as_uint(v_2), upper));
+    m_new = adamw::new_group(m_hi, m_2, m_lo, c.expansion, c.m_log2_range, MF);
+    v_new = adamw::new_group(v_hi, v_2, v_lo, c.expansion, c.v_log2_range, VF);
+  } else {
+    m_new = dre_new_whole_group_fast(m_hi, m_lo, c.expansion ? c.m_log2_range : 0.0f, MF);
+    v_new = dre_new_whole_group_fast(v_hi, v_lo, c.expansion ? c.v_log2_range : 0.0f, VF);
+  }
+  uint32_t mq[2], vq[2];
+  if (!nonfinite && !may_split) {
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      m[j] = dre_encode_value_fast<false>(m[j], m_new.g, MF);
+      v[j] = dre_encode_value_fast<false>(v[j], v_new.g, VF);
+    }
+    float_to_fp8x8<MF>(m, mq);
+    float_to_fp8x8<VF>(v, vq);
+  } else if (!nonfinite) {
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      m[j] = dre_encode_value_fast<true>(m[j], m_new.g, MF);
+      v[j] = dre_encode_value_fast<true>(v[j], v_new.g, VF);
     }
     float_to_fp8x8<MF>(m, mq);
     float_to_fp8x8<VF>(v, vq);

@@ -65,9 +65,11 @@ COAT_HD uint32_t dre_split_e(float hi, float mx2) {
 }
 
 // The gmax word of a group from its largest finite |x| and the largest finite |x| below it.
+COAT_HD float dre_split_word(float hi, uint32_t e) { return float_of(0x80000000u | (bits_of(hi) & 0x7FFFFF00u) | e); }
+
 COAT_HD float dre_gmax_word(float hi, float mx2) {
   const uint32_t e = dre_split_e(hi, mx2);
-  return e == 0 ? hi : float_of(0x80000000u | (bits_of(hi) & 0x7FFFFF00u) | e);
+  return e == 0 ? hi : dre_split_word(hi, e);
 }
 
 // What a gmax word says: the max the codes below the top code are scaled to (mx), what the top
@@ -290,8 +292,17 @@ struct DreNewGroupFast {
   DreGroupFast g;
 };
 
+// A group known to stay whole (no split: hi is its word).
+COAT_HD DreNewGroupFast dre_new_whole_group_fast(float hi, float mn, float log2_range, Fp8Format fmt) {
+  const float l = fast_log2(hi);
+  const uint8_t k16 = dre_k16_fast_l(hi, mn, l, log2_range, fmt, 0.0f);
+  return {hi, k16, dre_group_fast_l(DreTop{hi, hi, 0.0f}, l, k16, fmt)};
+}
+
 COAT_HD DreNewGroupFast dre_new_group_fast(float hi, float mx2, float mn, float log2_range, Fp8Format fmt) {
-  const float word = dre_gmax_word(hi, mx2);
+  const uint32_t e = dre_split_e(hi, mx2);
+  if (e == 0) return dre_new_whole_group_fast(hi, mn, log2_range, fmt);
+  const float word = dre_split_word(hi, e);
   const DreTop t = dre_top(word, fmt);
   const float l = fast_log2(t.mx);
   const uint8_t k16 = dre_k16_fast_l(t.mx, mn, l, log2_range, fmt, t.off);
@@ -307,9 +318,11 @@ COAT_HD DreNewGroupFast dre_new_group_fast(float hi, float mx2, float mn, float 
 // puts its smallest value at or above 2^-7.9 (E4M3: at least code 2) or E5M2's smallest normal.
 // The device skips it (two compares and a select per element of an instruction-bound kernel);
 // the host keeps it, and CPU and GPU codes agree (tests/cpp test_adamw_gpu).
+// kSplit = false: the caller knows the group is whole (the top code then comes from the formula).
+template <bool kSplit = true>
 COAT_HD float dre_encode_value_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
   float y = fast_exp2(g.k * fast_log2(fabsf(x)) + g.c_enc);
-  y = fabsf(x) >= g.at ? fp8_max(fmt) : y;  // the group max (already fmt_max in a whole group)
+  if constexpr (kSplit) y = fabsf(x) >= g.at ? fp8_max(fmt) : y;  // the group max (already fmt_max if whole)
 #if !defined(__CUDA_ARCH__)
   y = y < fp8_min_subnormal(fmt) && x != 0.0f ? fp8_min_subnormal(fmt) : y;  // NaN compares false
 #endif
@@ -324,8 +337,11 @@ COAT_HD uint8_t dre_encode_fast(float x, const DreGroupFast& g, Fp8Format fmt) {
 // gives log2(1) = 0, exp2(0) = 1 and so mx exactly; zero gives 0, NaN stays NaN. Kernels get q from
 // a packed hardware conversion and the log2 from the MUFU; dre_decode_fast below takes the log2
 // from a table instead (same formula).
+// kSplit = false: the caller knows the group is whole.
+template <bool kSplit = true>
 COAT_HD float dre_decode_value_fast(float q, const DreGroupFast& g, Fp8Format fmt) {
   const float l = fast_log2(fabsf(q) * fp8_inv_max(fmt));  // exactly 0 for the top code only
+  if constexpr (!kSplit) return copysignf(g.mx * fast_exp2(l * g.inv_k), q);
   return copysignf(l == 0.0f ? g.out : g.mx * fast_exp2((l + g.off) * g.inv_k), q);
 }
 
