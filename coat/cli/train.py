@@ -480,7 +480,7 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", **_N, help="steps per metrics.jsonl record" + _default("log_every"))
     g.add_argument("--fp8-stats", action="store_true", help="record how much of each FP8 GEMM operand underflows "
                    "to zero or saturates (coat.fp8_stats) in the last step of each --log-every interval: printed, "
-                   "in metrics.jsonl and summary.json (a recorded step costs ~2.7x)")
+                   "in metrics.jsonl and summary.json (a recorded step costs ~10%% more)")
     g.add_argument("--out", metavar="DIR", help="output folder, new or empty (default: a new runs/<timestamp>)")
     g.add_argument("--save", action=argparse.BooleanOptionalAction, help="write the trained model with "
                    "save_pretrained (and the tokenizer) to OUT/model (default: on with --init)")
