@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ._ops import quantize as _ops
-from .fp8.formats import CORE_ID, DTYPES, GROUP_SIZES, MAX, SCALE_KINDS, format_name
+from ._ops.enums import FP8_FORMATS
+from .fp8.formats import DTYPES, GROUP_SIZES, MAX, SCALE_KINDS, format_name
 from .fp8.tensor import DreTensor, Fp8Tensor
 
 __all__ = [
@@ -59,7 +60,7 @@ def quantize_per_tensor(
     """
     _check_input(x)
     name = format_name(fmt)
-    dt, fid = DTYPES[name], CORE_ID[name]
+    dt, fid = DTYPES[name], FP8_FORMATS[name]
     if scale is None:
         q, q_t, s, amax = _ops.quantize_per_tensor_amax(x.detach(), fid, transpose)
         return Fp8Tensor(q.view(dt), s, None, q_t.view(dt) if transpose else None, amax, source=_source(x))
@@ -96,7 +97,7 @@ def quantize_per_group(
         last = x.shape[-1] if x.dim() else "a 0-d tensor"
         raise ValueError(f"group_size {group_size} does not divide the last dimension of x ({last})")
     name = format_name(fmt)
-    q, s = _ops.quantize_per_group(x.detach(), group_size, CORE_ID[name], scale_kind == "e8m0")
+    q, s = _ops.quantize_per_group(x.detach(), group_size, FP8_FORMATS[name], scale_kind == "e8m0")
     return Fp8Tensor(q.view(DTYPES[name]), s, group_size, source=_source(x))
 
 
@@ -126,7 +127,7 @@ def dre_quantize(x: torch.Tensor, fmt: str | torch.dtype = "e4m3", *, log2_range
         log2_range = _ops.DRE_LOG2_RANGE[name]
     if not (0.0 < float(log2_range) < 64.0):
         raise ValueError(f"log2_range must be in (0, 64), got {log2_range}")
-    q, gmax, k16 = _ops.dre_quantize(x.detach(), CORE_ID[name], float(log2_range))
+    q, gmax, k16 = _ops.dre_quantize(x.detach(), FP8_FORMATS[name], float(log2_range))
     return DreTensor(q.view(DTYPES[name]), gmax, k16, source=_source(x))
 
 

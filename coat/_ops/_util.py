@@ -7,7 +7,8 @@ import contextlib
 import torch
 from torch._library.custom_ops import CustomOpDef
 
-from ..fp8.formats import CORE_ID, format_of_dtype
+from ..fp8.formats import format_of_dtype
+from .enums import DTYPE_IDS, FP8_FORMATS
 
 _nullctx = contextlib.nullcontext()
 _Parameter = torch.nn.Parameter
@@ -28,15 +29,12 @@ def u8(t: torch.Tensor) -> torch.Tensor:
 
 def fmt_id(dtype: torch.dtype, arg: str = "fp8_dtype") -> int:
     """The core's format enum for a torch FP8 dtype."""
-    return CORE_ID[format_of_dtype(dtype, arg)]
-
-
-_DTYPE_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    return FP8_FORMATS[format_of_dtype(dtype, arg)]
 
 
 def dtype_id(dtype: torch.dtype, arg: str = "dtype") -> int:
     """The core's id of a float dtype it writes (float32, bfloat16, float16)."""
-    i = _DTYPE_ID.get(dtype)
+    i = DTYPE_IDS.get(dtype)
     if i is None:
         raise ValueError(f"{arg} must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     return i

@@ -14,10 +14,9 @@ import torch
 from .. import _C
 from ._util import dev_ctx as _dev_ctx
 from ._util import stream as _stream
+from .enums import DTYPE_IDS, FP8_FORMATS, MASTER_KINDS
 
 DESC_WORDS: int = _C.ADAMW_DESC_WORDS
-DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MASTER_IDS = {"none": 0, "fp32": 1, "bf16_sr": 2}
 
 
 def adamw_step(
@@ -35,19 +34,20 @@ def adamw_step(
     param_dtype: torch.dtype,
     grad_dtype: torch.dtype,
     master: str,
-    m_fmt: int,
-    v_fmt: int,
+    m_fmt: str,
+    v_fmt: str,
     expansion: bool,
     m_log2_range: float,
     v_log2_range: float,
     cpu_threads: int,
 ) -> None:
     """One step over the tensors of ``descs`` (int64 [n, DESC_WORDS], layout of coat::AdamwTensor,
-    on the device of the states). Scalars given as tensors are fp32 with one element."""
+    on the device of the states). Scalars given as tensors are fp32 with one element; ``master``
+    and the formats ``m_fmt`` / ``v_fmt`` ("e4m3", "e5m2") are names."""
     with _dev_ctx(descs):
         _C.adamw_step(
             descs, int(n_groups), float(lr), lr_tensor, float(beta1), float(beta2), float(eps),
             float(weight_decay), grad_scale, found_inf, DTYPE_IDS[param_dtype], DTYPE_IDS[grad_dtype],
-            MASTER_IDS[master], int(m_fmt), int(v_fmt), bool(expansion), float(m_log2_range),
+            MASTER_KINDS[master], FP8_FORMATS[m_fmt], FP8_FORMATS[v_fmt], bool(expansion), float(m_log2_range),
             float(v_log2_range), int(cpu_threads), _stream(descs),
         )

@@ -20,9 +20,10 @@ from .. import _C
 from . import gemm as _gemm
 from ._util import dtype_id, eager_plain
 from ._util import stream as _stream
+from .enums import BLOCK_PRE, GEMM_OUT_IDS
 
-NONE, NORM, SWIGLU = 0, 1, 2  # the pre-op of a block
-_OUT = (torch.float32, torch.bfloat16)  # GEMM output dtypes a block writes itself (ids: gemm._OUT)
+NONE, NORM, SWIGLU = BLOCK_PRE["none"], BLOCK_PRE["norm"], BLOCK_PRE["swiglu"]  # the pre-op of a block
+_OUT = (torch.float32, torch.bfloat16)  # GEMM output dtypes a block writes itself
 
 
 def usable(t: torch.Tensor, w: torch.Tensor, dims: Sequence[int], *dtypes: torch.dtype) -> bool:
@@ -49,7 +50,7 @@ def forward(x2: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps
     """(out [M, N], weight scale, saved): ``saved`` is what the backward reads (see block.cpp)."""
     st = _stream(x2)
     out, w_scale, s0, s1, s2 = _C.block_fwd(x2, pre, norm_weight, eps, e8m0, list(weights), save_input_t,
-                                            _gemm._OUT[out_dtype], fast_accum, _ws(x2, st), _gemm.forced_bf16(), st)
+                                            GEMM_OUT_IDS[out_dtype], fast_accum, _ws(x2, st), _gemm.forced_bf16(), st)
     return out, w_scale, (s0, s1, s2)
 
 
@@ -60,4 +61,4 @@ def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.T
     st = _stream(d2)
     s0, s1, s2 = saved
     return _C.block_bwd(d2, pre, need_w, list(weights), w_scale, s0, s1, s2, norm_weight, dtype_id(y_dtype),
-                        _gemm._OUT[wgrad_dtype], _ws(d2, st), _gemm.forced_bf16(), st)
+                        GEMM_OUT_IDS[wgrad_dtype], _ws(d2, st), _gemm.forced_bf16(), st)

@@ -19,10 +19,10 @@ from .. import _C
 from ._util import custom_op
 from ._util import dev_ctx as _dev_ctx
 from ._util import stream as _stream
+from .enums import FP8_DTYPE_IDS as _FMT
+from .enums import GEMM_OUT_IDS as _OUT
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-#: Output dtypes and the core's enum for each.
-_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 
 # Run the bf16 path (what devices without FP8 tensor cores do) on every GPU: for tests/comparisons.
 _force_bf16 = os.environ.get("COAT_GEMM_FORCE_BF16", "0") == "1"
@@ -54,9 +54,6 @@ def _workspace(device: int, stream: int) -> torch.Tensor:
         ws = torch.empty(_C.GEMM_WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", device))
         _workspaces[key] = ws
     return ws
-
-
-_FMT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 
 
 def _name(dt: torch.dtype) -> str:

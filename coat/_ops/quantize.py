@@ -1,7 +1,7 @@
 """Custom ops of the quantize family (FP8 per-tensor, per-group and DRE quantization).
 
-FP8 codes are uint8 tensors here and the format is an int (0 = e4m3, 1 = e5m2): torch's op
-checkers cannot compare FP8 tensors, and the core takes uint8 anyway. coat.functional views the
+FP8 codes are uint8 tensors here and the format is the core's int (``enums.FP8_FORMATS``): torch's
+op checkers cannot compare FP8 tensors, and the core takes uint8 anyway. coat.functional views the
 codes as torch.float8_* for users.
 """
 
@@ -12,6 +12,7 @@ import torch
 from .. import _C
 from ._util import custom_op
 from ._util import dev_ctx, dtype_id, stream
+from .enums import SCALE_KINDS
 
 _DRE_GROUP = _C.DRE_GROUP_SIZE
 #: The core's DRE group size and, per FP8 format, the log2 of its dynamic range (what DRE expands to).
@@ -171,7 +172,7 @@ def _scales_shape(x: torch.Tensor, group_size: int) -> tuple[int, ...]:
 @custom_op("coat::quantize_per_group", mutates_args=())
 def quantize_per_group(x: torch.Tensor, group_size: int, fmt: int, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     with dev_ctx(x):
-        return _C.quantize_per_group(x, group_size, fmt, int(e8m0), stream(x))
+        return _C.quantize_per_group(x, group_size, fmt, SCALE_KINDS["e8m0" if e8m0 else "fp32"], stream(x))
 
 
 @quantize_per_group.register_fake

@@ -1,4 +1,5 @@
-"""FP8 formats and the names users pass for them."""
+"""FP8 formats and the names users pass for them. Pure Python: the compiled core's ids for these
+names are in coat._ops.enums (read from the core itself)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import torch
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 #: Largest finite magnitude of each format.
 MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-#: The enum value the compiled core uses for each format.
-CORE_ID = {"e4m3": 0, "e5m2": 1}
-SCALE_KINDS = {"fp32": 0, "e8m0": 1}
+#: How per-group scales may be stored (the core's ids of these: coat._ops.enums.SCALE_KINDS).
+SCALE_KINDS = ("fp32", "e8m0")
 GROUP_SIZES = (16, 32, 64, 128)
 
 

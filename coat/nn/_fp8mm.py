@@ -20,15 +20,12 @@ import torch
 from .._ops import block as blk
 from .._ops import gemm as gops
 from .._ops import quantize as qops
-from .._ops._util import fmt_id
+from .._ops.enums import FP8_DTYPE_IDS as _FMT
 from . import stats as S
 
 _BACKEND = os.environ.get("COAT_LAYER_GEMM", "coat")
 _SCALED_MM = _BACKEND == "scaled_mm"
 _GEMM_OUT = (torch.float32, torch.bfloat16)  # what coat::fp8_gemm writes itself
-
-
-_FMT = {torch.float8_e4m3fn: fmt_id(torch.float8_e4m3fn), torch.float8_e5m2: fmt_id(torch.float8_e5m2)}
 
 
 def quantize(x2d: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool):

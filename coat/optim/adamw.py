@@ -11,7 +11,7 @@ import torch
 
 from .._ops import adamw as _ops
 from .._ops import quantize as _qops
-from ..fp8.formats import CORE_ID, format_name
+from ..fp8.formats import format_name
 from . import _compat, _state
 from ._state import _local
 
@@ -445,7 +445,7 @@ class AdamW(torch.optim.Optimizer):
                 beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                 weight_decay=group["weight_decay"], grad_scale=gs,
                 found_inf=fi, param_dtype=pdtype, grad_dtype=gdtype, master=master,
-                m_fmt=CORE_ID[m_fmt], v_fmt=CORE_ID[v_fmt], expansion=group["expansion"],
+                m_fmt=m_fmt, v_fmt=v_fmt, expansion=group["expansion"],
                 m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
                 cpu_threads=torch.get_num_threads(),
             )

@@ -13,6 +13,7 @@
 // afresh in each direction (coat/nn/weights.py's default lifetime).
 #include <nanobind/stl/vector.h>
 
+#include "enums.h"
 #include "ops.h"
 #include "registry.h"
 #include "tensor_args.h"
@@ -147,6 +148,7 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
 }
 
 void register_block(nb::module_& m) {
+  m.attr("BLOCK_PRE") = enum_dict<Pre>({{"none", Pre::kNone}, {"norm", Pre::kNorm}, {"swiglu", Pre::kSwiglu}});
   m.def("block_fwd", &block_fwd_py, restore_device(), arg("x"), arg("pre"), arg("norm_weight").none(), arg("eps"), arg("e8m0"),
         arg("weights"), arg("save_input_t"), arg("out_type"), arg("fast_accum"), arg("workspace"), arg("force_bf16"),
         arg("stream"));
