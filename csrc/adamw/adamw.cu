@@ -434,6 +434,20 @@ __device__ __forceinline__ void decode_pair(const LaneIn<Src, Gr>& in, const flo
   }
 }
 
+// The codes of a lane's 8 finite values of m and of v in their new groups (kSplit: the warp may
+// hold a split group); m and v are overwritten.
+template <Fp8Format MF, Fp8Format VF, bool kSplit>
+__device__ __forceinline__ void encode_pair(float (&m)[kE], float (&v)[kE], const DreGroupFast& mg,
+                                            const DreGroupFast& vg, uint32_t (&mq)[2], uint32_t (&vq)[2]) {
+#pragma unroll
+  for (int j = 0; j < kE; ++j) {
+    m[j] = dre_encode_value_fast<kSplit>(m[j], mg, MF);
+    v[j] = dre_encode_value_fast<kSplit>(v[j], vg, VF);
+  }
+  float_to_fp8x8<MF>(m, mq);
+  float_to_fp8x8<VF>(v, vq);
+}
+
 // Decode -> AdamW -> new group max / non-zero min -> k16 -> encode -> store, for a lane's 8
 // elements; returns the group's new metadata for the caller to store. kFull: a full group of an
 // aligned tensor (vector stores); else element-wise, guarded.
@@ -541,21 +555,9 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
   }
   uint32_t mq[2], vq[2];
   if (!nonfinite && !may_split) {
-#pragma unroll
-    for (int j = 0; j < kE; ++j) {
-      m[j] = dre_encode_value_fast<false>(m[j], m_new.g, MF);
-      v[j] = dre_encode_value_fast<false>(v[j], v_new.g, VF);
-    }
-    float_to_fp8x8<MF>(m, mq);
-    float_to_fp8x8<VF>(v, vq);
+    encode_pair<MF, VF, false>(m, v, m_new.g, v_new.g, mq, vq);
   } else if (!nonfinite) {
-#pragma unroll
-    for (int j = 0; j < kE; ++j) {
-      m[j] = dre_encode_value_fast<true>(m[j], m_new.g, MF);
-      v[j] = dre_encode_value_fast<true>(v[j], v_new.g, VF);
-    }
-    float_to_fp8x8<MF>(m, mq);
-    float_to_fp8x8<VF>(v, vq);
+    encode_pair<MF, VF, true>(m, v, m_new.g, v_new.g, mq, vq);
   } else {
     mq[0] = mq[1] = vq[0] = vq[1] = 0;
 #pragma unroll
