@@ -260,6 +260,45 @@ def quality_study(data: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def quality_main(data: dict[str, Any], source: str, setup: str = "B", recipe: str = "coat") -> str:
+    """The main job's comparison over paired seeds, from the quality records: ``recipe`` against
+    bf16 at ``setup``, the mean final losses of both held-out sets with the paired difference and
+    its 95% CI, peak memory and the tokens/s ratio of the same seed's two runs (one lease)."""
+    from coat.cli.seeds import paired_stats
+
+    qr = _quality_records()
+    runs = qr.groups(qr.merge(data))[setup]
+    base, other = runs["bf16"], runs[recipe]
+    seeds = sorted(set(base) & set(other))
+
+    def diff_row(what: str, key: str) -> str:
+        pairs = {s: (base[s][key], other[s][key]) for s in seeds
+                 if base[s].get(key) is not None and other[s].get(key) is not None}
+        st = paired_stats(pairs)
+        bm = st["base"]["mean"]
+        ci = "" if st["ci95"] is None else f", 95% CI [{st['ci95'][0] / bm:+.2%}, {st['ci95'][1] / bm:+.2%}]"
+        return (f"| {what}, mean of {st['n']} seed{'s' * (st['n'] > 1)} | {bm:.4f} | {st['other']['mean']:.4f} | "
+                f"{st['mean_diff'] / bm:+.2%}{ci} |")
+
+    def mean_of(rows: dict, key: str) -> tuple[float, int]:
+        vals = [rows[s][key] for s in seeds if rows[s].get(key)]
+        return sum(vals) / len(vals), len(vals)
+
+    (pb, n), (po, _) = mean_of(base, "peak_memory_bytes"), mean_of(other, "peak_memory_bytes")
+    ratios = [other[s]["tokens_per_s"] / base[s]["tokens_per_s"] for s in seeds]
+    lines = [f"| | bf16 | {recipe} | {recipe} vs bf16 |", "|---|---:|---:|---:|",
+             diff_row("final validation loss", "final_val_loss"),
+             diff_row("held-out prose loss", "final_val_prose_loss"),
+             f"| peak memory (CUDA max allocated, {n} seeds) | {pb / 2**30:.2f} GiB | {po / 2**30:.2f} GiB | "
+             f"{po / pb:.2f}x |",
+             f"| tokens/s, ratio of each seed's two runs | | | {sum(ratios) / len(ratios):.2f}x "
+             f"({min(ratios):.2f}-{max(ratios):.2f}) |", "",
+             f"Setup {setup}: `{next(r['commands'][setup] for r in data.values() if setup in r['commands'])}`; "
+             + ", ".join(f"commit `{r['commit']}` ({r['device']})" for r in data.values() if setup in r["commands"])
+             + "."]
+    return "\n".join(lines)
+
+
 # ---- README block name -> (JSON under the repository root, formatter) ---------------------------
 
 Formatter = Callable[[dict[str, Any], str], str]
@@ -271,6 +310,7 @@ BLOCKS: dict[str, tuple[str, Formatter]] = {
     "train-h200-300": ("benchmarks/results/train_h200/compare_300.json", train_comparison),
     "estimate-80gb": (E2E, estimate_table),
     "quality-study": ("benchmarks/results/quality_*.json", quality_study),
+    "quality-main": ("benchmarks/results/quality_*.json", quality_main),
 }
 
 

@@ -79,3 +79,23 @@ def test_malformed_blocks_are_refused(edit, message):
     text = (ROOT / "README.md").read_text()
     with pytest.raises(ValueError, match=message):
         rt.regenerate(edit(text))
+
+
+def test_quality_main_pairs_seeds_and_reads_both_held_out_sets():
+    def run(recipe, seed, loss, prose, tps, peak):
+        return {"recipe": recipe, "seed": seed, "master_weights": "fp32", "final_val_loss": loss,
+                "final_val_prose_loss": prose, "tokens_per_s": tps, "peak_memory_bytes": peak}
+
+    g = 2**30
+    data = {"a.json": {"commit": "abc1234", "device": "GPU X", "commands": {"B": "coat train ..."},
+                       "runs": {"B0": run("bf16", 0, 1.00, None, 100.0, 4 * g), "B0c": run("coat", 0, 0.99, None, 160.0, g),
+                                "B1": run("bf16", 1, 1.02, 2.0, 100.0, 4 * g), "B1c": run("coat", 1, 1.03, 2.02, 150.0, g),
+                                "B2": run("bf16", 2, 0.98, 2.2, 110.0, 4 * g), "B2l": run("coat", 2, 0.97, 2.1, 150.0, g)}}}
+    data["a.json"]["runs"]["B2l"]["master_weights"] = "bf16_sr"  # coat lean: not a coat pair
+    text = rt.quality_main(data, "x")
+    # seeds 0 and 1 pair: diffs -0.01, +0.01 -> mean 0 relative to bf16's mean 1.01
+    assert "| final validation loss, mean of 2 seeds | 1.0100 | 1.0100 | +0.00%, 95% CI [" in text
+    assert "| held-out prose loss, mean of 1 seed | 2.0000 | 2.0200 | +1.00% |" in text  # one pair: no interval
+    assert "| 4.00 GiB | 1.00 GiB | 0.25x |" in text
+    assert "| 1.55x (1.50-1.60) |" in text
+    assert "commit `abc1234` (GPU X)" in text
