@@ -73,3 +73,29 @@ def test_a_signal_as_one_recipe_finishes_stops_the_comparison(tmp_path: Path, mo
     code, _ = run_cli([*_argv(tiny(tmp_path, "run", recipe=None)), "--compare"], capsys)
     assert code == 130 and len(calls) == 1  # the coat recipe never started
     assert (tmp_path / "run" / "compare.json").is_file()  # resumable: coat train --resume
+
+
+_IMPORT_INTERRUPTED = """
+import sys
+class Interrupt:  # Ctrl-C while `import coat` imports torch (its first seconds), made deterministic
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, Interrupt())
+sys.argv[0] = {argv0!r}
+import coat
+"""
+
+
+@pytest.mark.parametrize("argv0", ["/usr/bin/coat", "train.py"])
+def test_ctrl_c_while_importing_ends_the_coat_command_quietly(argv0: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_INTERRUPTED.format(argv0=argv0)],
+                          capture_output=True, text=True, timeout=120)
+    if argv0.endswith("coat"):  # the coat command: the message it prints for a later Ctrl-C, status 130
+        assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
+        assert "coat: interrupted (Ctrl-C)" in proc.stderr
+    else:  # a user's program importing coat: the KeyboardInterrupt is theirs, untouched
+        assert "KeyboardInterrupt" in proc.stderr and proc.returncode != 0
