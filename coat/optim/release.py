@@ -1,9 +1,10 @@
-"""Gradient release: coat.optim.AdamW's step inside backward, so a full set of gradients never exists.
+"""Gradient release: a coat.optim.FusedOptimizer's step (AdamW's) inside backward, so a full set of
+gradients never exists.
 
 A post-accumulate-grad hook on every parameter hands its finished gradient to the bucket it belongs
 to (by default one bucket per decoder layer: each element of the model's ``nn.ModuleList`` s, and
 one per module owning the remaining parameters). When every parameter of a bucket has its
-gradient, the bucket runs the same fused kernel as ``AdamW.step`` over them (one launch per device,
+gradient, the bucket runs the same fused kernel as ``optimizer.step()`` over them (one launch per device,
 dtypes and parameter group, through a descriptor table cached per bucket, on the current stream,
 without host synchronisation) and frees their gradients. Whatever a backward leaves incomplete (a
 parameter that got no gradient) is launched when that backward ends (an autograd-engine callback).
@@ -21,14 +22,13 @@ import contextlib
 import math
 import sys
 import threading
-from collections import defaultdict
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from ._state import _local
 from ._norm import _NormClip, clip_scale
-from .adamw import AdamW
+from .fused import FusedOptimizer
 
 __all__ = ["GradRelease", "step_in_backward", "clip_scale"]
 
@@ -97,12 +97,13 @@ class GradRelease(_NormClip):
     """The handle that ``step_in_backward`` returns: the hooks, the buckets and the iteration's
     bookkeeping. See ``step_in_backward`` for the semantics."""
 
-    def __init__(self, optimizer: AdamW, model: torch.nn.Module | None = None, *,
+    def __init__(self, optimizer: FusedOptimizer, model: torch.nn.Module | None = None, *,
                  buckets: Iterable[Any] | None = None, max_grad_norm: float | None = None,
                  first_iteration: str = "skip", norm_estimate: str = "running") -> None:
-        if not isinstance(optimizer, AdamW):
-            raise TypeError(f"step_in_backward needs a coat.optim.AdamW, got {type(optimizer).__name__}")
-        if optimizer._release is not None:
+        if not isinstance(optimizer, FusedOptimizer):
+            raise TypeError("step_in_backward needs a coat.optim.FusedOptimizer (such as coat.optim.AdamW: its "
+                            f"step is planned and launched per bucket), got {type(optimizer).__name__}")
+        if optimizer.release_handle is not None:
             raise RuntimeError("this optimizer already has gradient release attached; call .remove() on its "
                                "handle first")
         if optimizer.nonfinite == "raise":
@@ -164,7 +165,7 @@ class GradRelease(_NormClip):
         self.stats = {"flushes": 0, "launches": 0, "incomplete": 0, "skipped_iterations": 0}
         self._reset_iteration()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self._buckets for p in b]
-        optimizer._release = self
+        optimizer.attach_release(self)
 
     # ---- public --------------------------------------------------------------------------------
 
@@ -235,8 +236,7 @@ class GradRelease(_NormClip):
             for h in self._handles:
                 h.remove()
             self._handles = []
-            if self.optimizer._release is self:
-                self.optimizer._release = None
+            self.optimizer.detach_release(self)
             self._reset_iteration()
 
     def __enter__(self) -> "GradRelease":
@@ -247,7 +247,7 @@ class GradRelease(_NormClip):
 
     def __repr__(self) -> str:
         return (f"GradRelease({len(self._buckets)} buckets, max_grad_norm={self.max_grad_norm}, "
-                f"attached={self.optimizer._release is self})")
+                f"attached={self.optimizer.release_handle is self})")
 
     # ---- per iteration ---------------------------------------------------------------------------
 
@@ -333,36 +333,24 @@ class GradRelease(_NormClip):
         params = [p for p in params if p.grad is not None]
         if not params:
             return
-        opt = self.optimizer
-        groups = opt.param_groups
         where = [self._position(p) for p in params]
-        for gi in sorted({w[0] for w in where}):
-            opt._check_hyper(groups[gi])
-        by_key: dict[tuple, list] = defaultdict(list)
-        indices: dict[tuple, list[int]] = defaultdict(list)
-        for p, (gi, _, index) in zip(params, where):
-            key, item = opt._item(p, groups[gi], gi, index)
-            key += ("release", b)  # key[0] stays the device (the table cache's)
-            by_key[key].append(item)
-            indices[key].append(index)
         # Every table (and with it every check of the states) before anything is written.
-        tables = {key: opt._descriptors(key, items) for key, items in by_key.items()}
+        launches = self.optimizer.plan_launches([(p, gi, index) for p, (gi, _, index) in zip(params, where)],
+                                                tag=("release", b))
         scale = self._clip_scale
         if self.max_grad_norm is not None:
             fresh = []
-            for key, items in by_key.items():
-                norms = torch._foreach_norm([grad for _, _, grad, _ in items], 2, dtype=torch.float32)
-                self._norms.update(zip(indices[key], norms))
-                fresh += list(zip(indices[key], norms))
+            for launch in launches:
+                norms = torch._foreach_norm(launch.grads, 2, dtype=torch.float32)
+                self._norms.update(zip(launch.positions, norms))
+                fresh += list(zip(launch.positions, norms))
             if self._running_clip():
                 scale = self._running_scale(self._squares(b, fresh, over_ranks=True))
             elif not math.isinf(self.max_grad_norm) and not self._measuring():
                 scale = self._previous_scale(self._squares(b, fresh, over_ranks=False))
-        on_device: dict[tuple, torch.Tensor] = {}
         if not self._measuring():
-            for key, items in by_key.items():
-                opt._launch(key, items, *tables[key], scale, None, on_device)
-                self.stats["launches"] += 1
+            self.optimizer.run_launches(launches, scale)
+            self.stats["launches"] += len(launches)
         self.stats["flushes"] += 1
         for p in params:
             g = p.grad
@@ -372,9 +360,11 @@ class GradRelease(_NormClip):
                 _local(g).record_stream(torch.cuda.current_stream(g.device))
             p.grad = None
 
-    # ---- optimizer.step() --------------------------------------------------------------------
+    # ---- optimizer.step() (coat.optim.fused.ReleaseHandle) -----------------------------------
 
-    def _before_step(self, grad_scale: Any, found_inf: Any) -> None:
+    def before_step(self, grad_scale: Any, found_inf: Any) -> torch.Tensor | None:
+        """Called by ``optimizer.step()`` first: refuses a GradScaler, launches what is pending and
+        returns the scale the rest of the step launches with (the clipping scale, or None)."""
         if grad_scale is not None or found_inf is not None:
             for name in ("grad_scale", "found_inf"):  # GradScaler removes them only after a step that returns
                 self.optimizer.__dict__.pop(name, None)
@@ -385,8 +375,10 @@ class GradRelease(_NormClip):
                 "on the release handle")
         with self._lock:
             self._flush_all()
+        return self._clip_scale
 
-    def _end_iteration(self) -> None:
+    def end_iteration(self) -> None:
+        """Called by ``optimizer.step()`` last: the iteration's norm and the next clipping scale."""
         with self._lock:
             if self._released and self._measuring():
                 self.stats["skipped_iterations"] += 1
@@ -394,17 +386,19 @@ class GradRelease(_NormClip):
                 self._finish_norm()
             self._reset_iteration()
 
-def step_in_backward(optimizer: AdamW, model: torch.nn.Module | None = None, *, buckets: Iterable[Any] | None = None,
-                     max_grad_norm: float | None = None, first_iteration: str = "skip",
-                     norm_estimate: str = "running") -> GradRelease:
-    """Gradient release: ``optimizer`` (a ``coat.optim.AdamW``) steps each parameter inside
-    backward, as soon as its gradient is complete, and frees that gradient, so at most a bucket's
-    gradients (a decoder layer's) exist at a time instead of the whole model's. The result is the
+
+def step_in_backward(optimizer: FusedOptimizer, model: torch.nn.Module | None = None, *,
+                     buckets: Iterable[Any] | None = None, max_grad_norm: float | None = None,
+                     first_iteration: str = "skip", norm_estimate: str = "running") -> GradRelease:
+    """Gradient release: ``optimizer`` (a ``coat.optim.FusedOptimizer``, e.g. ``AdamW``) steps each
+    parameter inside backward, as soon as its gradient is complete, and frees that gradient, so at
+    most a bucket's gradients (a decoder layer's) exist at a time instead of the whole model's. The result is the
     ordinary step's, bit for bit, without clipping. docs/release.md has the whole contract
     (accumulation, FSDP2, tied and missing parameters, checkpointing, what is refused).
 
     Args:
-        optimizer: the ``coat.optim.AdamW`` over the model's parameters.
+        optimizer: the ``coat.optim.FusedOptimizer`` (e.g. ``coat.optim.AdamW``) over the model's
+            parameters; any subclass works (release drives it through its public protocol).
         model: the model; each element of every outermost ``nn.ModuleList`` (a decoder layer) is
             one bucket, each other module's own parameters another. Under FSDP2 the sharded model.
         buckets: instead of the model's layout, an explicit list of buckets (each a Module or an

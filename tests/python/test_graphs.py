@@ -291,7 +291,7 @@ def test_captured_descriptor_tables_outlive_the_optimizer_cache(monkeypatch):
     # The ownership logic of item 16 on the CPU: a table handed out while a graph is being captured
     # is kept by the optimizer; a later eager step with other gradients and add_param_group replace
     # the cache but never free or rewrite it (on CUDA the replay reads it by address).
-    import coat.optim.adamw as adamw
+    import coat.optim.fused as fused  # the base class holds the tables for every fused optimizer
 
     ps = [torch.nn.Parameter(torch.randn(n)) for n in (300, 129)]
     opt = coat.optim.AdamW(ps, lr=1e-2)
@@ -299,10 +299,10 @@ def test_captured_descriptor_tables_outlive_the_optimizer_cache(monkeypatch):
         p.grad = torch.randn_like(p)
     opt.step()
     assert not opt._graph_tables  # eager steps keep nothing extra
-    monkeypatch.setattr(adamw, "_capturing", lambda device: True)
+    monkeypatch.setattr(fused, "_capturing", lambda device: True)
     opt.step()  # "captured": the cached table is now the graph's too
     opt.step()  # captured again with the same table: nothing more is kept
-    monkeypatch.setattr(adamw, "_capturing", lambda device: False)
+    monkeypatch.setattr(fused, "_capturing", lambda device: False)
     assert len(opt._graph_tables) == 1
     (table, _), = opt._graph_tables.values()
     rows = table.clone()
