@@ -135,6 +135,7 @@ def _shape(name, h, layers, heads, kv, inter, vocab, **kw) -> ModelShape:
 PRESETS: dict[str, ModelShape] = {s.name: s for s in (
     _shape("llama2-7b", 4096, 32, 32, 32, 11008, 32000),
     _shape("llama2-13b", 5120, 40, 40, 40, 13824, 32000),
+    _shape("codellama-34b", 8192, 48, 64, 8, 22016, 32000),
     _shape("llama2-70b", 8192, 80, 64, 8, 28672, 32000),
     _shape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
     _shape("llama3-70b", 8192, 80, 64, 8, 28672, 128256),

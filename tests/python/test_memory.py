@@ -112,6 +112,7 @@ def test_preset_parameter_counts_match_transformers():
     # Llama-2-7B in bf16 (12.6 GiB) and fp32 (25.1 GiB): the floors a 7B model starts from.
     n = M.PRESETS["llama2-7b"].n_params
     assert n == 6_738_415_616 and round(2 * n / M.GiB, 1) == 12.6 and round(4 * n / M.GiB, 1) == 25.1
+    assert M.PRESETS["codellama-34b"].n_params == 33_743_970_304  # the published CodeLlama-34B count
 
 
 # ---- saved activations, counted ----------------------------------------------------------------------
