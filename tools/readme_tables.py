@@ -164,6 +164,47 @@ def e2e_largest(data: dict[str, Any], source: str) -> str:
     return " ".join(parts)
 
 
+MODEL_NAMES = {"llama2-7b": "Llama-2-7B", "llama2-13b": "Llama-2-13B", "codellama-34b": "CodeLlama-34B"}
+
+
+def e2e_two_gpus(data: dict[str, Any], source: str) -> str:
+    """FSDP2 over two H200s (torchrun, one rank per GPU): per-GPU peak beside coat.memory's plan,
+    tokens/s per GPU, over BF16 AMP at the same batch, host time over step time; and AMP's plan
+    where AMP was not run because it cannot fit."""
+    from coat import memory  # the model `coat estimate` runs
+
+    rs = [r for r in data["records"] if r.get("world", 1) == 2 and r.get("device") == H200 and r["status"] == "ok"]
+    amp = {(r["model"], r["batch"]): r for r in rs if recipes.canonical(r["setup"]) == "amp"}
+    order = {m: i for i, m in enumerate(MODEL_NAMES)}
+    rs.sort(key=lambda r: (order.get(r["model"], 99), r["model"], [s for _, s in SUMMARY_SETUPS].index(
+        recipes.canonical(r["setup"])), r["batch"]))
+    lines = ["| model | setup | batch per GPU | peak per GPU (estimate) | tokens/s per GPU | vs BF16 AMP | host / step, spread |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in rs:
+        a = amp.get((r["model"], r["batch"]))
+        lines.append(f"| {MODEL_NAMES.get(r['model'], r['model'])} | {recipes.canonical(r['setup'])} | {r['batch']} | "
+                     f"{r['peak_gib']:.1f} GiB ({r['estimate_gib']:.1f}) | {_tok(r)} | "
+                     f"{'-' if a is None else format(r['tokens_per_s'] / a['tokens_per_s'], '.2f') + 'x'} | "
+                     f"{r['host_ms'] / r['step_ms']:.2f}, {r['spread']:.1%} |")
+    notes = []
+    for model in sorted({r["model"] for r in rs} - {m for m, _ in amp}, key=lambda m: order.get(m, 99)):
+        need = memory.plan(memory.load_shape(model), "amp", 1, 2048, gpus=2).peak / memory.GiB
+        notes.append(f"BF16 AMP was not run on {MODEL_NAMES.get(model, model)}: its plan at batch 1 is {need:.0f} GiB "
+                     "per GPU, more than an H200's 140.")
+    return "\n".join(lines + ([""] + notes if notes else []) + ["", f"Measured at {_commits(rs)}: `python "
+                      "benchmarks/bench_e2e.py --fsdp 2 ...` (benchmarks/RESULTS.md section 11)."])
+
+
+def train_scaling(data: dict[str, Any], source: str) -> str:
+    """`coat train` on one GPU and under torchrun on two: tokens/s per GPU, scaling efficiency."""
+    one, two = (next(r for r in data["runs"] if r["world"] == w) for w in (1, 2))
+    per = two["tokens_per_s"] / two["world"]
+    return (f"`coat train` (the GPU default model, {data['n_params'] / 1e6:.0f}M parameters, {data['tokens_per_rank_step']:,} "
+            f"tokens per GPU and step, coat recipe) on {data['device_short']}: one GPU {one['tokens_per_s']:,.0f} tokens/s; "
+            f"`torchrun --nproc_per_node 2 -m coat train` {two['tokens_per_s']:,.0f} tokens/s, {per:,.0f} per GPU: "
+            f"{per / one['tokens_per_s']:.0%} scaling efficiency (commit `{data['commit']}`).")
+
+
 ESTIMATE_ROWS = [("llama2-7b", "Llama-2-7B", "amp", "amp", "BF16 AMP"),
                  ("llama2-7b", "Llama-2-7B", "bf16", "bf16", "pure bf16"),
                  ("llama2-7b", "Llama-2-7B", "coat", "coat", "coat"),
@@ -309,6 +350,8 @@ BLOCKS: dict[str, tuple[str, Formatter]] = {
     "e2e-largest": (E2E, e2e_largest),
     "train-h200-300": ("benchmarks/results/train_h200/compare_300.json", train_comparison),
     "estimate-80gb": (E2E, estimate_table),
+    "e2e-two-gpus": (E2E, e2e_two_gpus),
+    "train-scaling": ("benchmarks/results/train_scaling_h200.json", train_scaling),
     "quality-study": ("benchmarks/results/quality_*.json", quality_study),
     "quality-main": ("benchmarks/results/quality_*.json", quality_main),
 }
