@@ -8,6 +8,11 @@ Not torch custom ops: ``coat.nn``'s autograd Functions call them only where the 
 fast path would run anyway (``usable``: plain CUDA tensors, nothing tracing, shapes the FP8 GEMM
 takes as they are); everywhere else (CPU, torch.compile, FakeTensor, odd shapes) they run the
 single ops, which carry the schemas and fake implementations.
+
+The kinds of the pre-ops are trailing keyword arguments of ``forward`` and ``backward``, the
+Llama kinds by default: ``unit_offset`` (the norm's weight applies as Gemma's 1 + w, as in
+``norm.rmsnorm_fwd``) and ``act`` (the gate's activation, ``swiglu.SILU`` or ``swiglu.GELU_TANH``).
+A backward takes the kinds of its forward; each is read only by the pre-op it belongs to.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from . import gemm as _gemm
 from ._util import dtype_id, eager_plain
 from ._util import stream as _stream
 from .enums import BLOCK_PRE, GEMM_OUT_IDS
+from .norm import kind_id as _norm_kind
+from .swiglu import SILU
 
 NONE, NORM, SWIGLU = BLOCK_PRE["none"], BLOCK_PRE["norm"], BLOCK_PRE["swiglu"]  # the pre-op of a block
 _OUT = (torch.float32, torch.bfloat16)  # GEMM output dtypes a block writes itself
@@ -46,19 +53,21 @@ def _ws(t: torch.Tensor, st: int) -> torch.Tensor:
 
 
 def forward(x2: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps: float, e8m0: bool,
-            weights: Sequence[torch.Tensor], save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool):
+            weights: Sequence[torch.Tensor], save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool,
+            unit_offset: bool = False, act: int = SILU):
     """(out [M, N], weight scale, saved): ``saved`` is what the backward reads (see block.cpp)."""
     st = _stream(x2)
     out, w_scale, s0, s1, s2 = _C.block_fwd(x2, pre, norm_weight, eps, e8m0, list(weights), save_input_t,
-                                            GEMM_OUT_IDS[out_dtype], fast_accum, _ws(x2, st), _gemm.forced_bf16(), st)
+                                            GEMM_OUT_IDS[out_dtype], fast_accum, _ws(x2, st), _gemm.forced_bf16(), st,
+                                            _norm_kind(unit_offset), act)
     return out, w_scale, (s0, s1, s2)
 
 
 def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.Tensor], w_scale: torch.Tensor,
              saved: Sequence[Optional[torch.Tensor]], norm_weight: Optional[torch.Tensor], y_dtype: torch.dtype,
-             wgrad_dtype: torch.dtype):
+             wgrad_dtype: torch.dtype, unit_offset: bool = False, act: int = SILU):
     """(dx, dnorm_weight fp32 or None, dw or None) of a block."""
     st = _stream(d2)
     s0, s1, s2 = saved
     return _C.block_bwd(d2, pre, need_w, list(weights), w_scale, s0, s1, s2, norm_weight, dtype_id(y_dtype),
-                        GEMM_OUT_IDS[wgrad_dtype], _ws(d2, st), _gemm.forced_bf16(), st)
+                        GEMM_OUT_IDS[wgrad_dtype], _ws(d2, st), _gemm.forced_bf16(), st, _norm_kind(unit_offset), act)

@@ -1,6 +1,7 @@
 """The core's enum values, read from coat._C in this one place (csrc/bindings/enums.cpp exports
 each enum once as a name -> value dict). The rest of coat passes enums to the core through these
-tables, keyed as Python knows the values: FP8 format names, torch dtypes, master kinds."""
+tables, keyed as Python knows the values: FP8 format names, torch dtypes, master kinds, norm kinds,
+gated activations."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ MASTER_KINDS: dict[str, int] = dict(_C.MASTER_KINDS)
 GEMM_OUT_IDS: dict[torch.dtype, int] = _by_dtype(_C.GEMM_OUTS)
 #: The pre-op of a fused block call (csrc/bindings/block.cpp) by name ("none", "norm", "swiglu").
 BLOCK_PRE: dict[str, int] = dict(_C.BLOCK_PRE)
+#: coat::NormKind, how an RMSNorm weight applies, by name ("scaled": Llama's w * h, "unit_offset":
+#: Gemma's (1 + w) * h).
+NORM_KINDS: dict[str, int] = dict(_C.NORM_KINDS)
+#: coat::GatedAct, the gate's activation of the swiglu family, by name ("silu", "gelu_tanh").
+GATED_ACTS: dict[str, int] = dict(_C.GATED_ACTS)

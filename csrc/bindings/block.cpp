@@ -7,8 +7,12 @@
 //
 // The pre-op of a block (`pre`):
 //   0 none:   the GEMM input is x itself; forward saves its transposed FP8 codes and scale for dW.
-//   1 norm:   RMSNorm of x (FP8 saved input, 1 x 16 groups, and rstd), recomputed in backward.
-//   2 swiglu: silu(gate) * up of a fused gate/up x (FP8 saved input, 1 x 16 groups).
+//   1 norm:   RMSNorm of x (FP8 saved input, 1 x 16 groups, and rstd), recomputed in backward;
+//             `norm_kind` (coat::NormKind) says how its weight applies.
+//   2 swiglu: act(gate) * up of a fused gate/up x (FP8 saved input, 1 x 16 groups); `act`
+//             (coat::GatedAct) is the gate's activation.
+// norm_kind and act default to the Llama kinds (scaled weight, SiLU); each is checked on every call
+// and read only by the pre-op it belongs to.
 // The weights are the separate row blocks of the projection (q/k/v, gate/up, or one), quantized
 // afresh in each direction (coat/nn/weights.py's default lifetime).
 #include <nanobind/stl/vector.h>
@@ -41,8 +45,10 @@ nb::object or_none(const Created& c) { return c.tensor.is_valid() ? c.tensor : n
 // save_input_t: without a pre-op, whether dW will need x (a weight trains).
 nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, float eps, bool e8m0,
                        const std::vector<Array>& weights_, bool save_input_t, int out_type, bool fast_accum,
-                       const Array& workspace_, bool force_bf16, uintptr_t stream_) {
+                       const Array& workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_) {
   const Pre pre = pre_arg(pre_);
+  const NormKind norm_kind = norm_kind_arg(norm_kind_);
+  const GatedAct act = gated_act_arg(act_);
   const View x = view_of(x_, "x");
   expect_2d(x);
   const View ws = view_of(workspace_, "workspace");
@@ -60,11 +66,11 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
   Created y, s0, s1, s2;  // the GEMM input in x's dtype (with a pre-op) and what is saved
   if (pre == Pre::kNorm) {
     COAT_CHECK_ARG(norm_w_.has_value(), "norm_weight is required with pre=1 (norm)");
-    NormFwd n = rmsnorm_fwd(x, view_of(*norm_w_, "norm_weight"), eps, true, kAct, e8m0, stream);
+    NormFwd n = rmsnorm_fwd(x, view_of(*norm_w_, "norm_weight"), norm_kind, eps, true, kAct, e8m0, stream);
     y = std::move(n.y);
     s0 = std::move(n.saved.q), s1 = std::move(n.saved.scales), s2 = std::move(n.rstd);
   } else if (pre == Pre::kSwiglu) {
-    SwigluFwd sw = swiglu_fwd(x, true, kAct, e8m0, stream);
+    SwigluFwd sw = swiglu_fwd(x, act, true, kAct, e8m0, stream);
     y = std::move(sw.h);
     s0 = std::move(sw.saved.q), s1 = std::move(sw.saved.scales);
   }
@@ -85,8 +91,10 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
                        const Array& w_scale_, std::optional<Array> s0_, std::optional<Array> s1_,
                        std::optional<Array> s2_,
                        std::optional<Array> norm_w_, int y_dtype, int wgrad_type, const Array& workspace_,
-                       bool force_bf16, uintptr_t stream_) {
+                       bool force_bf16, uintptr_t stream_, int norm_kind_, int act_) {
   const Pre pre = pre_arg(pre_);
+  const NormKind norm_kind = norm_kind_arg(norm_kind_);
+  const GatedAct act = gated_act_arg(act_);
   const View d = view_of(d_, "dout");
   expect_2d(d);
   const DType dt = float_dtype(d);
@@ -132,11 +140,11 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
   };
   Created dw, dx, dnorm;
   if (pre == Pre::kNorm) {
-    if (need_w) dw = wgrad_of(rmsnorm_fwd_fp8(s0, s1, s2, norm_w, dtype_arg(y_dtype), kAct, stream));
-    NormBwd nb_ = rmsnorm_bwd(s0, s1, s2, norm_w, dy.view, kAct, stream);
+    if (need_w) dw = wgrad_of(rmsnorm_fwd_fp8(s0, s1, s2, norm_w, norm_kind, dtype_arg(y_dtype), kAct, stream));
+    NormBwd nb_ = rmsnorm_bwd(s0, s1, s2, norm_w, norm_kind, dy.view, kAct, stream);
     dx = std::move(nb_.dx), dnorm = std::move(nb_.dw);
   } else if (pre == Pre::kSwiglu) {
-    SwigluBwd sb = swiglu_bwd(s0, s1, dy.view, need_w, kAct, stream);
+    SwigluBwd sb = swiglu_bwd(s0, s1, dy.view, act, need_w, kAct, stream);
     dy = Created();
     dx = std::move(sb.dgu);
     if (need_w) dw = wgrad_of(std::move(sb.h));
@@ -149,12 +157,13 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
 
 void register_block(nb::module_& m) {
   m.attr("BLOCK_PRE") = enum_dict<Pre>({{"none", Pre::kNone}, {"norm", Pre::kNorm}, {"swiglu", Pre::kSwiglu}});
+  const int scaled = static_cast<int>(NormKind::kScaled), silu = static_cast<int>(GatedAct::kSilu);
   m.def("block_fwd", &block_fwd_py, restore_device(), arg("x"), arg("pre"), arg("norm_weight").none(), arg("eps"), arg("e8m0"),
         arg("weights"), arg("save_input_t"), arg("out_type"), arg("fast_accum"), arg("workspace"), arg("force_bf16"),
-        arg("stream"));
+        arg("stream"), arg("norm_kind") = scaled, arg("act") = silu);
   m.def("block_bwd", &block_bwd_py, restore_device(), arg("dout"), arg("pre"), arg("need_w"), arg("weights"), arg("w_scale"),
         arg("s0").none(), arg("s1").none(), arg("s2").none(), arg("norm_weight").none(), arg("y_dtype"), arg("wgrad_type"),
-        arg("workspace"), arg("force_bf16"), arg("stream"));
+        arg("workspace"), arg("force_bf16"), arg("stream"), arg("norm_kind") = scaled, arg("act") = silu);
 }
 
 }  // namespace

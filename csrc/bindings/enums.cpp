@@ -1,10 +1,13 @@
 // The enums of the core's public headers, exported as name -> value dicts (see enums.h). The names
-// are the ones Python uses: FP8 format names, torch dtype names, optimizer master kinds.
+// are the ones Python uses: FP8 format names, torch dtype names, optimizer master kinds, norm kinds,
+// gated activations ("gelu_tanh": torch's gelu(approximate="tanh"), transformers' "gelu_pytorch_tanh").
 #include "enums.h"
 
 #include "coat/adamw.h"
 #include "coat/common.h"
 #include "coat/gemm.h"
+#include "coat/norm.h"
+#include "coat/swiglu.h"
 #include "registry.h"
 
 namespace coat {
@@ -20,6 +23,9 @@ void register_enums(nanobind::module_& m) {
       {{"none", MasterKind::kNone}, {"fp32", MasterKind::kFp32}, {"bf16_sr", MasterKind::kBf16Sr}});
   m.attr("GEMM_OUTS") = enum_dict<GemmOut>(
       {{"float32", GemmOut::kFloat32}, {"bfloat16", GemmOut::kBFloat16}, {"float8_e4m3fn", GemmOut::kE4M3}});
+  m.attr("NORM_KINDS") =
+      enum_dict<NormKind>({{"scaled", NormKind::kScaled}, {"unit_offset", NormKind::kUnitOffset}});
+  m.attr("GATED_ACTS") = enum_dict<GatedAct>({{"silu", GatedAct::kSilu}, {"gelu_tanh", GatedAct::kGeluTanh}});
 }
 
 }  // namespace

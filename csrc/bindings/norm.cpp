@@ -18,12 +18,13 @@ void check_width(const View& v, const char* what) {
                                                       what);
 }
 
-// (y, rstd, q, scales) of x: y = rmsnorm(x) * weight in x's dtype, fp32 rstd per row, and (with
-// `quantize`) x's FP8 copy in 1 x 16 groups (else q and scales are empty).
+// (y, rstd, q, scales) of x: y = rmsnorm(x) with the weight applied as `norm_kind` says
+// (coat/norm.h), in x's dtype; fp32 rstd per row, and (with `quantize`) x's FP8 copy in 1 x 16
+// groups (else q and scales are empty).
 nb::tuple rmsnorm_fwd_py(const Array& x_, const Array& w_, float eps, bool quantize, int fmt_, bool e8m0,
-                         uintptr_t stream) {
-  const NormFwd r = rmsnorm_fwd(view_of(x_, "x"), view_of(w_, "weight"), eps, quantize, fp8_format(fmt_), e8m0,
-                                stream_of(stream));
+                         int norm_kind, uintptr_t stream) {
+  const NormFwd r = rmsnorm_fwd(view_of(x_, "x"), view_of(w_, "weight"), norm_kind_arg(norm_kind), eps, quantize,
+                                fp8_format(fmt_), e8m0, stream_of(stream));
   return nb::make_tuple(r.y.tensor, r.rstd.tensor, r.saved.q.tensor, r.saved.scales.tensor);
 }
 
@@ -43,32 +44,38 @@ std::pair<ScaleKind, DType> check_saved_input(const View& q, const View& scales,
 
 // y recomputed from the saved FP8 input, as the core dtype `dtype`.
 nb::object rmsnorm_fwd_fp8_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_, int dtype,
-                              int fmt_, uintptr_t stream) {
+                              int fmt_, int norm_kind, uintptr_t stream) {
   return rmsnorm_fwd_fp8(view_of(q_, "q"), view_of(scales_, "scales"), view_of(rstd_, "rstd"), view_of(w_, "weight"),
-                         dtype_arg(dtype), fp8_format(fmt_), stream_of(stream))
+                         norm_kind_arg(norm_kind), dtype_arg(dtype), fp8_format(fmt_), stream_of(stream))
       .tensor;
 }
 
 // (dx in dy's dtype, dweight in fp32, reduced deterministically through a per-call workspace).
 nb::tuple rmsnorm_bwd_py(const Array& q_, const Array& scales_, const Array& rstd_, const Array& w_, const Array& dy_,
-                         int fmt_, uintptr_t stream) {
+                         int fmt_, int norm_kind, uintptr_t stream) {
   const NormBwd r = rmsnorm_bwd(view_of(q_, "q"), view_of(scales_, "scales"), view_of(rstd_, "rstd"),
-                                view_of(w_, "weight"), view_of(dy_, "dy"), fp8_format(fmt_), stream_of(stream));
+                                view_of(w_, "weight"), norm_kind_arg(norm_kind), view_of(dy_, "dy"), fp8_format(fmt_),
+                                stream_of(stream));
   return nb::make_tuple(r.dx.tensor, r.dw.tensor);
 }
 
 void register_norm(nb::module_& m) {
   m.def("rmsnorm_fwd", &rmsnorm_fwd_py, restore_device(), arg("x"), arg("weight"), arg("eps"), arg("quantize"), arg("fmt"),
-        arg("e8m0"), arg("stream"));
+        arg("e8m0"), arg("norm_kind"), arg("stream"));
   m.def("rmsnorm_fwd_fp8", &rmsnorm_fwd_fp8_py, restore_device(), arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dtype"),
-        arg("fmt"), arg("stream"));
+        arg("fmt"), arg("norm_kind"), arg("stream"));
   m.def("rmsnorm_bwd", &rmsnorm_bwd_py, restore_device(), arg("q"), arg("scales"), arg("rstd"), arg("weight"), arg("dy"), arg("fmt"),
-        arg("stream"));
+        arg("norm_kind"), arg("stream"));
 }
 
 }  // namespace
 
-NormFwd rmsnorm_fwd(const View& x, const View& w, float eps, bool quantize, Fp8Format fmt, bool e8m0,
+NormKind norm_kind_arg(int k) {
+  COAT_CHECK_ARG(k == 0 || k == 1, "norm_kind must be 0 (scaled) or 1 (unit_offset), got " + std::to_string(k));
+  return static_cast<NormKind>(k);
+}
+
+NormFwd rmsnorm_fwd(const View& x, const View& w, NormKind kind, float eps, bool quantize, Fp8Format fmt, bool e8m0,
                     cudaStream_t stream) {
   const DType dt = float_dtype(x);
   const DType wt = float_dtype(w);
@@ -83,32 +90,32 @@ NormFwd rmsnorm_fwd(const View& x, const View& w, float eps, bool quantize, Fp8F
   auto* rs = static_cast<float*>(r.rstd.view.data);
   const Fp8Output& out = r.saved;
   if (cuda)
-    COAT_GPU_CALL(::coat::rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, r.y.view.data, rs,
+    COAT_GPU_CALL(::coat::rmsnorm_fwd(x.data, dt, w.data, wt, kind, x.rows(), x.last_dim(), eps, r.y.view.data, rs,
                                       out.codes(), out.scale_data(), out.kind, fmt, stream));
   else
-    ref::rmsnorm_fwd(x.data, dt, w.data, wt, x.rows(), x.last_dim(), eps, r.y.view.data, rs, out.codes(),
+    ref::rmsnorm_fwd(x.data, dt, w.data, wt, kind, x.rows(), x.last_dim(), eps, r.y.view.data, rs, out.codes(),
                      out.scale_data(), out.kind, fmt);
   return r;
 }
 
-Created rmsnorm_fwd_fp8(const View& q, const View& scales, const View& rstd, const View& w, DType yt, Fp8Format fmt,
-                        cudaStream_t stream) {
-  const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
+Created rmsnorm_fwd_fp8(const View& q, const View& scales, const View& rstd, const View& w, NormKind kind, DType yt,
+                        Fp8Format fmt, cudaStream_t stream) {
+  const auto [skind, wt] = check_saved_input(q, scales, rstd, w);
   const bool cuda = same_device({&q, &scales, &rstd, &w});
   Created y = new_tensor(q.shape, new_dtype(yt), q, "y");
   const auto* qd = static_cast<const uint8_t*>(q.data);
   const auto* rs = static_cast<const float*>(rstd.data);
   if (cuda)
-    COAT_GPU_CALL(::coat::rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(),
+    COAT_GPU_CALL(::coat::rmsnorm_fwd_fp8(qd, scales.data, skind, fmt, rs, w.data, wt, kind, q.rows(), q.last_dim(),
                                           y.view.data, yt, stream));
   else
-    ref::rmsnorm_fwd_fp8(qd, scales.data, kind, fmt, rs, w.data, wt, q.rows(), q.last_dim(), y.view.data, yt);
+    ref::rmsnorm_fwd_fp8(qd, scales.data, skind, fmt, rs, w.data, wt, kind, q.rows(), q.last_dim(), y.view.data, yt);
   return y;
 }
 
-NormBwd rmsnorm_bwd(const View& q, const View& scales, const View& rstd, const View& w, const View& dy, Fp8Format fmt,
-                    cudaStream_t stream) {
-  const auto [kind, wt] = check_saved_input(q, scales, rstd, w);
+NormBwd rmsnorm_bwd(const View& q, const View& scales, const View& rstd, const View& w, NormKind kind, const View& dy,
+                    Fp8Format fmt, cudaStream_t stream) {
+  const auto [skind, wt] = check_saved_input(q, scales, rstd, w);
   const DType dt = float_dtype(dy);
   expect_same_shape(dy, q);
   const bool cuda = same_device({&q, &scales, &rstd, &w, &dy});
@@ -122,11 +129,11 @@ NormBwd rmsnorm_bwd(const View& q, const View& scales, const View& rstd, const V
   auto* wsd = static_cast<float*>(ws.view.data);
   auto* dwd = static_cast<float*>(r.dw.view.data);
   if (cuda)
-    COAT_GPU_CALL(::coat::rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(),
-                                      r.dx.view.data, wsd, dwd, stream));
+    COAT_GPU_CALL(::coat::rmsnorm_bwd(qd, scales.data, skind, fmt, rs, w.data, wt, kind, dy.data, dt, q.rows(),
+                                      q.last_dim(), r.dx.view.data, wsd, dwd, stream));
   else
-    ref::rmsnorm_bwd(qd, scales.data, kind, fmt, rs, w.data, wt, dy.data, dt, q.rows(), q.last_dim(), r.dx.view.data,
-                     wsd, dwd);
+    ref::rmsnorm_bwd(qd, scales.data, skind, fmt, rs, w.data, wt, kind, dy.data, dt, q.rows(), q.last_dim(),
+                     r.dx.view.data, wsd, dwd);
   return r;
 }
 

@@ -9,7 +9,9 @@
 
 #include "coat/common.h"
 #include "coat/gemm.h"
+#include "coat/norm.h"
 #include "coat/quantize.h"
+#include "coat/swiglu.h"
 #include "tensor_args.h"
 
 namespace coat {
@@ -59,16 +61,18 @@ struct NormFwd {
   Created y, rstd;
   Fp8Output saved;  // x's FP8 copy in 1 x 16 groups (empty unless asked for)
 };
-NormFwd rmsnorm_fwd(const View& x, const View& w, float eps, bool quantize, Fp8Format fmt, bool e8m0,
+// The norm kind for its id from Python (coat/_ops/enums.py NORM_KINDS).
+NormKind norm_kind_arg(int k);
+NormFwd rmsnorm_fwd(const View& x, const View& w, NormKind kind, float eps, bool quantize, Fp8Format fmt, bool e8m0,
                     cudaStream_t stream);
 // y recomputed from the saved FP8 input (q, scales, rstd) as `dtype`.
-Created rmsnorm_fwd_fp8(const View& q, const View& scales, const View& rstd, const View& w, DType dtype,
-                        Fp8Format fmt, cudaStream_t stream);
+Created rmsnorm_fwd_fp8(const View& q, const View& scales, const View& rstd, const View& w, NormKind kind,
+                        DType dtype, Fp8Format fmt, cudaStream_t stream);
 struct NormBwd {
   Created dx, dw;  // dx in dy's dtype, dw fp32
 };
-NormBwd rmsnorm_bwd(const View& q, const View& scales, const View& rstd, const View& w, const View& dy,
-                    Fp8Format fmt, cudaStream_t stream);
+NormBwd rmsnorm_bwd(const View& q, const View& scales, const View& rstd, const View& w, NormKind kind,
+                    const View& dy, Fp8Format fmt, cudaStream_t stream);
 
 // ---- swiglu --------------------------------------------------------------------------------------
 
@@ -76,12 +80,15 @@ struct SwigluFwd {
   Created h;
   Fp8Output saved;  // gate_up's FP8 copy in 1 x 16 groups (empty unless asked for)
 };
-SwigluFwd swiglu_fwd(const View& gate_up, bool quantize, Fp8Format fmt, bool e8m0, cudaStream_t stream);
+// The gate's activation for its id from Python (coat/_ops/enums.py GATED_ACTS).
+GatedAct gated_act_arg(int a);
+SwigluFwd swiglu_fwd(const View& gate_up, GatedAct act, bool quantize, Fp8Format fmt, bool e8m0,
+                     cudaStream_t stream);
 struct SwigluBwd {
   Created dgu, h;  // h empty unless recompute_h
 };
-SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, bool recompute_h, Fp8Format fmt,
-                     cudaStream_t stream);
+SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, GatedAct act, bool recompute_h,
+                     Fp8Format fmt, cudaStream_t stream);
 
 }  // namespace bind
 }  // namespace coat

@@ -25,31 +25,38 @@ std::vector<int64_t> h_shape(const View& gu, int64_t inter) {
   return s;
 }
 
-// (h, q, scales): h = silu(gate) * up in gate_up's dtype, and (with `quantize`) gate_up's FP8 copy
-// in 1 x 16 groups (else q and scales are empty).
-nb::tuple swiglu_fwd_py(const Array& gu_, bool quantize, int fmt_, bool e8m0, uintptr_t stream) {
-  const SwigluFwd r = swiglu_fwd(view_of(gu_, "gate_up"), quantize, fp8_format(fmt_), e8m0, stream_of(stream));
+// (h, q, scales): h = act(gate) * up in gate_up's dtype (act: coat/swiglu.h's GatedAct id), and
+// (with `quantize`) gate_up's FP8 copy in 1 x 16 groups (else q and scales are empty).
+nb::tuple swiglu_fwd_py(const Array& gu_, bool quantize, int fmt_, bool e8m0, int act, uintptr_t stream) {
+  const SwigluFwd r = swiglu_fwd(view_of(gu_, "gate_up"), gated_act_arg(act), quantize, fp8_format(fmt_), e8m0,
+                                 stream_of(stream));
   return nb::make_tuple(r.h.tensor, r.saved.q.tensor, r.saved.scales.tensor);
 }
 
-// (dgate_up, h) in dh's dtype from the FP8 copy of gate_up; h (silu(g) * u recomputed) is empty
+// (dgate_up, h) in dh's dtype from the FP8 copy of gate_up; h (act(g) * u recomputed) is empty
 // unless `recompute_h`.
-nb::tuple swiglu_bwd_py(const Array& q_, const Array& scales_, const Array& dh_, bool recompute_h, int fmt_,
+nb::tuple swiglu_bwd_py(const Array& q_, const Array& scales_, const Array& dh_, bool recompute_h, int fmt_, int act,
                         uintptr_t stream) {
-  const SwigluBwd r = swiglu_bwd(view_of(q_, "q"), view_of(scales_, "scales"), view_of(dh_, "dh"), recompute_h,
-                                 fp8_format(fmt_), stream_of(stream));
+  const SwigluBwd r = swiglu_bwd(view_of(q_, "q"), view_of(scales_, "scales"), view_of(dh_, "dh"), gated_act_arg(act),
+                                 recompute_h, fp8_format(fmt_), stream_of(stream));
   return nb::make_tuple(r.dgu.tensor, r.h.tensor);
 }
 
 void register_swiglu(nb::module_& m) {
-  m.def("swiglu_fwd", &swiglu_fwd_py, restore_device(), arg("gate_up"), arg("quantize"), arg("fmt"), arg("e8m0"), arg("stream"));
-  m.def("swiglu_bwd", &swiglu_bwd_py, restore_device(), arg("q"), arg("scales"), arg("dh"), arg("recompute_h"), arg("fmt"),
+  m.def("swiglu_fwd", &swiglu_fwd_py, restore_device(), arg("gate_up"), arg("quantize"), arg("fmt"), arg("e8m0"), arg("act"),
         arg("stream"));
+  m.def("swiglu_bwd", &swiglu_bwd_py, restore_device(), arg("q"), arg("scales"), arg("dh"), arg("recompute_h"), arg("fmt"),
+        arg("act"), arg("stream"));
 }
 
 }  // namespace
 
-SwigluFwd swiglu_fwd(const View& gu, bool quantize, Fp8Format fmt, bool e8m0, cudaStream_t stream) {
+GatedAct gated_act_arg(int a) {
+  COAT_CHECK_ARG(a == 0 || a == 1, "act must be 0 (silu) or 1 (gelu_tanh), got " + std::to_string(a));
+  return static_cast<GatedAct>(a);
+}
+
+SwigluFwd swiglu_fwd(const View& gu, GatedAct act, bool quantize, Fp8Format fmt, bool e8m0, cudaStream_t stream) {
   const DType dt = float_dtype(gu);
   const int64_t inter = inter_of(gu);
   const bool cuda = same_device({&gu});
@@ -58,14 +65,14 @@ SwigluFwd swiglu_fwd(const View& gu, bool quantize, Fp8Format fmt, bool e8m0, cu
   r.saved = new_fp8_output(quantize, fmt, e8m0, gu, kSwigluGroup);
   const Fp8Output& out = r.saved;
   if (cuda)
-    COAT_GPU_CALL(::coat::swiglu_fwd(gu.data, dt, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(),
+    COAT_GPU_CALL(::coat::swiglu_fwd(gu.data, dt, act, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(),
                                      out.kind, fmt, stream));
   else
-    ref::swiglu_fwd(gu.data, dt, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(), out.kind, fmt);
+    ref::swiglu_fwd(gu.data, dt, act, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(), out.kind, fmt);
   return r;
 }
 
-SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, bool recompute_h, Fp8Format fmt,
+SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, GatedAct act, bool recompute_h, Fp8Format fmt,
                      cudaStream_t stream) {
   expect_kind(q, Kind::kUInt8);
   const int64_t inter = inter_of(q);
@@ -81,10 +88,10 @@ SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, bool rec
   void* hd = recompute_h ? r.h.view.data : nullptr;
   const auto* qd = static_cast<const uint8_t*>(q.data);
   if (cuda)
-    COAT_GPU_CALL(::coat::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, r.dgu.view.data, hd,
-                                     stream));
+    COAT_GPU_CALL(::coat::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, act, q.rows(), inter, r.dgu.view.data,
+                                     hd, stream));
   else
-    ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, q.rows(), inter, r.dgu.view.data, hd);
+    ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, act, q.rows(), inter, r.dgu.view.data, hd);
   return r;
 }
 

@@ -23,6 +23,12 @@ void dispatch2(DType t, DType w, F&& f) {
   dispatch_dtype(t, [&](auto* tt) { dispatch_dtype(w, [&](auto* wt) { f(tt, wt); }); });
 }
 
+// y of one element from h = x * rstd (fp32): the kind's rounding (coat/norm.h).
+template <typename T>
+__device__ __forceinline__ float norm_out(float h, float w, bool unit_offset) {
+  return unit_offset ? h * (1.0f + w) : round_to<T>(h) * w;
+}
+
 __device__ __forceinline__ void encode16(uint8_t* p, bool vec, Fp8Format fmt, float inv, const float (&v)[G]) {
   float a[8], b[8];
 #pragma unroll
@@ -55,7 +61,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // FP8 copy of x; plus 4 bytes of rstd per row.
 template <typename T, typename W>
 __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, int64_t rows,
-                                   int64_t cols, float eps, bool vec, T* __restrict__ y,
+                                   int64_t cols, float eps, bool unit, bool vec, T* __restrict__ y,
                                    float* __restrict__ rstd, uint8_t* __restrict__ q,
                                    void* __restrict__ scales, ScaleKind kind, Fp8Format fmt) {
   __shared__ float red[32];
@@ -79,7 +85,7 @@ __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const W* __restrict_
       float amax = 0.0f;
 #pragma unroll
       for (int i = 0; i < G; ++i) {
-        o[i] = round_to<T>(v[i] * rs) * wv[i];
+        o[i] = norm_out<T>(v[i] * rs, wv[i], unit);
         amax = fmaxf(amax, finite_abs(v[i]));
       }
       store16(y + r * cols + g * G, vec, o);
@@ -96,8 +102,8 @@ __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const W* __restrict_
 template <typename T, typename W>
 __global__ void rmsnorm_fwd_fp8_kernel(const uint8_t* __restrict__ q, const void* __restrict__ scales,
                                        ScaleKind kind, Fp8Format fmt, const float* __restrict__ rstd,
-                                       const W* __restrict__ w, int64_t rows, int64_t cols, bool vec,
-                                       T* __restrict__ y) {
+                                       const W* __restrict__ w, int64_t rows, int64_t cols, bool unit,
+                                       bool vec, T* __restrict__ y) {
   const int64_t groups_per_row = cols / G;
   const int64_t groups = rows * groups_per_row;
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
@@ -108,7 +114,7 @@ __global__ void rmsnorm_fwd_fp8_kernel(const uint8_t* __restrict__ q, const void
     load16(w + c0, vec, wv);
     const float rs = rstd[r];
 #pragma unroll
-    for (int i = 0; i < G; ++i) v[i] = round_to<T>(v[i] * rs) * wv[i];
+    for (int i = 0; i < G; ++i) v[i] = norm_out<T>(v[i] * rs, wv[i], unit);
     store16(y + g * G, vec, v);
   }
 }
@@ -122,7 +128,7 @@ template <typename T, typename W>
 __global__ void rmsnorm_bwd_kernel(const uint8_t* __restrict__ q, const void* __restrict__ scales,
                                    ScaleKind kind, Fp8Format fmt, const float* __restrict__ rstd,
                                    const W* __restrict__ w, const T* __restrict__ dy, int64_t rows,
-                                   int64_t cols, int64_t parts, bool vec, bool smem_acc,
+                                   int64_t cols, int64_t parts, bool unit, bool vec, bool smem_acc,
                                    T* __restrict__ dx, float* __restrict__ partial) {
   extern __shared__ float sacc[];
   __shared__ float red[32];
@@ -148,7 +154,7 @@ __global__ void rmsnorm_bwd_kernel(const uint8_t* __restrict__ q, const void* __
       load16(dy + gi * G, vec, dv);
       load16(w + g * G, vec, wv);
 #pragma unroll
-      for (int i = 0; i < G; ++i) dot += (dv[i] * wv[i]) * (xv[i] * rs);
+      for (int i = 0; i < G; ++i) dot += (dv[i] * detail::norm_weight(wv[i], unit)) * (xv[i] * rs);
     }
     const float mean = block_sum(dot, red) / static_cast<float>(cols);
     for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
@@ -160,7 +166,7 @@ __global__ void rmsnorm_bwd_kernel(const uint8_t* __restrict__ q, const void* __
 #pragma unroll
       for (int i = 0; i < G; ++i) {
         const float xh = xv[i] * rs;
-        o[i] = rs * (dv[i] * wv[i] - xh * mean);
+        o[i] = rs * (dv[i] * detail::norm_weight(wv[i], unit) - xh * mean);
         if (smem_acc) sacc[i * groups + g] += dv[i] * xh;
         else prow[g * G + i] += dv[i] * xh;
       }
@@ -194,10 +200,10 @@ int threads_for(int64_t groups) {
 
 }  // namespace
 
-void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int64_t rows,
+void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, NormKind kind, int64_t rows,
                  int64_t cols, float eps, void* y, float* rstd, uint8_t* q, void* scales,
                  ScaleKind scale_kind, Fp8Format fmt, cudaStream_t stream) {
-  detail::check_rmsnorm_fwd(x, w, rows, cols, eps, y, rstd, q, scales);
+  detail::check_rmsnorm_fwd(x, w, kind, rows, cols, eps, y, rstd, q, scales);
   if (rows == 0) return;
   dispatch2(x_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
@@ -207,16 +213,17 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int
                      (q == nullptr || cuda::aligned(q, 16));
     const unsigned grid = cuda::grid_for(rows, 1, 8);
     rmsnorm_fwd_kernel<T, W><<<grid, threads_for(cols / G), 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const W*>(w), rows, cols, eps, vec, static_cast<T*>(y),
+        static_cast<const T*>(x), static_cast<const W*>(w), rows, cols, eps, kind == NormKind::kUnitOffset, vec,
+        static_cast<T*>(y),
         rstd, q, scales, scale_kind, fmt);
     COAT_CHECK_LAUNCH();
   });
 }
 
 void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
-                     const float* rstd, const void* w, DType w_dtype, int64_t rows, int64_t cols,
+                     const float* rstd, const void* w, DType w_dtype, NormKind kind, int64_t rows, int64_t cols,
                      void* y, DType y_dtype, cudaStream_t stream) {
-  detail::check_rmsnorm_fwd_fp8(q, scales, rstd, w, rows, cols, y);
+  detail::check_rmsnorm_fwd_fp8(q, scales, rstd, w, kind, rows, cols, y);
   const int64_t n = rows * cols;
   if (n == 0) return;
   dispatch2(y_dtype, w_dtype, [&](auto* tt, auto* wt) {
@@ -224,16 +231,17 @@ void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind,
     using W = std::remove_pointer_t<decltype(wt)>;
     const bool vec = cuda::aligned(q, 16) && cuda::aligned(w, 16) && cuda::aligned(y, 16);
     rmsnorm_fwd_fp8_kernel<T, W><<<cuda::grid_for(n / G, kThreads), kThreads, 0, stream>>>(
-        q, scales, scale_kind, fmt, rstd, static_cast<const W*>(w), rows, cols, vec, static_cast<T*>(y));
+        q, scales, scale_kind, fmt, rstd, static_cast<const W*>(w), rows, cols, kind == NormKind::kUnitOffset, vec,
+        static_cast<T*>(y));
     COAT_CHECK_LAUNCH();
   });
 }
 
 void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
-                 const float* rstd, const void* w, DType w_dtype, const void* dy, DType dy_dtype,
+                 const float* rstd, const void* w, DType w_dtype, NormKind kind, const void* dy, DType dy_dtype,
                  int64_t rows, int64_t cols, void* dx, float* workspace, float* dw,
                  cudaStream_t stream) {
-  detail::check_rmsnorm_bwd(q, scales, rstd, w, dy, rows, cols, dx, dw);
+  detail::check_rmsnorm_bwd(q, scales, rstd, w, kind, dy, rows, cols, dx, dw);
   const int64_t n = rows * cols;
   detail::check_norm_ptr(workspace, n, "workspace");
   if (cols == 0) return;
@@ -250,7 +258,7 @@ void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8
       rmsnorm_bwd_kernel<T, W><<<static_cast<unsigned>(parts), threads_for(cols / G),
                                  smem_acc ? smem : 0, stream>>>(
           q, scales, scale_kind, fmt, rstd, static_cast<const W*>(w), static_cast<const T*>(dy), rows,
-          cols, parts, vec, smem_acc, static_cast<T*>(dx), workspace);
+          cols, parts, kind == NormKind::kUnitOffset, vec, smem_acc, static_cast<T*>(dx), workspace);
       COAT_CHECK_LAUNCH();
     }
     rmsnorm_dw_reduce_kernel<<<cuda::grid_for(cols, kThreads), kThreads, 0, stream>>>(workspace, parts,

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "coat/norm.h"
+#include "common/fp8.h"
 
 namespace coat {
 namespace detail {
@@ -25,9 +26,15 @@ inline void check_eps(float eps) {
   COAT_CHECK_ARG(std::isfinite(eps) && eps >= 0.0f, "eps must be finite and >= 0, got " + std::to_string(eps));
 }
 
+inline void check_norm_kind(NormKind kind) {
+  COAT_CHECK_ARG(kind == NormKind::kScaled || kind == NormKind::kUnitOffset,
+                 "norm_kind must be 0 (scaled) or 1 (unit_offset), got " + std::to_string(static_cast<int>(kind)));
+}
+
 // One check per entry point, called by the reference and the launcher alike.
-inline void check_rmsnorm_fwd(const void* x, const void* w, int64_t rows, int64_t cols, float eps,
+inline void check_rmsnorm_fwd(const void* x, const void* w, NormKind kind, int64_t rows, int64_t cols, float eps,
                               const void* y, const float* rstd, const uint8_t* q, const void* scales) {
+  check_norm_kind(kind);
   check_norm_shape(rows, cols);
   check_eps(eps);
   const int64_t n = rows * cols;
@@ -40,7 +47,8 @@ inline void check_rmsnorm_fwd(const void* x, const void* w, int64_t rows, int64_
 
 // What the FP8 forward saves and the backward reads: codes, scales, rstd, and the weight.
 inline void check_rmsnorm_saved(const uint8_t* q, const void* scales, const float* rstd, const void* w,
-                                int64_t rows, int64_t cols) {
+                                NormKind kind, int64_t rows, int64_t cols) {
+  check_norm_kind(kind);
   check_norm_shape(rows, cols);
   const int64_t n = rows * cols;
   check_norm_ptr(q, n, "q");
@@ -50,20 +58,23 @@ inline void check_rmsnorm_saved(const uint8_t* q, const void* scales, const floa
 }
 
 inline void check_rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, const float* rstd,
-                                  const void* w, int64_t rows, int64_t cols, const void* y) {
-  check_rmsnorm_saved(q, scales, rstd, w, rows, cols);
+                                  const void* w, NormKind kind, int64_t rows, int64_t cols, const void* y) {
+  check_rmsnorm_saved(q, scales, rstd, w, kind, rows, cols);
   check_norm_ptr(y, rows * cols, "y");
 }
 
 inline void check_rmsnorm_bwd(const uint8_t* q, const void* scales, const float* rstd, const void* w,
-                              const void* dy, int64_t rows, int64_t cols, const void* dx,
+                              NormKind kind, const void* dy, int64_t rows, int64_t cols, const void* dx,
                               const float* dw) {
-  check_rmsnorm_saved(q, scales, rstd, w, rows, cols);
+  check_rmsnorm_saved(q, scales, rstd, w, kind, rows, cols);
   const int64_t n = rows * cols;
   check_norm_ptr(dy, n, "dy");
   check_norm_ptr(dx, n, "dx");
   check_norm_ptr(dw, cols, "dw");
 }
+
+// The weight as it multiplies the normalized input: w, or 1 + w (in fp32) for the unit offset.
+COAT_HD float norm_weight(float w, bool unit_offset) { return unit_offset ? 1.0f + w : w; }
 
 }  // namespace detail
 }  // namespace coat

@@ -18,12 +18,19 @@ void dispatch2(DType t, DType w, F&& f) {
   dispatch_dtype(t, [&](auto* tt) { dispatch_dtype(w, [&](auto* wt) { f(tt, wt); }); });
 }
 
+// y of one element from h = x * rstd (fp32): the kind's rounding (coat/norm.h).
+template <typename T>
+float norm_out(float h, float w, bool unit_offset) {
+  return unit_offset ? h * (1.0f + w) : round_to<T>(h) * w;
+}
+
 }  // namespace
 
-void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int64_t rows,
+void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, NormKind kind, int64_t rows,
                  int64_t cols, float eps, void* y, float* rstd, uint8_t* q, void* scales,
                  ScaleKind scale_kind, Fp8Format fmt) {
-  detail::check_rmsnorm_fwd(x, w, rows, cols, eps, y, rstd, q, scales);
+  detail::check_rmsnorm_fwd(x, w, kind, rows, cols, eps, y, rstd, q, scales);
+  const bool unit = kind == NormKind::kUnitOffset;
   dispatch2(x_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
     using W = std::remove_pointer_t<decltype(wt)>;
@@ -39,10 +46,8 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int
       }
       const float rs = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
       rstd[r] = rs;
-      for (int64_t c = 0; c < cols; ++c) {
-        const float t = round_to<T>(Elem<T>::load(xr[c]) * rs);
-        yt[r * cols + c] = Elem<T>::store(t * Elem<W>::load(wv[c]));
-      }
+      for (int64_t c = 0; c < cols; ++c)
+        yt[r * cols + c] = Elem<T>::store(norm_out<T>(Elem<T>::load(xr[c]) * rs, Elem<W>::load(wv[c]), unit));
       if (q == nullptr) continue;
       for (int64_t g0 = 0; g0 < cols; g0 += kNormGroup) {
         float amax = 0.0f;
@@ -57,10 +62,11 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, int
 }
 
 void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
-                     const float* rstd, const void* w, DType w_dtype, int64_t rows, int64_t cols,
+                     const float* rstd, const void* w, DType w_dtype, NormKind kind, int64_t rows, int64_t cols,
                      void* y, DType y_dtype) {
-  detail::check_rmsnorm_fwd_fp8(q, scales, rstd, w, rows, cols, y);
+  detail::check_rmsnorm_fwd_fp8(q, scales, rstd, w, kind, rows, cols, y);
   const int64_t n = rows * cols;
+  const bool unit = kind == NormKind::kUnitOffset;
   dispatch2(y_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
     using W = std::remove_pointer_t<decltype(wt)>;
@@ -69,15 +75,16 @@ void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind,
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = i / cols, c = i % cols;
       const float x = decode_fp8(q[i], fmt) * load_group_scale(scales, i / kNormGroup, scale_kind);
-      yt[i] = Elem<T>::store(round_to<T>(x * rstd[r]) * Elem<W>::load(wv[c]));
+      yt[i] = Elem<T>::store(norm_out<T>(x * rstd[r], Elem<W>::load(wv[c]), unit));
     }
   });
 }
 
 void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
-                 const float* rstd, const void* w, DType w_dtype, const void* dy, DType dy_dtype,
+                 const float* rstd, const void* w, DType w_dtype, NormKind kind, const void* dy, DType dy_dtype,
                  int64_t rows, int64_t cols, void* dx, float* workspace, float* dw) {
-  detail::check_rmsnorm_bwd(q, scales, rstd, w, dy, rows, cols, dx, dw);
+  detail::check_rmsnorm_bwd(q, scales, rstd, w, kind, dy, rows, cols, dx, dw);
+  const bool unit = kind == NormKind::kUnitOffset;
   (void)workspace;  // the reference accumulates dw directly, in row order
   for (int64_t c = 0; c < cols; ++c) dw[c] = 0.0f;
   dispatch2(dy_dtype, w_dtype, [&](auto* tt, auto* wt) {
@@ -93,7 +100,7 @@ void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t i = r * cols + c;
         xh[c] = decode_fp8(q[i], fmt) * load_group_scale(scales, i / kNormGroup, scale_kind) * rs;
-        g[c] = Elem<T>::load(dyt[i]) * Elem<W>::load(wv[c]);
+        g[c] = Elem<T>::load(dyt[i]) * detail::norm_weight(Elem<W>::load(wv[c]), unit);
         dot += g[c] * xh[c];
       }
       const float mean = dot / static_cast<float>(cols);

@@ -1,7 +1,7 @@
-// CUDA kernels of the swiglu family: one thread per 16-column group of h, which is one FP8 group
-// of the gate half and one of the up half, so group amaxes need no shuffles. 64-bit indices;
-// inter is a multiple of 16 (checked), so groups never cross a row; unaligned buffers take scalar
-// loads with the same arithmetic.
+// CUDA kernels of the swiglu family, compiled per activation: one thread per 16-column group of h,
+// which is one FP8 group of the gate half and one of the up half, so group amaxes need no shuffles.
+// 64-bit indices; inter is a multiple of 16 (checked), so groups never cross a row; unaligned
+// buffers take scalar loads with the same arithmetic.
 #include "common/cuda_utils.cuh"
 #include "common/group_scale.h"
 #include "swiglu_args.h"
@@ -17,6 +17,12 @@ using cuda::store16;
 
 constexpr int kThreads = 256;
 constexpr int G = kSwigluGroup;
+
+// Both compile-time parameters at once: the element type T and the activation A.
+template <typename F>
+void dispatch2(DType t, GatedAct act, F&& f) {
+  dispatch_dtype(t, [&](auto* tt) { detail::dispatch_act(act, [&](auto at) { f(tt, at); }); });
+}
 
 // Quantizes one 16-group with its own scale (stored at scales[gi]) into p.
 __device__ __forceinline__ void quantize16(uint8_t* p, bool vec, const float (&v)[G], void* scales,
@@ -39,7 +45,7 @@ __device__ __forceinline__ void quantize16(uint8_t* p, bool vec, const float (&v
 
 // Forward: thread per 16-group of h, grid-stride. Bytes per h element: 2 sizeof(T) read,
 // sizeof(T) + 2 (+ scales) written.
-template <typename T>
+template <typename T, GatedAct A>
 __global__ void swiglu_fwd_kernel(const T* __restrict__ gu, int64_t rows, int64_t inter, bool vec,
                                   T* __restrict__ h, uint8_t* __restrict__ q, void* __restrict__ scales,
                                   ScaleKind kind, Fp8Format fmt) {
@@ -53,7 +59,7 @@ __global__ void swiglu_fwd_kernel(const T* __restrict__ gu, int64_t rows, int64_
     load16(gu + ig, vec, g);
     load16(gu + iu, vec, u);
 #pragma unroll
-    for (int i = 0; i < G; ++i) o[i] = round_to<T>(g[i] * detail::swiglu_sigmoid(g[i])) * u[i];
+    for (int i = 0; i < G; ++i) o[i] = round_to<T>(detail::act_value<A>(g[i])) * u[i];
     store16(h + r * inter + j, vec, o);
     if (q != nullptr) {
       quantize16(q + ig, vec, g, scales, ig / G, kind, fmt);
@@ -64,7 +70,7 @@ __global__ void swiglu_fwd_kernel(const T* __restrict__ gu, int64_t rows, int64_
 
 // Backward: thread per 16-group of dh. Bytes per h element: 2 (+ scales) + sizeof(T) read,
 // 2 sizeof(T) (+ sizeof(T) for h) written.
-template <typename T>
+template <typename T, GatedAct A>
 __global__ void swiglu_bwd_kernel(const uint8_t* __restrict__ q, const void* __restrict__ scales,
                                   ScaleKind kind, Fp8Format fmt, const T* __restrict__ dh, int64_t rows,
                                   int64_t inter, bool vec, T* __restrict__ dgu, T* __restrict__ h) {
@@ -80,11 +86,11 @@ __global__ void swiglu_bwd_kernel(const uint8_t* __restrict__ q, const void* __r
     load16(dh + r * inter + j, vec, d);
 #pragma unroll
     for (int i = 0; i < G; ++i) {
-      const float s = detail::swiglu_sigmoid(g[i]);
-      const float silu = round_to<T>(g[i] * s);
-      dg[i] = d[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
-      du[i] = d[i] * silu;
-      g[i] = silu * u[i];  // h, recomputed
+      const detail::ActGrad a = detail::act_grad<A>(g[i]);
+      const float f = round_to<T>(a.f);
+      dg[i] = d[i] * u[i] * a.df;
+      du[i] = d[i] * f;
+      g[i] = f * u[i];  // h, recomputed
     }
     store16(dgu + ig, vec, dg);
     store16(dgu + iu, vec, du);
@@ -94,31 +100,31 @@ __global__ void swiglu_bwd_kernel(const uint8_t* __restrict__ q, const void* __r
 
 }  // namespace
 
-void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* h, uint8_t* q,
+void swiglu_fwd(const void* gu, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* h, uint8_t* q,
                 void* scales, ScaleKind scale_kind, Fp8Format fmt, cudaStream_t stream) {
-  detail::check_swiglu_fwd(gu, rows, inter, h, q, scales);
+  detail::check_swiglu_fwd(gu, act, rows, inter, h, q, scales);
   const int64_t n = rows * inter;
   if (n == 0) return;
-  dispatch_dtype(dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
+  dispatch2(dtype, act, [&](auto* tt, auto at) {
+    using T = std::remove_pointer_t<decltype(tt)>;
     const bool vec = cuda::aligned(gu, 16) && cuda::aligned(h, 16) && (q == nullptr || cuda::aligned(q, 16));
-    swiglu_fwd_kernel<T><<<cuda::grid_for(n / G, kThreads), kThreads, 0, stream>>>(
+    swiglu_fwd_kernel<T, decltype(at)::value><<<cuda::grid_for(n / G, kThreads), kThreads, 0, stream>>>(
         static_cast<const T*>(gu), rows, inter, vec, static_cast<T*>(h), q, scales, scale_kind, fmt);
     COAT_CHECK_LAUNCH();
   });
 }
 
 void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
-                const void* dh, DType dtype, int64_t rows, int64_t inter, void* dgu, void* h,
+                const void* dh, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* dgu, void* h,
                 cudaStream_t stream) {
-  detail::check_swiglu_bwd(q, scales, dh, rows, inter, dgu);
+  detail::check_swiglu_bwd(q, scales, dh, act, rows, inter, dgu);
   const int64_t n = rows * inter;
   if (n == 0) return;
-  dispatch_dtype(dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
+  dispatch2(dtype, act, [&](auto* tt, auto at) {
+    using T = std::remove_pointer_t<decltype(tt)>;
     const bool vec = cuda::aligned(q, 16) && cuda::aligned(dh, 16) && cuda::aligned(dgu, 16) &&
                      (h == nullptr || cuda::aligned(h, 16));
-    swiglu_bwd_kernel<T><<<cuda::grid_for(n / G, kThreads), kThreads, 0, stream>>>(
+    swiglu_bwd_kernel<T, decltype(at)::value><<<cuda::grid_for(n / G, kThreads), kThreads, 0, stream>>>(
         q, scales, scale_kind, fmt, static_cast<const T*>(dh), rows, inter, vec, static_cast<T*>(dgu),
         static_cast<T*>(h));
     COAT_CHECK_LAUNCH();

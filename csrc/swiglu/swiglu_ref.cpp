@@ -10,22 +10,28 @@ namespace coat {
 namespace ref {
 namespace {
 
+// Both compile-time parameters at once: the element type T and the activation A.
+template <typename F>
+void dispatch2(DType t, GatedAct act, F&& f) {
+  dispatch_dtype(t, [&](auto* tt) { detail::dispatch_act(act, [&](auto at) { f(tt, at); }); });
+}
+
 }  // namespace
 
-void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* h, uint8_t* q,
+void swiglu_fwd(const void* gu, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* h, uint8_t* q,
                 void* scales, ScaleKind scale_kind, Fp8Format fmt) {
-  detail::check_swiglu_fwd(gu, rows, inter, h, q, scales);
-  dispatch_dtype(dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
+  detail::check_swiglu_fwd(gu, act, rows, inter, h, q, scales);
+  dispatch2(dtype, act, [&](auto* tt, auto at) {
+    using T = std::remove_pointer_t<decltype(tt)>;
+    constexpr GatedAct A = decltype(at)::value;
     const T* x = static_cast<const T*>(gu);
     T* ht = static_cast<T*>(h);
     for (int64_t r = 0; r < rows; ++r) {
       const T* g = x + r * 2 * inter;
       const T* u = g + inter;
       for (int64_t j = 0; j < inter; ++j) {
-        const float gv = Elem<T>::load(g[j]);
-        const float silu = round_to<T>(gv * detail::swiglu_sigmoid(gv));
-        ht[r * inter + j] = Elem<T>::store(silu * Elem<T>::load(u[j]));
+        const float f = round_to<T>(detail::act_value<A>(Elem<T>::load(g[j])));
+        ht[r * inter + j] = Elem<T>::store(f * Elem<T>::load(u[j]));
       }
       if (q == nullptr) continue;
       for (int64_t c0 = 0; c0 < 2 * inter; c0 += kSwigluGroup) {
@@ -41,10 +47,11 @@ void swiglu_fwd(const void* gu, DType dtype, int64_t rows, int64_t inter, void* 
 }
 
 void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
-                const void* dh, DType dtype, int64_t rows, int64_t inter, void* dgu, void* h) {
-  detail::check_swiglu_bwd(q, scales, dh, rows, inter, dgu);
-  dispatch_dtype(dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
+                const void* dh, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* dgu, void* h) {
+  detail::check_swiglu_bwd(q, scales, dh, act, rows, inter, dgu);
+  dispatch2(dtype, act, [&](auto* tt, auto at) {
+    using T = std::remove_pointer_t<decltype(tt)>;
+    constexpr GatedAct A = decltype(at)::value;
     const T* dht = static_cast<const T*>(dh);
     T* d = static_cast<T*>(dgu);
     T* ht = static_cast<T*>(h);
@@ -54,11 +61,11 @@ void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8F
         const float g = decode_fp8(q[ig], fmt) * load_group_scale(scales, ig / kSwigluGroup, scale_kind);
         const float u = decode_fp8(q[iu], fmt) * load_group_scale(scales, iu / kSwigluGroup, scale_kind);
         const float dhv = Elem<T>::load(dht[r * inter + j]);
-        const float s = detail::swiglu_sigmoid(g);
-        const float silu = round_to<T>(g * s);
-        d[ig] = Elem<T>::store(dhv * u * (s * (1.0f + g * (1.0f - s))));
-        d[iu] = Elem<T>::store(dhv * silu);
-        if (ht != nullptr) ht[r * inter + j] = Elem<T>::store(silu * u);
+        const detail::ActGrad a = detail::act_grad<A>(g);
+        const float f = round_to<T>(a.f);
+        d[ig] = Elem<T>::store(dhv * u * a.df);
+        d[iu] = Elem<T>::store(dhv * f);
+        if (ht != nullptr) ht[r * inter + j] = Elem<T>::store(f * u);
       }
     }
   });

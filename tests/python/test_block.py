@@ -15,6 +15,7 @@ from coat._ops import gemm as gops
 from coat._ops import norm as nops
 from coat._ops import quantize as qops
 from coat._ops import swiglu as sops
+from coat._ops.enums import NORM_KINDS
 from coat.nn import _fp8mm as mm
 from coat.nn import weights as W
 from coat.nn.fused import norm_linear
@@ -38,13 +39,13 @@ def _inputs(gen, pre, m=20, k=32, rows=(16, 8, 8), dtype=torch.bfloat16):
     return x, nw, ws
 
 
-def _steps_fwd(x, pre, nw, ws, save_t):
+def _steps_fwd(x, pre, nw, ws, save_t, unit_offset=False, act=sops.SILU):
     """The forward op by op: (out, w_scale, saved)."""
     if pre == blk.NORM:
-        y, rstd, xq, xs = nops.rmsnorm_fwd(x, nw, 1e-5, True, E4, False)
+        y, rstd, xq, xs = nops.rmsnorm_fwd(x, nw, 1e-5, True, E4, False, unit_offset)
         saved = (xq, xs, rstd)
     elif pre == blk.SWIGLU:
-        y, q, s = sops.swiglu_fwd(x, True, E4, False)
+        y, q, s = sops.swiglu_fwd(x, True, E4, False, act)
         saved = (q, s)
     else:
         y = x
@@ -56,7 +57,7 @@ def _steps_fwd(x, pre, nw, ws, save_t):
     return out, w_scale, saved
 
 
-def _steps_bwd(d, pre, need_w, nw, ws, w_scale, saved, y_dtype):
+def _steps_bwd(d, pre, need_w, nw, ws, w_scale, saved, y_dtype, unit_offset=False, act=sops.SILU):
     """The backward op by op: (dx, dnorm, dw)."""
     dq, dq_t, ds, _ = qops.quantize_per_tensor_amax(d, 1, need_w)
     _, w_t = qops.quantize_stacked(ws, w_scale, 0, False, True)
@@ -72,10 +73,10 @@ def _steps_bwd(d, pre, need_w, nw, ws, w_scale, saved, y_dtype):
     dw = dnorm = None
     if pre == blk.NORM:
         if need_w:
-            dw = wgrad_of(nops.rmsnorm_fwd_fp8(*saved, nw, y_dtype))
-        dx, dnorm = nops.rmsnorm_bwd(*saved, nw, dy)
+            dw = wgrad_of(nops.rmsnorm_fwd_fp8(*saved, nw, y_dtype, unit_offset))
+        dx, dnorm = nops.rmsnorm_bwd(*saved, nw, dy, unit_offset)
     elif pre == blk.SWIGLU:
-        dx, h = sops.swiglu_bwd(*saved, dy, need_w)
+        dx, h = sops.swiglu_bwd(*saved, dy, need_w, act)
         if need_w:
             dw = wgrad_of(h)
     else:
@@ -114,6 +115,68 @@ def test_binding_matches_single_ops_cpu(gen, pre, need_w):
     assert (dw is None) == (not need_w) and (dw is None or torch.equal(dw, rdw))
 
 
+def _same_saved(got, ref_saved, pre, need_w):
+    for i, r in enumerate(ref_saved):
+        if r is None:
+            assert got[i] is None and pre == blk.NONE and not need_w
+        else:
+            _same(got[i], r, f"saved[{i}]")
+
+
+# (pre, kinds): Gemma's unit-offset norm and GeGLU, through the binding's keyword arguments.
+NEW_KINDS = [(blk.NORM, {"norm_kind": NORM_KINDS["unit_offset"]}), (blk.SWIGLU, {"act": sops.GELU_TANH})]
+
+
+@pytest.mark.parametrize("pre,kinds", NEW_KINDS)
+@pytest.mark.parametrize("need_w", [True, False])
+def test_binding_kinds_match_single_ops_cpu(gen, pre, kinds, need_w):
+    rows = (24,) if pre == blk.SWIGLU else (16, 8, 8)
+    x, nw, ws = _inputs(gen, pre, m=21, rows=rows)
+    if pre == blk.NORM:
+        nw = (0.1 * torch.randn(nw.shape, generator=gen)).to(nw.dtype)  # an offset from 1
+    uo, act = pre == blk.NORM, sops.GELU_TANH if pre == blk.SWIGLU else sops.SILU
+    norm = nw if pre == blk.NORM else None
+    ref_out, ref_scale, ref_saved = _steps_fwd(x, pre, nw, ws, need_w, uo, act)
+    got = _C.block_fwd(x, pre, norm, 1e-5, False, ws, need_w, 0, False, WS, False, 0, **kinds)
+    _same(got[0], ref_out, "out")
+    _same(got[1], ref_scale, "w_scale")
+    _same_saved(got[2:], ref_saved, pre, need_w)
+    # the new kind changes the result: the default kind's output differs
+    plain = _C.block_fwd(x, pre, norm, 1e-5, False, ws, need_w, 0, False, WS, False, 0)
+    assert not torch.equal(plain[0], got[0])
+
+    d = torch.randn(x.shape[0], sum(rows), generator=gen).bfloat16()
+    dx, dnorm, dw = _C.block_bwd(d, pre, need_w, ws, got[1], *got[2:5], norm, 1, 0, WS, False, 0, **kinds)
+    rdx, rdnorm, rdw = _steps_bwd(d, pre, need_w, nw, ws, ref_scale, ref_saved, torch.bfloat16, uo, act)
+    _same(dx, rdx, "dx")
+    assert (dnorm is None) == (rdnorm is None) and (dnorm is None or torch.equal(dnorm, rdnorm))
+    assert (dw is None) == (not need_w) and (dw is None or torch.equal(dw, rdw))
+    pdx = _C.block_bwd(d, pre, need_w, ws, got[1], *got[2:5], norm, 1, 0, WS, False, 0)[0]
+    assert not torch.equal(pdx, dx)
+
+
+@pytest.mark.parametrize("pre", [blk.NORM, blk.SWIGLU])
+def test_python_wrappers_pass_the_kinds(gen, monkeypatch, pre):
+    """block.forward / block.backward (unit_offset=, act=) on CPU tensors (the GEMM workspace is
+    only read on CUDA) against the single ops."""
+    monkeypatch.setattr(blk, "_ws", lambda t, st: WS)
+    rows = (24,) if pre == blk.SWIGLU else (16, 8, 8)
+    x, nw, ws = _inputs(gen, pre, rows=rows)
+    uo, act = pre == blk.NORM, sops.GELU_TANH if pre == blk.SWIGLU else sops.SILU
+    norm = nw if pre == blk.NORM else None
+    out, w_scale, saved = blk.forward(x, pre, norm, 1e-5, False, ws, True, torch.float32, False,
+                                      unit_offset=uo, act=act)
+    ref_out, ref_scale, ref_saved = _steps_fwd(x, pre, nw, ws, True, uo, act)
+    _same(out, ref_out, "out")
+    _same_saved(saved, ref_saved, pre, True)
+    d = torch.randn(x.shape[0], sum(rows), generator=gen).bfloat16()
+    dx, dnorm, dw = blk.backward(d, pre, True, ws, w_scale, saved, norm, torch.bfloat16, torch.float32,
+                                 unit_offset=uo, act=act)
+    rdx, rdnorm, rdw = _steps_bwd(d, pre, True, nw, ws, ref_scale, ref_saved, torch.bfloat16, uo, act)
+    _same(dx, rdx, "dx")
+    assert torch.equal(dw, rdw) and (dnorm is None or torch.equal(dnorm, rdnorm))
+
+
 def test_binding_errors_name_the_argument():
     x = torch.randn(4, 32)
     w = [torch.randn(16, 32)]
@@ -127,6 +190,13 @@ def test_binding_errors_name_the_argument():
         _C.block_fwd(x[None], blk.NONE, None, 1e-5, False, w, False, 0, False, WS, False, 0)
     with pytest.raises(ValueError, match="saved\\[0\\] and saved\\[1\\] are required"):
         _C.block_bwd(torch.randn(4, 16), blk.NONE, True, w, torch.ones(1), None, None, None, None, 0, 0, WS, False, 0)
+    with pytest.raises(ValueError, match="norm_kind must be 0"):
+        _C.block_fwd(x, blk.NORM, torch.ones(32), 1e-5, False, w, False, 0, False, WS, False, 0, norm_kind=2)
+    with pytest.raises(ValueError, match="act must be 0"):
+        _C.block_fwd(torch.randn(4, 64), blk.SWIGLU, None, 1e-5, False, w, False, 0, False, WS, False, 0, act=5)
+    with pytest.raises(ValueError, match="act must be 0"):
+        _C.block_bwd(torch.randn(4, 16), blk.NONE, False, w, torch.ones(1), None, None, None, None, 0, 0, WS, False, 0,
+                     act=-1)
 
 
 def test_layers_run_step_by_step_on_the_cpu(gen):
@@ -245,3 +315,31 @@ def test_compiled_layer_does_not_take_one_call(monkeypatch):
     ref = norm_linear(x, None, 1e-5, [w], [], resolve("fp8"))
     assert len(calls) == 1  # the eager reference only
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pre", [blk.NORM, blk.SWIGLU])
+@pytest.mark.parametrize("need_w", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kinds_one_call_matches_steps_gpu(pre, need_w, dtype):
+    """Gemma's kinds on CUDA: block.forward / block.backward against the single ops, bit for bit,
+    on shapes the FP8 GEMM takes as they are."""
+    gen = torch.Generator().manual_seed(5)
+    rows = (48,) if pre == blk.SWIGLU else (48, 16, 16)
+    x, nw, ws = _inputs(gen, pre, m=64, k=80, rows=rows, dtype=dtype)
+    x, ws = x.cuda(), [w.cuda() for w in ws]
+    nw = (0.1 * torch.randn(nw.shape, generator=gen)).to(dtype).cuda()
+    uo, act = pre == blk.NORM, sops.GELU_TANH if pre == blk.SWIGLU else sops.SILU
+    norm = nw if pre == blk.NORM else None
+    out, w_scale, saved = blk.forward(x, pre, norm, 1e-5, False, ws, need_w, torch.float32, False,
+                                      unit_offset=uo, act=act)
+    ref_out, ref_scale, ref_saved = _steps_fwd(x, pre, nw, ws, need_w, uo, act)
+    _same(out, ref_out, "out")
+    _same_saved(saved, ref_saved, pre, need_w)
+    d = torch.randn(x.shape[0], sum(rows), generator=gen).to(dtype).cuda()
+    dx, dnorm, dw = blk.backward(d, pre, need_w, ws, w_scale, saved, norm, dtype, torch.float32,
+                                 unit_offset=uo, act=act)
+    rdx, rdnorm, rdw = _steps_bwd(d, pre, need_w, nw, ws, ref_scale, ref_saved, dtype, uo, act)
+    _same(dx, rdx, "dx")
+    assert (dnorm is None) == (rdnorm is None) and (dnorm is None or torch.equal(dnorm, rdnorm))
+    assert (dw is None) == (not need_w) and (dw is None or torch.equal(dw, rdw))

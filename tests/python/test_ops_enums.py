@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from coat import _C
-from coat._ops import _util, block, enums, gemm
+from coat._ops import _util, block, enums, gemm, norm, swiglu
 from coat.fp8 import formats
 from coat.nn import _fp8mm
 
@@ -27,6 +27,8 @@ EXPORTS = {
     "MASTER_KINDS": ("MasterKind", "csrc/include/coat/adamw.h"),
     "GEMM_OUTS": ("GemmOut", "csrc/include/coat/gemm.h"),
     "BLOCK_PRE": ("Pre", "csrc/bindings/block.cpp"),
+    "NORM_KINDS": ("NormKind", "csrc/include/coat/norm.h"),
+    "GATED_ACTS": ("GatedAct", "csrc/include/coat/swiglu.h"),
 }
 
 
@@ -51,6 +53,8 @@ def test_python_tables_are_the_exports() -> None:
     assert enums.SCALE_KINDS == _C.SCALE_KINDS
     assert enums.MASTER_KINDS == _C.MASTER_KINDS
     assert enums.BLOCK_PRE == _C.BLOCK_PRE
+    assert enums.NORM_KINDS == _C.NORM_KINDS == {"scaled": 0, "unit_offset": 1}
+    assert enums.GATED_ACTS == _C.GATED_ACTS == {"silu": 0, "gelu_tanh": 1}
     assert enums.DTYPE_IDS == {getattr(torch, n): i for n, i in _C.DTYPES.items()}
     assert enums.GEMM_OUT_IDS == {getattr(torch, n): i for n, i in _C.GEMM_OUTS.items()}
     assert enums.FP8_DTYPE_IDS == {formats.DTYPES[n]: i for n, i in _C.FP8_FORMATS.items()}
@@ -63,6 +67,9 @@ def test_callers_use_the_tables() -> None:
     assert gemm._FMT is enums.FP8_DTYPE_IDS and _fp8mm._FMT is enums.FP8_DTYPE_IDS
     assert gemm._OUT is enums.GEMM_OUT_IDS
     assert (block.NONE, block.NORM, block.SWIGLU) == tuple(_C.BLOCK_PRE[n] for n in ("none", "norm", "swiglu"))
+    assert (swiglu.SILU, swiglu.GELU_TANH) == (_C.GATED_ACTS["silu"], _C.GATED_ACTS["gelu_tanh"])
+    assert (norm.SCALED, norm.UNIT_OFFSET) == (_C.NORM_KINDS["scaled"], _C.NORM_KINDS["unit_offset"])
+    assert (norm.kind_id(False), norm.kind_id(True)) == (norm.SCALED, norm.UNIT_OFFSET)
     for dt, i in enums.FP8_DTYPE_IDS.items():
         assert _util.fmt_id(dt) == i
     for dt, i in enums.DTYPE_IDS.items():
