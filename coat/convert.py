@@ -1,17 +1,22 @@
-"""``coat.convert``: switch a Hugging Face Llama-family model to the FP8 precision flow in place.
+"""``coat.convert``: switch a Hugging Face causal LM of a family in ``coat.models`` to the FP8
+precision flow in place.
 
 Each decoder layer, its attention and its MLP get a subclass of their own class whose forward runs
-the FP8 blocks of ``coat.nn``; every submodule and parameter stays where it was, so state-dict keys
-do not change and ``save_pretrained`` writes a checkpoint plain transformers loads. Models:
-Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms), with GQA, any attention implementation
-the model is configured with (SDPA by default), KV caches (``generate``), padding masks and
-gradient checkpointing. The final norm and the LM head stay as they are.
+the FP8 blocks of ``coat.nn``, told by the model's family (``coat.models``) which norm feeds which
+GEMM; every submodule and parameter stays where it was, so state-dict keys do not change and
+``save_pretrained`` writes a checkpoint plain transformers loads. Models: Llama, Mistral, Qwen2
+(q/k/v biases), Qwen3 (q/k norms), Gemma 3 text (GeGLU, (1 + w) norms, sandwich norms, q/k norms,
+sliding-window layers), with GQA, any attention implementation the model is configured with (SDPA
+by default), KV caches (``generate``), padding masks and gradient checkpointing. The final norm
+and the LM head stay as they are.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from . import models
+from .models import GROUPS, Family
 from .nn import adapters
 from .nn.attention import Fp8AttentionMixin
 from .nn.frozen import freeze_to_fp8
@@ -21,18 +26,12 @@ from .nn.mlp import Fp8SwiGLUMixin
 from .nn.recipe import Fp8Recipe, resolve
 
 #: model_type -> decoder layer class name.
-SUPPORTED = {
-    "llama": "LlamaDecoderLayer",
-    "mistral": "MistralDecoderLayer",
-    "qwen2": "Qwen2DecoderLayer",
-    "qwen3": "Qwen3DecoderLayer",
-}
-_LAYER_NAMES = set(SUPPORTED.values())
+SUPPORTED = {t: f.layer_class for f in models.FAMILIES for t in f.model_types}
 _SUBCLASSES: dict = {}
 
 
 _MIXIN_BY_SUFFIX = (("DecoderLayer", Fp8DecoderLayerMixin), ("Attention", Fp8AttentionMixin), ("MLP", Fp8SwiGLUMixin))
-_HF_MODULES = {t: f"transformers.models.{t}.modeling_{t}" for t in SUPPORTED}
+_HF_MODULES = {f.hf_module: f.module_path for f in models.FAMILIES}
 
 
 def __getattr__(name: str) -> type:
@@ -64,40 +63,40 @@ def _subclass(cls: type, mixin: type) -> type:
     return _SUBCLASSES[key]
 
 
-_PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
-
-
-def _check_projections(layer: nn.Module, prefix: str) -> None:
-    """Every projection is a plain nn.Linear or a PEFT LoRA layer around one (anything else would be
-    read past silently, so it is refused here, naming it)."""
-    for block, names in _PROJECTIONS.items():
-        for n in names:
+def _check_layer(layer: nn.Module, fam: Family, prefix: str) -> str:
+    """Everything the FP8 blocks read is where the family says, every projection is a plain
+    nn.Linear or a PEFT LoRA layer around one (anything else would be read past silently, so it is
+    refused here, naming it), and the configuration asks for nothing the blocks do not compute.
+    Returns the MLP's gated activation."""
+    for name in ("self_attn", "mlp", *fam.norms()):
+        if not hasattr(layer, name):
+            raise ValueError(f"coat.convert: {prefix}{name} is missing: not a {fam.name} decoder layer")
+    if fam.qk_norm != hasattr(layer.self_attn, "q_norm"):
+        raise ValueError(f"coat.convert: {prefix}self_attn {'lacks' if fam.qk_norm else 'has'} q_norm, which a "
+                         f"{fam.name} decoder layer {'has' if fam.qk_norm else 'lacks'}")
+    for block, groups in GROUPS.items():
+        for n in (n for g in groups for n in g):
             full = f"{prefix}{block}.{n}"
             mod = getattr(getattr(layer, block), n, None)
             if mod is None:
-                raise ValueError(f"coat.convert: {full} is missing: not a Llama-family decoder layer")
+                raise ValueError(f"coat.convert: {full} is missing: not a {fam.name} decoder layer")
             adapters.base_linear(mod, full)
             adapters.check_adapters(mod, full)
-
-
-def _convert_layer(layer: nn.Module, recipe: Fp8Recipe, prefix: str = "") -> None:
-    for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
-        if not hasattr(layer, name):
-            raise ValueError(f"{type(layer).__name__} has no {name!r}: not a Llama-family decoder layer")
-    _check_projections(layer, prefix)
     cfg = getattr(layer.self_attn, "config", None)
-    act = getattr(cfg, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"coat.convert supports SwiGLU MLPs (hidden_act 'silu'), got hidden_act={act!r}")
+    if cfg is not None:
+        fam.check_config(cfg)
+    return fam.activation(cfg)
+
+
+def _convert_layer(layer: nn.Module, recipe: Fp8Recipe, fam: Family, act: str) -> None:
     layer.self_attn.__class__ = _subclass(type(layer.self_attn), Fp8AttentionMixin)
     layer.mlp.__class__ = _subclass(type(layer.mlp), Fp8SwiGLUMixin)
     layer.__class__ = _subclass(type(layer), Fp8DecoderLayerMixin)
+    layer.coat_family = fam
     layer.self_attn.coat_recipe = recipe
     layer.mlp.coat_recipe = recipe
-
-
-def _is_layer(m: nn.Module) -> bool:
-    return any(c.__name__ in _LAYER_NAMES for c in type(m).__mro__)
+    layer.self_attn.coat_unit_offset = layer.mlp.coat_unit_offset = fam.unit_offset
+    layer.mlp.coat_act = act
 
 
 FROZEN_WEIGHTS = ("keep", "fp8")
@@ -105,8 +104,8 @@ FROZEN_WEIGHTS = ("keep", "fp8")
 
 def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: str = "keep",
             fused_loss: bool = True) -> nn.Module:
-    """Converts ``model`` (a Hugging Face Llama/Mistral/Qwen2/Qwen3 model, or one decoder layer)
-    in place and returns it. ``recipe``: "fp8" / "coat" (FP8 GEMMs, FP8 saved activations with fp32
+    """Converts ``model`` (a Hugging Face Llama/Mistral/Qwen2/Qwen3/Gemma 3 text model, or one
+    decoder layer) in place and returns it. ``recipe``: "fp8" / "coat" (FP8 GEMMs, FP8 saved activations with fp32
     group scales), "fp8-e8m0" (power-of-two group scales), an ``Fp8Recipe``, or "bf16" (no change).
     ``frozen_weights="fp8"`` stores every projection group whose weights are all frozen
     (requires_grad False: a LoRA base, frozen layers) as FP8 codes only, 1 byte per parameter
@@ -127,22 +126,25 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
             raise ValueError("frozen_weights='fp8' needs an FP8 recipe (the bf16 recipe leaves the model as it is)")
         return model
     rec = resolve(recipe)
-    if _is_layer(model):
+    fam = models.of_layer(model)
+    if fam is not None:
         layers = [("", model)]
     else:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in SUPPORTED:
+        fam = models.by_model_type(model_type)
+        if fam is None:
             raise ValueError(
-                f"coat.convert supports Llama, Mistral, Qwen2 and Qwen3 models; got {type(model).__name__}"
+                f"coat.convert supports {models.names()} models; got {type(model).__name__}"
                 + (f" (model_type={model_type!r})" if model_type else "")
             )
-        layers = [(n + ".", m) for n, m in model.named_modules() if _is_layer(m)]
+        fam.check_config(model.config)
+        layers = [(n + ".", m) for n, m in model.named_modules() if models.of_layer(m) is fam]
         if not layers:
-            raise ValueError(f"{type(model).__name__} has no {SUPPORTED[model_type]} to convert")
-    for name, layer in layers:  # every layer is checked before any is converted: nothing half-done
-        _check_projections(layer, name)
-    for name, layer in layers:
-        _convert_layer(layer, rec, name)
+            raise ValueError(f"{type(model).__name__} has no {fam.layer_class} to convert")
+    # every layer is checked before any is converted: nothing half-done
+    acts = [_check_layer(layer, fam, name) for name, layer in layers]
+    for (_, layer), act in zip(layers, acts):
+        _convert_layer(layer, rec, fam, act)
     if frozen_weights == "fp8":
         freeze_to_fp8([layer for _, layer in layers])
     if not isinstance(fused_loss, bool):

@@ -43,7 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from coat import memory, recipes
+from coat import memory, models, recipes
 
 GiB = memory.GiB
 StepFn = Callable[[torch.Tensor], None]
@@ -163,7 +163,7 @@ def _prep_torchao(model, ctx):
     return _train_step(model, opt, nullcontext())
 
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS = list(models.PROJECTIONS)
 
 
 def _prep_lora(on_coat: bool, graphed: bool = False):

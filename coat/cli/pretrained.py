@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from coat import models
 from coat.cli.data import HFTokenizer
 
 #: The model types coat.convert converts (its decoder layers); --init accepts these.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(t for f in models.FAMILIES for t in f.model_types)
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

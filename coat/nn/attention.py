@@ -3,7 +3,7 @@
 - Q, K and V come from ONE FP8 GEMM over [W_q; W_k; W_v] (+ the concatenated biases of Qwen2),
   with the input RMSNorm fused in front (``fused.norm_linear``): nothing of the norm or the QKV
   input is saved beyond the FP8 norm input.
-- Qwen3's per-head q/k norms use the FP8-saved RMSNorm.
+- Per-head q/k norms (Qwen3, Gemma 3) use the FP8-saved RMSNorm.
 - RoPE saves nothing: one kernel reads q and k from the fused QKV output, rotates them and writes
   them (and v) as the contiguous tensors attention takes; its backward is the inverse rotation,
   from the shared cos/sin tensors the model's rotary embedding passes in as
@@ -26,7 +26,7 @@ from . import adapters as A
 from ._cache import pop_cache
 from .fused import norm_linear
 from .mlp import _bias_list
-from .norm import rms_norm
+from .norm import norm_eps, rms_norm
 from .recipe import resolve
 
 
@@ -89,8 +89,11 @@ _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 class Fp8AttentionMixin:
-    """forward() for HF Llama/Mistral/Qwen2/Qwen3 attention modules, same signature and return
-    (attn_output, attn_weights), plus ``norm``: the input RMSNorm to fuse into the QKV GEMM."""
+    """forward() for the attention modules of the families in ``coat.models``, same signature and
+    return (attn_output, attn_weights), plus ``norm``: the input RMSNorm to fuse into the QKV GEMM.
+    ``coat_unit_offset``: the family's norms are Gemma's (set at convert)."""
+
+    coat_unit_offset = False
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 norm: nn.Module | None = None, **kwargs):
@@ -98,22 +101,23 @@ class Fp8AttentionMixin:
         recipe = getattr(self, "coat_recipe", None) or resolve(None)
         b_s = hidden_states.shape[:-1]
         d = self.head_dim
+        uo = self.coat_unit_offset
         nw = norm.weight if norm is not None else None
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 0.0
+        eps = norm_eps(norm) if norm is not None else 0.0
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bases = [A.base_linear(p, n) for p, n in zip(projs, _QKV)]
         weights, biases, scales = [b.weight for b in bases], _bias_list(*bases), A.frozen_scales(bases)
         if A.any_delta(projs):  # LoRA: the adapters need the normed input itself (BF16, beside the FP8 GEMM)
-            y = rms_norm(hidden_states, nw, eps, recipe) if nw is not None else hidden_states
+            y = rms_norm(hidden_states, nw, eps, recipe, uo) if nw is not None else hidden_states
             qkv = A.add_deltas(norm_linear(y, None, 0.0, weights, biases, recipe, scales, flat=True), projs, _QKV, y)
         else:
-            qkv = norm_linear(hidden_states, nw, eps, weights, biases, recipe, scales)
+            qkv = norm_linear(hidden_states, nw, eps, weights, biases, recipe, scales, unit_offset=uo)
         cos, sin = position_embeddings
         hq, hk = bases[0].out_features // d, bases[1].out_features // d
-        if hasattr(self, "q_norm"):  # Qwen3: per-head norms between the projection and RoPE
+        if hasattr(self, "q_norm"):  # Qwen3, Gemma 3: per-head norms between the projection and RoPE
             q, k, v = qkv.split([b.out_features for b in bases], dim=-1)
-            q = rms_norm(q.view(*b_s, hq, d), self.q_norm.weight, self.q_norm.variance_epsilon, recipe)
-            k = rms_norm(k.view(*b_s, hk, d), self.k_norm.weight, self.k_norm.variance_epsilon, recipe)
+            q = rms_norm(q.view(*b_s, hq, d), self.q_norm.weight, norm_eps(self.q_norm), recipe, uo)
+            k = rms_norm(k.view(*b_s, hk, d), self.k_norm.weight, norm_eps(self.k_norm), recipe, uo)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.reshape(*b_s, hk, d).contiguous()
         else:  # new tensors (not views of qkv): attention keeps q, k, v alive but not the QKV buffer

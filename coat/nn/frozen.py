@@ -48,14 +48,11 @@ import torch
 from torch import nn
 
 from .._ops import quantize as qops
+from ..models import GROUPS  # projections that share one GEMM (and so one per-tensor scale)
 from . import adapters as A
 from .recipe import ACT_DTYPE
 
 __all__ = ["freeze_to_fp8", "dequantize_frozen", "GROUPS"]
-
-# Projections that share one GEMM (and so one per-tensor scale).
-GROUPS = {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
-          "mlp": (("gate_proj", "up_proj"), ("down_proj",))}
 
 
 def _bases(layer: nn.Module, block: str, names) -> list[nn.Linear]:

@@ -41,18 +41,18 @@ def wgrad_dtype(w: torch.Tensor) -> torch.dtype:
     return w.dtype if w.dtype in _FLOATS else torch.float32
 
 
-def _recompute_bf16_norm(x2: torch.Tensor, norm_w: torch.Tensor, eps: float):
+def _recompute_bf16_norm(x2: torch.Tensor, norm_w: torch.Tensor, eps: float, unit_offset: bool):
     """Hugging Face's RMSNorm of the saved input, with a graph for its backward: (y, x, w)."""
     with torch.enable_grad():
         xr = x2.detach().requires_grad_()
         wr = norm_w.detach().requires_grad_()
-        return hf_rms_norm(xr, wr, eps), xr, wr
+        return hf_rms_norm(xr, wr, eps, unit_offset), xr, wr
 
 
 class _NormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, *params):
-        recipe, eps, n_w, cdt, cache, frozen_scales, flat = meta
+        recipe, eps, n_w, cdt, cache, frozen_scales, flat, unit_offset = meta
         weights, biases = params[:n_w], params[n_w:]
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
@@ -64,16 +64,16 @@ class _NormLinearFn(torch.autograd.Function):
         if (ctx.mode != "bf16norm" and not cache and frozen_scales is None and x2.shape[0]
                 and mm.one_call(x2, weights[0], (k, sum(w.shape[0] for w in weights)), cdt)):
             out, w_scale, s = blk.forward(x2, blk.NORM if fp8norm else blk.NONE, norm_w, eps, recipe.e8m0, weights,
-                                          need_wgrad, cdt, recipe.fast_accum_fwd)
+                                          need_wgrad, cdt, recipe.fast_accum_fwd, unit_offset=unit_offset)
             W.count("forward")
             saved = s if fp8norm else (None if s[0] is None else s[0].view(ACT_DTYPE), s[1])
         else:
             if fp8norm:
-                y, rstd, xq, xs = nops.rmsnorm_fwd(x2, norm_w, eps, True, ACT_DTYPE, recipe.e8m0)
+                y, rstd, xq, xs = nops.rmsnorm_fwd(x2, norm_w, eps, True, ACT_DTYPE, recipe.e8m0, unit_offset)
                 yq, _, ys = mm.quantize(y, ACT_DTYPE, False)
                 saved = (xq, xs, rstd)
             elif norm_w is not None:  # width not a multiple of 16: BF16 norm, input kept for recompute
-                y = hf_rms_norm(x2, norm_w, eps).contiguous()
+                y = hf_rms_norm(x2, norm_w, eps, unit_offset).contiguous()
                 yq, _, ys = mm.quantize(y, ACT_DTYPE, False)
                 saved = (x2,)
             else:  # the GEMM input itself, transposed for dW (not kept when no weight trains)
@@ -92,14 +92,14 @@ class _NormLinearFn(torch.autograd.Function):
             out = out + (biases[0] if len(biases) == 1 else torch.cat(biases)).to(cdt)
         # Parameters go through save_for_backward: an in-place change before backward is an error.
         ctx.save_for_backward(*saved, w_scale, norm_w, *weights)
-        ctx.meta = (recipe, eps, n_w, cdt, cache, len(saved))
+        ctx.meta = (recipe, eps, n_w, cdt, cache, len(saved), unit_offset)
         ctx.bias_meta = tuple((b.shape[0], b.dtype) for b in biases)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return out if flat else out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dout):
-        recipe, eps, n_w, cdt, cache, n_saved = ctx.meta
+        recipe, eps, n_w, cdt, cache, n_saved, unit_offset = ctx.meta
         tensors = ctx.saved_tensors
         saved, w_scale, norm_w, weights = tensors[:n_saved], tensors[n_saved], tensors[n_saved + 1], tensors[n_saved + 2:]
         n = dout.shape[-1]
@@ -114,10 +114,11 @@ class _NormLinearFn(torch.autograd.Function):
         if (ctx.mode != "bf16norm" and not cache and weights[0].dtype != ACT_DTYPE and m
                 and mm.one_call(d2, weights[0], (n, k, m) if need_w else (n, k), cdt, wdt if need_w else cdt)):
             dx, dnorm, dw = blk.backward(d2, blk.NORM if ctx.mode == "fp8norm" else blk.NONE, need_w, weights,
-                                         w_scale, (*saved, None)[:3], norm_w, ctx.x_dtype, wdt)
+                                         w_scale, (*saved, None)[:3], norm_w, ctx.x_dtype, wdt, unit_offset=unit_offset)
             W.count("backward")
         else:
-            dx, dnorm, dw = _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt, eps, wdt)
+            dx, dnorm, dw = _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt, (eps, unit_offset),
+                                            wdt)
         grads_w = [None] * n_w
         if need_w:
             grads_w = list(torch.split(dw, [w.shape[0] for w in weights], 0)) if n_w > 1 else [dw]
@@ -131,8 +132,10 @@ class _NormLinearFn(torch.autograd.Function):
         return (None, dx, dnorm, *grads_w, *grads_b)
 
 
-def _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt, eps, wdt):
-    """The block's backward op by op (every case the one-call path does not take): (dx, dnorm, dw)."""
+def _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt, norm_kind, wdt):
+    """The block's backward op by op (every case the one-call path does not take): (dx, dnorm, dw).
+    ``norm_kind``: (eps, unit_offset) of the norm."""
+    eps, unit_offset = norm_kind
     dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
     if S.active is not None:
         S.active.record(weights, "dy", d2, ds, GRAD_DTYPE)
@@ -144,9 +147,9 @@ def _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt
         # The GEMM input for dW, recomputed from what was saved.
         if ctx.mode == "fp8norm":
             xq, xs, rstd = saved
-            y = nops.rmsnorm_fwd_fp8(xq, xs, rstd, norm_w, ctx.x_dtype)
+            y = nops.rmsnorm_fwd_fp8(xq, xs, rstd, norm_w, ctx.x_dtype, unit_offset)
         elif ctx.mode == "bf16norm":
-            norm_graph = _recompute_bf16_norm(saved[0], norm_w, eps)
+            norm_graph = _recompute_bf16_norm(saved[0], norm_w, eps, unit_offset)
             y = norm_graph[0].detach().contiguous()
         if ctx.mode != "none":
             _, y_t, ys = mm.quantize(y, ACT_DTYPE, True)
@@ -159,9 +162,9 @@ def _backward_steps(ctx, d2, need_w, saved, w_scale, norm_w, weights, cache, cdt
         del y_t
     if ctx.mode == "fp8norm":
         xq, xs, rstd = saved
-        return (*nops.rmsnorm_bwd(xq, xs, rstd, norm_w, dy), dw)
+        return (*nops.rmsnorm_bwd(xq, xs, rstd, norm_w, dy, unit_offset), dw)
     if ctx.mode == "bf16norm":  # the recompute of the dW input, or a fresh one when no weight trains
-        y, xr, wr = norm_graph if need_w else _recompute_bf16_norm(saved[0], norm_w, eps)
+        y, xr, wr = norm_graph if need_w else _recompute_bf16_norm(saved[0], norm_w, eps, unit_offset)
         return (*torch.autograd.grad(y, (xr, wr), dy.to(y.dtype)), dw)
     return dy, None, dw
 
@@ -175,8 +178,10 @@ def norm_linear(
     recipe: Fp8Recipe,
     frozen_scales: list[torch.Tensor] | None = None,
     flat: bool = False,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
     """``[rms_norm(x)] @ cat(weights).T + cat(biases)`` with FP8 GEMMs and the memory plan above.
+    ``unit_offset``: the norm is Gemma's, ``T(h * (1 + w))`` (``norm.hf_rms_norm``).
     ``biases`` is empty or has one entry per weight. ``frozen_scales``: the weights are FP8-frozen
     codes (``frozen.py``) with these scales. ``flat``: return the [tokens, N] output itself, not a
     view of it shaped like x (LoRA adapters then add into it in place)."""
@@ -188,5 +193,5 @@ def norm_linear(
         if w.dtype != weights[0].dtype:
             raise ValueError(f"fused weights must share one dtype, got {weights[0].dtype} and {w.dtype}")
     cache = frozen_scales is None and W.use_cache(recipe.weight_cache, weights)
-    meta = (recipe, float(eps), len(weights), compute_dtype(x), cache, frozen_scales, flat)
+    meta = (recipe, float(eps), len(weights), compute_dtype(x), cache, frozen_scales, flat, bool(unit_offset))
     return _NormLinearFn.apply(meta, x, norm_weight, *weights, *biases)

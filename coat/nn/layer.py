@@ -1,5 +1,7 @@
-"""Decoder-layer glue: the HF decoder layer's forward with each RMSNorm fused into the GEMM that
-consumes it (input_layernorm -> QKV, post_attention_layernorm -> gate/up). The residual stream
+"""Decoder-layer glue: the HF decoder layer's forward with each pre-block RMSNorm fused into the GEMM
+that consumes it (the family's ``attn_norm`` -> QKV, ``mlp_norm`` -> gate/up), and the family's
+sandwich norms (Gemma 3: on each block's output before the residual add) as FP8-saved norms. Which
+norm is which comes from the layer's family (``coat.models``), set at convert. The residual stream
 stays in its own dtype; residual adds save nothing."""
 
 from __future__ import annotations
@@ -8,7 +10,9 @@ import functools
 
 import torch
 
+from ..models import LLAMA
 from ._cache import pop_cache
+from .norm import norm_eps, rms_norm
 
 
 @functools.cache
@@ -20,10 +24,21 @@ def _fsdp_module_type():
     return FSDPModule
 
 
+def _out_norm(layer, name: str | None, h: torch.Tensor, unit_offset: bool) -> torch.Tensor:
+    """A sandwich norm on a block's output (none: h itself)."""
+    if name is None:
+        return h
+    norm = getattr(layer, name)
+    return rms_norm(h, norm.weight, norm_eps(norm), getattr(layer.self_attn, "coat_recipe", None), unit_offset)
+
+
 class Fp8DecoderLayerMixin:
+    coat_family = LLAMA
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
         cache = pop_cache(kwargs, cache)  # transformers' name for it: ``cache`` or ``past_key_values``
+        fam = self.coat_family
         recipe = getattr(self.self_attn, "coat_recipe", None)
         if recipe is not None and recipe.weight_cache and isinstance(self, _fsdp_module_type()):
             raise ValueError(
@@ -38,8 +53,8 @@ class Fp8DecoderLayerMixin:
             cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
-            norm=self.input_layernorm,
+            norm=getattr(self, fam.attn_norm),
             **kwargs,
         )
-        h = residual + h
-        return h + self.mlp(h, norm=self.post_attention_layernorm)
+        h = residual + _out_norm(self, fam.attn_out_norm, h, fam.unit_offset)
+        return h + _out_norm(self, fam.mlp_out_norm, self.mlp(h, norm=getattr(self, fam.mlp_norm)), fam.unit_offset)

@@ -210,7 +210,7 @@ def _add_wgrad_fp8_(acc: torch.Tensor, dq_t, ds, y_t, ys, slice_bytes: int) -> N
 class _NormHeadCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, weight, labels, num_items):
-        eps, ignore_index, chunk_bytes, cdt, fp8, grad_on = meta
+        (eps, unit_offset), ignore_index, chunk_bytes, cdt, fp8, grad_on = meta
         # Inside forward grad mode is always off and needs_input_grad ignores an outer no_grad:
         # the caller's grad mode arrives in meta.
         need_x, need_nw, need_w = (grad_on and bool(n) for n in ctx.needs_input_grad[1:4])
@@ -219,7 +219,7 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
         dev = x.device
         dx = dnw = dw = None
         with _no_autocast(dev):
-            yc = (hf_rms_norm(x, norm_w, eps) if norm_w is not None else x).to(cdt)
+            yc = (hf_rms_norm(x, norm_w, eps, unit_offset) if norm_w is not None else x).to(cdt)
             wc = weight.to(cdt)
             valid = labels != ignore_index
             safe = torch.where(valid, labels, 0)
@@ -273,7 +273,7 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
                 dw = _finished_wgrad(acc, dw, weight, wdt)
                 del acc
             if need_dy:
-                dx, dnw = _norm_grads(x, norm_w, eps, dy, need_x, need_nw)
+                dx, dnw = _norm_grads(x, norm_w, (eps, unit_offset), dy, need_x, need_nw)
                 del dy
         # Finished gradients, handed to backward as plain attributes (not saved tensors: they are
         # no activations, and backward scales them in place and gives them away).
@@ -303,10 +303,10 @@ def _finished_wgrad(acc: torch.Tensor | None, dw: torch.Tensor | None, weight: t
     return dw
 
 
-def _norm_grads(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, dy: torch.Tensor, need_x: bool,
-                need_nw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _norm_grads(x: torch.Tensor, norm_w: torch.Tensor | None, norm: tuple[float, bool], dy: torch.Tensor,
+                need_x: bool, need_nw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dx, d(norm weight)) from dY, the gradient of the final norm's output: the norm's backward,
-    recomputed with autograd on the saved input (no norm: dx is dY)."""
+    recomputed with autograd on the saved input (no norm: dx is dY). ``norm``: (eps, unit_offset)."""
     if norm_w is None:
         return dy.to(x.dtype), None
     # The recomputed norm's graph lives only for the next line: identity hooks keep
@@ -314,7 +314,7 @@ def _norm_grads(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, dy: to
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
         xr = x.detach().requires_grad_(need_x)
         wr = norm_w.detach().requires_grad_(need_nw)
-        yr = hf_rms_norm(xr, wr, eps)
+        yr = hf_rms_norm(xr, wr, *norm)
     wanted = [tt for tt, n in ((xr, need_x), (wr, need_nw)) if n]
     got = list(torch.autograd.grad(yr, wanted, dy.to(yr.dtype)))
     del yr
@@ -377,6 +377,7 @@ def fused_lm_head_loss(
     *,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    norm_unit_offset: bool = False,
     ignore_index: int = -100,
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
@@ -385,7 +386,8 @@ def fused_lm_head_loss(
 ) -> torch.Tensor:
     """Hugging Face's causal-LM loss of ``lm_head(norm(hidden))`` without materializing the logits.
 
-    ``hidden``: [..., H], the final norm's input (or its output when ``norm_weight`` is None).
+    ``hidden``: [..., H], the final norm's input (or its output when ``norm_weight`` is None);
+    ``norm_unit_offset``: the final norm is Gemma's, ``T(h * (1 + w))``, not Llama's ``w * T(h)``.
     ``lm_head_weight``: [V, H]. ``labels``: the inputs' token ids ([...], shifted here as Hugging
     Face does), or None with ``shift_labels`` (already aligned with ``hidden``). Returns the fp32
     scalar loss: the mean over non-ignored positions, or their sum / ``num_items_in_batch``.
@@ -438,5 +440,5 @@ def fused_lm_head_loss(
                          "formed before GradScaler scales them and would underflow): train in bfloat16 "
                          "(torch.autocast(dtype=torch.bfloat16) or model.to(torch.bfloat16)), or set "
                          "model.coat_fused_loss = False to use Hugging Face's unfused loss")
-    meta = (float(eps), ignore_index, int(chunk_mib * 2**20), cdt, fp8_backward, torch.is_grad_enabled())
+    meta = ((float(eps), bool(norm_unit_offset)), ignore_index, int(chunk_mib * 2**20), cdt, fp8_backward, torch.is_grad_enabled())
     return _NormHeadCrossEntropyFn.apply(meta, x2, norm_weight, lm_head_weight, lab, num_items_in_batch)

@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import models
 from ._cache import cache_name, pop_cache
 from .lm_head_loss import DEFAULT_CHUNK_MIB, fused_lm_head_loss
+from .norm import norm_eps
 from .packed_check import _UnpackedPositions
 
 __all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss", "install_fused_loss", "FusedCausalLMLossMixin"]
@@ -70,6 +72,7 @@ class FusedCausalLMLossMixin:
     coat_fused_loss: bool = True
     coat_loss_chunk_mib: float = DEFAULT_CHUNK_MIB
     coat_loss_fp8_backward: bool = False
+    coat_norm_unit_offset: bool = False  # the final norm is Gemma's (set by install_fused_loss)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
@@ -107,10 +110,9 @@ class FusedCausalLMLossMixin:
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  inputs_embeds=inputs_embeds, use_cache=use_cache, **{name: cache}, **kwargs)
         hidden = _slice_to_keep(outputs.last_hidden_state, logits_to_keep)
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         loss = fused_lm_head_loss(
             hidden, self.lm_head.weight, labels,
-            norm_weight=norm.weight if fuse_norm else None, eps=eps,
+            norm_weight=norm.weight if fuse_norm else None, eps=norm_eps(norm), norm_unit_offset=self.coat_norm_unit_offset,
             ignore_index=kwargs.get("ignore_index", -100),
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             shift_labels=kwargs.get("shift_labels"),
@@ -123,7 +125,7 @@ class FusedCausalLMLossMixin:
         return out if return_dict else out.to_tuple()
 
 
-_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_HF_MODULES = tuple(f.module_path for f in models.FAMILIES)
 
 
 def __getattr__(name: str) -> type:
@@ -137,9 +139,9 @@ def __getattr__(name: str) -> type:
         base_name, mixin = name, FusedCausalLMLossMixin
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    for model_type in _HF_MODEL_TYPES:
+    for module_path in _HF_MODULES:
         try:
-            mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+            mod = importlib.import_module(module_path)
         except ImportError:
             continue
         base = getattr(mod, base_name, None)
@@ -164,8 +166,8 @@ def _subclass(cls: type, mixin: type, name: str) -> type:
 
 def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB,
                        fp8_backward: bool = False) -> nn.Module:
-    """Makes ``model(..., labels=...)`` of a Hugging Face Llama/Mistral/Qwen2/Qwen3 causal LM (or a
-    PEFT model around one) compute its loss with ``fused_lm_head_loss`` (final norm + LM head +
+    """Makes ``model(..., labels=...)`` of a Hugging Face causal LM of a family in ``coat.models`` (or
+    a PEFT model around one) compute its loss with ``fused_lm_head_loss`` (final norm + LM head +
     cross-entropy, chunked), in place; returns the model. Parameters, state-dict keys and the class
     name (which ``save_pretrained`` records) stay as they were; ``torch.save(model)`` loads in a
     fresh process. A head something wraps at call time (a PEFT adapter or ``modules_to_save`` on
@@ -195,10 +197,15 @@ def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB
         raise ValueError("install_fused_loss supports LM heads without bias")
     if getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
         raise ValueError("install_fused_loss does not support final_logit_softcapping")
-    if not hasattr(norm, "variance_epsilon") and not hasattr(norm, "eps"):
-        raise ValueError(f"{type(norm).__name__} has no variance_epsilon/eps: not an RMSNorm")
+    norm_eps(norm)  # refuses a norm that is no RMSNorm
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fam = models.by_model_type(model_type)
+    if fam is None:  # the final norm's arithmetic is the family's: unknown, it could be computed wrong
+        raise ValueError(f"install_fused_loss supports {models.names()} models; got {type(model).__name__}"
+                         + (f" (model_type={model_type!r})" if model_type else ""))
     norm.__class__ = _subclass(type(norm), _DeferrableNormMixin, "Deferrable" + type(norm).__name__)
     model.__class__ = _subclass(type(model), FusedCausalLMLossMixin, type(model).__name__)
+    model.coat_norm_unit_offset = fam.unit_offset
     model.coat_fused_loss = True
     model.coat_loss_chunk_mib = float(chunk_mib)
     model.coat_loss_fp8_backward = fp8_backward

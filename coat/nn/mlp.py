@@ -1,4 +1,4 @@
-"""SwiGLU MLP (Llama family) with the FP8 precision flow.
+"""Gated MLP (SwiGLU: Llama, Mistral, Qwen; GeGLU with tanh GeLU: Gemma 3) with the FP8 precision flow.
 
 gate/up run as ONE GEMM over [W_gate; W_up] (the norm before it fused, see ``fused.py``); the
 SwiGLU and the down projection are one autograd block that saves only the gate/up output in FP8
@@ -20,7 +20,7 @@ from . import adapters as A
 from . import stats as S
 from . import weights as W
 from .fused import compute_dtype, norm_linear, wgrad_dtype
-from .norm import rms_norm
+from .norm import norm_eps, rms_norm
 from .recipe import ACT_DTYPE, GRAD_DTYPE, Fp8Recipe, resolve
 
 
@@ -28,15 +28,26 @@ def fp8_swiglu_ok(inter: int) -> bool:
     return inter > 0 and inter % sops.GROUP == 0
 
 
-def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+#: The gated activations (``coat.models.family.ACTIVATIONS``' values) -> the kernels' ids.
+ACT_IDS = {"silu": sops.SILU, "gelu_tanh": sops.GELU_TANH}
+
+
+def _act_id(act: str) -> int:
+    if act not in ACT_IDS:
+        raise ValueError(f"act must be one of {tuple(ACT_IDS)}, got {act!r}")
+    return ACT_IDS[act]
+
+
+def _gated(gu: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up in gu's dtype, as Hugging Face's MLPs compute it (the reference and the fallback)."""
     g, u = gu.chunk(2, -1)
-    return F.silu(g) * u
+    return (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
 
 
 class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, gu, w_down, b_down):
-        recipe, cdt, cache, w_scale = meta
+        recipe, cdt, cache, w_scale, act = meta
         i2 = gu.shape[-1]
         gu2 = gu.reshape(-1, i2)
         if not gu2.is_contiguous():
@@ -45,15 +56,15 @@ class _SwiGLUDownFn(torch.autograd.Function):
         if (ctx.fp8 and not cache and w_scale is None and gu2.shape[0]
                 and mm.one_call(gu2, w_down, (i2 // 2, w_down.shape[0]), cdt)):
             out, scale, (q, s, _) = blk.forward(gu2, blk.SWIGLU, None, 0.0, recipe.e8m0, (w_down,), False, cdt,
-                                                recipe.fast_accum_fwd)
+                                                recipe.fast_accum_fwd, act=ACT_IDS[act])
             W.count("forward")
             saved = (q, s)
         else:
             if ctx.fp8:
-                h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, recipe.e8m0)
+                h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, recipe.e8m0, ACT_IDS[act])
                 saved = (q, s)
             else:  # intermediate size not a multiple of 16: keep gate/up in its own dtype
-                h = _silu_mul(gu2)
+                h = _gated(gu2, act)
                 saved = (gu2,)
             hq, _, hs = mm.quantize(h, ACT_DTYPE, False)
             w8 = W.forward_weight((w_down,), cache, None if w_scale is None else (w_scale,))
@@ -74,7 +85,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        recipe, cdt, cache, _ = ctx.meta
+        recipe, cdt, cache, _, act = ctx.meta
         *saved, w_scale, w_down = ctx.saved_tensors
         d2 = dout.reshape(-1, dout.shape[-1])
         if d2.dtype != cdt:
@@ -87,16 +98,17 @@ class _SwiGLUDownFn(torch.autograd.Function):
                 and mm.one_call(d2, w_down, (d2.shape[1], inter, m) if need_w else (d2.shape[1], inter), cdt,
                                 wdt if need_w else cdt)):
             dgu, _, dw = blk.backward(d2, blk.SWIGLU, need_w, (w_down,), w_scale, (*saved, None), None, ctx.gu_dtype,
-                                      wdt)
+                                      wdt, act=ACT_IDS[act])
             W.count("backward")
         else:
-            dgu, dw = _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache, cdt, wdt)
+            dgu, dw = _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, (cache, act), cdt, wdt)
         db = d2.float().sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[3] else None
         return None, dgu.to(ctx.gu_dtype).reshape(ctx.gu_shape), dw, db
 
 
-def _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache, cdt, wdt):
+def _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache_act, cdt, wdt):
     """_SwiGLUDownFn's backward op by op (every case the one-call path does not take): (dgu, dw)."""
+    cache, act = cache_act
     dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
     if S.active is not None:
         S.active.record((w_down,), "dy", d2, ds, GRAD_DTYPE)
@@ -105,11 +117,11 @@ def _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache, 
     del w8_t, dq
     if ctx.fp8:
         q, s = saved
-        dgu, h = sops.swiglu_bwd(q, s, dh, need_w)
+        dgu, h = sops.swiglu_bwd(q, s, dh, need_w, ACT_IDS[act])
     else:
         with torch.enable_grad():
             gr = saved[0].detach().requires_grad_()
-            hr = _silu_mul(gr)
+            hr = _gated(gr, act)
         (dgu,) = torch.autograd.grad(hr, gr, dh.to(hr.dtype))
         h = hr.detach()
     del dh
@@ -125,12 +137,14 @@ def _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache, 
 
 
 def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor | None, recipe: Fp8Recipe,
-                w_scale: torch.Tensor | None = None):
-    """down_proj(silu(gate) * up) over a fused [.., 2I] gate/up tensor; ``w_scale``: w_down is
-    FP8-frozen codes with this scale (``frozen.py``)."""
+                w_scale: torch.Tensor | None = None, act: str = "silu"):
+    """down_proj(act(gate) * up) over a fused [.., 2I] gate/up tensor; ``w_scale``: w_down is
+    FP8-frozen codes with this scale (``frozen.py``); ``act``: "silu" or "gelu_tanh"."""
     if gate_up.shape[-1] % 2 or w_down.dim() != 2 or w_down.shape[1] * 2 != gate_up.shape[-1]:
         raise ValueError(f"gate_up of width {gate_up.shape[-1]} does not match down_proj {tuple(w_down.shape)}")
-    meta = (recipe, compute_dtype(gate_up), w_scale is None and W.use_cache(recipe.weight_cache, (w_down,)), w_scale)
+    _act_id(act)
+    meta = (recipe, compute_dtype(gate_up), w_scale is None and W.use_cache(recipe.weight_cache, (w_down,)), w_scale,
+            act)
     return _SwiGLUDownFn.apply(meta, gate_up, w_down, b_down)
 
 
@@ -143,62 +157,68 @@ def _bias_list(*linears: nn.Linear) -> list[torch.Tensor]:
 
 
 class _SwiGLUFn(torch.autograd.Function):
-    """silu(gate) * up alone, saving gate/up in FP8 (1 x 16 groups): the MLP's path when down_proj
+    """act(gate) * up alone, saving gate/up in FP8 (1 x 16 groups): the MLP's path when down_proj
     carries a LoRA adapter, which needs the activation itself as its input."""
 
     @staticmethod
-    def forward(ctx, gu, e8m0):
+    def forward(ctx, gu, e8m0, act_id):
         gu2 = gu.reshape(-1, gu.shape[-1])
         if not gu2.is_contiguous():
             gu2 = gu2.contiguous()
-        h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, e8m0)
+        h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, e8m0, act_id)
         ctx.save_for_backward(q, s)
-        ctx.gu_shape = gu.shape
+        ctx.gu_shape, ctx.act_id = gu.shape, act_id
         return h.reshape(*gu.shape[:-1], h.shape[-1])
 
     @staticmethod
     def backward(ctx, dh):
         q, s = ctx.saved_tensors
-        dgu, _ = sops.swiglu_bwd(q, s, dh.reshape(-1, dh.shape[-1]).contiguous(), False)
-        return dgu.reshape(ctx.gu_shape), None
+        dgu, _ = sops.swiglu_bwd(q, s, dh.reshape(-1, dh.shape[-1]).contiguous(), False, ctx.act_id)
+        return dgu.reshape(ctx.gu_shape), None, None
 
 
-def swiglu(gate_up: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
-    """silu(gate) * up over a fused [.., 2I] gate/up tensor, its input saved in FP8 where I % 16 == 0."""
+def swiglu(gate_up: torch.Tensor, recipe: Fp8Recipe, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up over a fused [.., 2I] gate/up tensor, its input saved in FP8 where I % 16 == 0."""
+    act_id = _act_id(act)
     if fp8_swiglu_ok(gate_up.shape[-1] // 2):
-        return _SwiGLUFn.apply(gate_up, recipe.e8m0)
-    return _silu_mul(gate_up)
+        return _SwiGLUFn.apply(gate_up, recipe.e8m0, act_id)
+    return _gated(gate_up, act)
 
 
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 
 
 class Fp8SwiGLUMixin:
-    """forward() of an FP8 SwiGLU MLP over HF's ``gate_proj``/``up_proj``/``down_proj`` linears.
-    ``norm`` (an RMSNorm module whose ``weight`` and ``variance_epsilon`` are used) fuses the
-    preceding norm so its output is never saved. PEFT LoRA adapters on any of the three add their
-    outputs beside the FP8 GEMMs (``adapters.py``)."""
+    """forward() of an FP8 gated MLP over HF's ``gate_proj``/``up_proj``/``down_proj`` linears.
+    ``norm`` (an RMSNorm module: its ``weight`` and epsilon) fuses the preceding norm so its output
+    is never saved. ``coat_act`` ("silu", "gelu_tanh") and ``coat_unit_offset`` (the norm's
+    arithmetic) come from the model family at convert. PEFT LoRA adapters on any of the three add
+    their outputs beside the FP8 GEMMs (``adapters.py``)."""
+
+    coat_act = "silu"
+    coat_unit_offset = False
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         recipe = getattr(self, "coat_recipe", None) or resolve(None)
+        act, uo = self.coat_act, self.coat_unit_offset
         nw = norm.weight if norm is not None else None
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) if norm is not None else 0.0
+        eps = norm_eps(norm) if norm is not None else 0.0
         gate_up = (self.gate_proj, self.up_proj)
         bg, bu = (A.base_linear(m, n) for m, n in zip(gate_up, _GATE_UP))
         bd = A.base_linear(self.down_proj, "mlp.down_proj")
         gu_w, gu_b, gu_s = [bg.weight, bu.weight], _bias_list(bg, bu), A.frozen_scales((bg, bu))
         if A.any_delta(gate_up):  # LoRA: the adapters need the normed input itself
-            y = rms_norm(x, nw, eps, recipe) if nw is not None else x
+            y = rms_norm(x, nw, eps, recipe, uo) if nw is not None else x
             gu = A.add_deltas(norm_linear(y, None, 0.0, gu_w, gu_b, recipe, gu_s, flat=True), gate_up, _GATE_UP, y)
         else:
-            gu = norm_linear(x, nw, eps, gu_w, gu_b, recipe, gu_s)
+            gu = norm_linear(x, nw, eps, gu_w, gu_b, recipe, gu_s, unit_offset=uo)
         d_s = A.frozen_scales((bd,))
         if A.has_delta(self.down_proj):
-            h = swiglu(gu, recipe)
+            h = swiglu(gu, recipe, act)
             out = norm_linear(h, None, 0.0, [bd.weight], [bd.bias] if bd.bias is not None else [], recipe, d_s,
                               flat=True)
             return A.add_deltas(out, (self.down_proj,), ("mlp.down_proj",), h)
-        return swiglu_down(gu, bd.weight, bd.bias, recipe, None if d_s is None else d_s[0])
+        return swiglu_down(gu, bd.weight, bd.bias, recipe, None if d_s is None else d_s[0], act)
 
 
 class Fp8SwiGLUMLP(Fp8SwiGLUMixin, nn.Module):

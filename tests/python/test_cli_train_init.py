@@ -18,7 +18,7 @@ from coat.cli.main import main
 from coat.cli.train import train
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 TEXTS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)]
 
 
@@ -41,7 +41,7 @@ def make_checkpoint(folder: Path, model_type: str, tokenizer: bool = True) -> Pa
 
     kw = dict(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "gemma3_text"):
         kw["head_dim"] = 16
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))

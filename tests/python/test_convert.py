@@ -1,4 +1,4 @@
-"""coat.convert on tiny Llama / Mistral / Qwen2 / Qwen3 models built from configs (no downloads):
+"""coat.convert on tiny Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 models built from configs (no downloads):
 numerics against the unconverted model, checkpoints, generate, padding, gradient checkpointing,
 torch.compile and bad input. CPU path (FP8 GEMMs emulated exactly)."""
 
@@ -23,11 +23,21 @@ def _cfg(kind, hidden, heads, kv, inter, **kw):
         return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=8, **common))
     if kind == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    if kind == "gemma3":
+        m = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"], **common))
+        with torch.no_grad():  # Gemma's norms start at w = 0 (a scale of 1 + w): make the offset count
+            for n, p in m.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
+        return m
     return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=hidden // heads, **common))
 
 
 # (arch, hidden, heads, kv heads, intermediate): GQA everywhere, no powers of two
-MODELS = [("llama", 48, 3, 1, 80), ("mistral", 80, 5, 5, 144), ("qwen2", 96, 6, 2, 176), ("qwen3", 96, 3, 1, 112)]
+MODELS = [("llama", 48, 3, 1, 80), ("mistral", 80, 5, 5, 144), ("qwen2", 96, 6, 2, 176), ("qwen3", 96, 3, 1, 112),
+          ("gemma3", 64, 4, 2, 96)]
 
 
 def _pair(arch, hidden, heads, kv, inter, dtype=torch.float32):
@@ -55,8 +65,10 @@ def test_logits_loss_grads_close(spec, gen):
     assert max(errs.values()) < 0.30, errs
     if spec[0] == "qwen2":
         assert m.model.layers[0].self_attn.q_proj.bias.grad is not None
-    if spec[0] == "qwen3":
+    if spec[0] in ("qwen3", "gemma3"):
         assert m.model.layers[0].self_attn.q_norm.weight.grad is not None
+    if spec[0] == "gemma3":  # the sandwich norms train
+        assert m.model.layers[0].post_feedforward_layernorm.weight.grad is not None
 
 
 def test_bf16_model_and_state_dict_keys(tmp_path, gen):
