@@ -40,6 +40,15 @@ MODELS = [("llama", 48, 3, 1, 80), ("mistral", 80, 5, 5, 144), ("qwen2", 96, 6, 
           ("gemma3", 64, 4, 2, 96)]
 
 
+def logits_tol(arch: str) -> float:
+    """Relative logits error allowed for a tiny random model. Gemma 3's sandwich norms scale each
+    block's output (and its FP8 error, ~6-11 % for one block here, as in the other families) to the
+    size of the residual stream, where in the other families the residual dilutes it: measured
+    0.09-0.13 over seeds for the tiny Gemma 3 (0.03-0.07 for the others; Gemma 3 1B's layer shapes
+    on the GPU stay under 0.10, test_families.py)."""
+    return 0.15 if arch == "gemma3" else 0.10
+
+
 def _pair(arch, hidden, heads, kv, inter, dtype=torch.float32):
     torch.manual_seed(0)
     ref = _cfg(arch, hidden, heads, kv, inter).to(dtype)
@@ -58,7 +67,7 @@ def test_logits_loss_grads_close(spec, gen):
     # models have no structure to average it out; measured here: logits 3-6 %, grads 7-15 %):
     # logits 10 %, loss 1 %, every gradient 30 %.
     with torch.no_grad():
-        assert rel(m(input_ids=ids).logits, r.logits) < 0.10
+        assert rel(m(input_ids=ids).logits, r.logits) < logits_tol(spec[0])
     assert abs(out.loss.item() - r.loss.item()) < 0.01 * r.loss.item()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     errs = {n: rel(p.grad, grads[n]) for n, p in m.named_parameters()}
@@ -219,7 +228,7 @@ def test_gpu_bf16_close_to_hf(spec, gen):
     out.loss.backward()
     r.loss.backward()
     with torch.no_grad():
-        assert rel(m(input_ids=ids).logits, r.logits) < 0.10
+        assert rel(m(input_ids=ids).logits, r.logits) < logits_tol(spec[0])
     assert abs(out.loss.item() - r.loss.item()) < 0.02 * r.loss.item()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     errs = {n: rel(p.grad, grads[n]) for n, p in m.named_parameters()}
