@@ -16,6 +16,7 @@ from __future__ import annotations
 from torch import nn
 
 from . import models
+from .integrations import transformers as hf
 from .models import GROUPS, Family
 from .nn import adapters
 from .nn.attention import Fp8AttentionMixin
@@ -27,40 +28,26 @@ from .nn.recipe import Fp8Recipe, resolve
 
 #: model_type -> decoder layer class name.
 SUPPORTED = {t: f.layer_class for f in models.FAMILIES for t in f.model_types}
-_SUBCLASSES: dict = {}
-
-
 _MIXIN_BY_SUFFIX = (("DecoderLayer", Fp8DecoderLayerMixin), ("Attention", Fp8AttentionMixin), ("MLP", Fp8SwiGLUMixin))
-_HF_MODULES = {f.hf_module: f.module_path for f in models.FAMILIES}
+
+
+def _parse(name: str):
+    """Fp8<transformers class> -> (its class name, the mixin its suffix calls for, attributes)."""
+    if name.startswith("Fp8"):
+        for suffix, mixin in _MIXIN_BY_SUFFIX:
+            if name.endswith(suffix):
+                return name[3:], mixin, lambda base: {"_coat_hf_module": base.__module__}
+    return None
 
 
 def __getattr__(name: str) -> type:
     """Rebuilds a converted class by name, so that ``torch.save(model)`` of a converted model loads in
-    a process that has not converted anything yet (pickle finds classes as module attributes)."""
-    import importlib
-
-    if name.startswith("Fp8"):
-        base_name = name[3:]
-        for suffix, mixin in _MIXIN_BY_SUFFIX:
-            if base_name.endswith(suffix):
-                for mod_name in _HF_MODULES.values():
-                    base = getattr(importlib.import_module(mod_name), base_name, None)
-                    if base is not None:
-                        return _subclass(base, mixin)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    a process that has not converted anything yet (``coat.integrations.transformers``)."""
+    return hf.rebuild(__name__, name, _parse)
 
 
 def _subclass(cls: type, mixin: type) -> type:
-    if issubclass(cls, mixin):
-        return cls
-    key = (cls, mixin)
-    if key not in _SUBCLASSES:
-        name = "Fp8" + cls.__name__
-        sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name,
-                                        "_coat_hf_module": cls.__module__})
-        _SUBCLASSES[key] = sub
-        globals()[name] = sub  # lets pickle find the class in a process that converted the same model
-    return _SUBCLASSES[key]
+    return hf.subclass(cls, mixin, "Fp8" + cls.__name__, __name__, {"_coat_hf_module": cls.__module__})
 
 
 def _check_layer(layer: nn.Module, fam: Family, prefix: str) -> str:

@@ -17,15 +17,13 @@ import torch
 from torch import nn
 
 from .. import models
+from ..integrations import transformers as hf
+from ..integrations.packed_check import _UnpackedPositions
 from ._cache import cache_name, pop_cache
 from .lm_head_loss import DEFAULT_CHUNK_MIB, fused_lm_head_loss
 from .norm import norm_eps
-from .packed_check import _UnpackedPositions
 
 __all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss", "install_fused_loss", "FusedCausalLMLossMixin"]
-
-_SUBCLASSES: dict = {}
-
 
 def _slice_to_keep(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
     try:  # transformers >= 5 (also takes boolean / per-sample position tensors)
@@ -125,43 +123,24 @@ class FusedCausalLMLossMixin:
         return out if return_dict else out.to_tuple()
 
 
-_HF_MODULES = tuple(f.module_path for f in models.FAMILIES)
+def _parse(name: str):
+    """An installed class's name -> (its transformers class name, mixin, class attributes)."""
+    if name.startswith("Deferrable"):
+        return name[len("Deferrable"):], _DeferrableNormMixin, None
+    if name.endswith("ForCausalLM"):
+        return name, FusedCausalLMLossMixin, lambda base: {"_coat_cache_kw": cache_name(base.forward)}
+    return None
 
 
 def __getattr__(name: str) -> type:
     """Rebuilds an installed class by name, so that ``torch.save(model)`` of a model with the fused
-    loss loads in a process that has not installed it (pickle finds classes as module attributes)."""
-    import importlib
-
-    if name.startswith("Deferrable"):
-        base_name, mixin = name[len("Deferrable"):], _DeferrableNormMixin
-    elif name.endswith("ForCausalLM"):
-        base_name, mixin = name, FusedCausalLMLossMixin
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    for module_path in _HF_MODULES:
-        try:
-            mod = importlib.import_module(module_path)
-        except ImportError:
-            continue
-        base = getattr(mod, base_name, None)
-        if isinstance(base, type) and issubclass(base, nn.Module):
-            return _subclass(base, mixin, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    loss loads in a process that has not installed it (``coat.integrations.transformers``)."""
+    return hf.rebuild(__name__, name, _parse)
 
 
 def _subclass(cls: type, mixin: type, name: str) -> type:
-    if issubclass(cls, mixin):
-        return cls
-    key = (cls, mixin)
-    if key not in _SUBCLASSES:
-        attrs = {"__module__": __name__, "__qualname__": name}
-        if mixin is FusedCausalLMLossMixin:
-            attrs["_coat_cache_kw"] = cache_name(cls.forward)
-        sub = type(name, (mixin, cls), attrs)
-        _SUBCLASSES[key] = sub
-        globals().setdefault(name, sub)  # lets pickle find the class in a process that installed it
-    return _SUBCLASSES[key]
+    attrs = {"_coat_cache_kw": cache_name(cls.forward)} if mixin is FusedCausalLMLossMixin else None
+    return hf.subclass(cls, mixin, name, __name__, attrs)
 
 
 def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB,
