@@ -29,13 +29,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, fused_loss_transient, layer_saved,
-                                     outside_saved)
+from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, fused_loss_transient, saved_constants,
+                                     layer_saved, outside_saved)
 from coat.memory_recipes import COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe
 from coat.memory_shapes import MODEL_TYPES, PRESETS, ModelShape, load_shape
 
 __all__ = ["GiB", "MiB", "MODEL_TYPES", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
-           "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "outside_saved",
+           "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "saved_constants", "outside_saved",
            "fused_loss_transient", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan", "max_batch",
            "GPU_RATES", "OPTIMIZER_BYTES", "step_time_floor", "rates_for"]
 
@@ -101,8 +101,9 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     adapters = s.lora_params(LORA_RANK) if rec.lora else 0
     weights, master, states, grads = _persistent(s, rec, gpus, adapters)
     layer_ops = layer_saved(s, table)
-    per_layer = sum(b for _, b in layer_ops) * t
-    outside = sum(b for _, b in outside_saved(s, table, rec.fused_loss)) * t
+    const_layer, const_outside = saved_constants(s, table, rec.fused_loss)
+    per_layer = sum(b for _, b in layer_ops) * t + const_layer
+    outside = sum(b for _, b in outside_saved(s, table, rec.fused_loss)) * t + const_outside
 
     # Transients at the start of backward (the fused loss: at the end of its forward), beyond what is saved.
     head = s.head_params or s.embed_params

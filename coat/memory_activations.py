@@ -21,24 +21,48 @@ def _norm(width: int, rows: int, table: str) -> float:
     return 4 * width + 4 * rows + 2 * width
 
 
+def _hf_norm(shape: ModelShape, width: int, rows: int, table: str) -> float:
+    """A Hugging Face norm of ``shape``'s family: Gemma 3's keeps its input's fp32 copy, rstd and the
+    fp32 normalized tensor (it multiplies by 1 + w in fp32) whatever the input's dtype."""
+    return 8 * width + 4 * rows if shape.gemma else _norm(width, rows, table)
+
+
+def saved_constants(shape: ModelShape, table: str, fused_loss: bool) -> tuple[float, float]:
+    """Bytes saved whatever the token count, (per decoder layer, outside the layers): Gemma 3's
+    Hugging Face norms each keep their fp32 1 + w (4 norms of the hidden width and the q and k norms
+    of the head width per layer; the final norm, unless the fused loss applies it)."""
+    if not (shape.gemma and table in ("hf-bf16", "hf-amp")):
+        return 0.0, 0.0
+    per_layer = 4.0 * (4 * shape.hidden + (2 * shape.head_dim if shape.qk_norm else 0))
+    return per_layer, 0.0 if fused_loss else 4.0 * shape.hidden
+
+
 def _fp8_norm_input(width: int, rows: int) -> float:
     """coat's fused/FP8 RMSNorm: E4M3 input, fp32 scale per 16, fp32 rstd per row."""
     return width + width / 16 * 4 + 4 * rows
 
 
 def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
-    """(op, bytes per token) saved by one decoder layer."""
+    """(op, bytes per token) saved by one decoder layer (``saved_constants``: what it saves per call)."""
     h, q, kv, i, nh = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate, shape.heads
     sdpa = 2 * q + 4 * kv + 2 * q + 4 * nh  # q, k, v, out (bf16), log-sum-exp (fp32 per head)
+    gated = "GeGLU (gate, gelu, up, product)" if shape.gemma else "SwiGLU (gate, silu, up, product)"
     if table in ("hf-bf16", "hf-amp"):
         casts = 1 if table == "hf-bf16" else 3  # under autocast each projection casts its input anew
-        ops = [("input RMSNorm", _norm(h, 1, table)), ("q/k/v input", 2 * h * casts)]
+        ops = [("input RMSNorm", _hf_norm(shape, h, 1, table)), ("q/k/v input", 2 * h * casts)]
         if shape.qk_norm:
-            ops.append(("q/k RMSNorm", _norm(q, nh, "hf-bf16") + _norm(kv, shape.kv_heads, "hf-bf16")))
-        ops += [("attention (SDPA)", sdpa), ("post-attention RMSNorm", _norm(h, 1, table)),
-                ("gate/up input", 2 * h * (1 if table == "hf-bf16" else 2)),
-                ("SwiGLU (gate, silu, up, product)", 8 * i)]
-        return ops
+            qk = _hf_norm(shape, q, nh, "hf-bf16") + _hf_norm(shape, kv, shape.kv_heads, "hf-bf16")
+            ops.append(("q/k RMSNorm", qk))
+        ops.append(("attention (SDPA)", sdpa))
+        if shape.gemma:  # sandwich norms on the attention output (bf16) and on the MLP output
+            ops += [("post-attention RMSNorm", _hf_norm(shape, h, 1, table)),
+                    ("pre-feed-forward RMSNorm", _hf_norm(shape, h, 1, table)),
+                    ("post-feed-forward RMSNorm", _hf_norm(shape, h, 1, table))]
+        else:
+            ops.append(("post-attention RMSNorm", _norm(h, 1, table)))
+        return ops + [("gate/up input", 2 * h * (1 if table == "hf-bf16" else 2)), (gated, 8 * i)]
+    if shape.gemma and table not in ("coat",):
+        raise ValueError(f"the memory plan has no {table!r} table for Gemma 3 yet (LoRA on Gemma 3 is not modeled)")
     if table == "hf-bf16-lora":
         # The base frozen: a norm keeps its fp32 input and rstd, not its output (its weight takes no
         # gradient), and no frozen projection keeps its input; each adapted projection keeps its own
@@ -57,8 +81,10 @@ def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
         if shape.qk_norm:
             ops.append(("q/k RMSNorm (FP8 input)", _fp8_norm_input(q, nh) + _fp8_norm_input(kv, shape.kv_heads)))
         ops += [("attention (SDPA)", sdpa), ("o_proj input (FP8, transposed)", q),
-                ("post-attention RMSNorm + gate/up (FP8 norm input)", _fp8_norm_input(h, 1)),
-                ("SwiGLU + down (FP8 gate/up, 1x16 scales)", 2 * i + 2 * i / 16 * 4)]
+                ("pre-MLP RMSNorm + gate/up (FP8 norm input)", _fp8_norm_input(h, 1)),
+                (gated.split(" (")[0] + " + down (FP8 gate/up, 1x16 scales)", 2 * i + 2 * i / 16 * 4)]
+        if shape.gemma:  # the sandwich norms: FP8-saved norms (coat/nn/layer.py)
+            ops += [("sandwich RMSNorms (FP8 input)", 2 * _fp8_norm_input(h, 1))]
         if table == "coat-lora":
             # The FP8-frozen base (coat/nn/frozen.py): o_proj keeps no input for a weight gradient;
             # the adapters (coat/nn/adapters.py) keep their bf16 inputs (q/k/v's and gate/up's shared,
@@ -81,7 +107,7 @@ def outside_saved(shape: ModelShape, table: str, fused_loss: bool) -> list[tuple
     if table == "hf-bf16-lora":  # a frozen final norm and LM head keep neither their output nor their input
         return [("token ids", 8.0), ("final RMSNorm (frozen)", 4.0 * h + 4), ("cross-entropy log-probabilities (fp32)",
                                                                               4.0 * v)]
-    return [("token ids and labels", 16.0), ("final RMSNorm", _norm(h, 1, resid)), ("LM head input", 2 * h),
+    return [("token ids and labels", 16.0), ("final RMSNorm", _hf_norm(shape, h, 1, resid)), ("LM head input", 2 * h),
             ("cross-entropy log-probabilities (fp32)", 4 * v)]
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: Model types whose decoder layers the saved-activation tables describe (the ones ``coat.convert`` takes).
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,13 @@ class ModelShape:
     qkv_bias: bool = False  # Qwen2
     o_bias: bool = False  # Llama attention_bias=True
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3
+    qk_norm: bool = False  # Qwen3, Gemma 3
     model_type: str = "llama"
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3: (1 + w) norms computed in fp32, a norm after each block too (sandwich)."""
+        return self.model_type == "gemma3_text"
 
     def __post_init__(self) -> None:
         for f in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"):
@@ -60,7 +65,7 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        extra = 2 * self.hidden  # the two RMSNorm weights
+        extra = (4 if self.gemma else 2) * self.hidden  # the RMSNorm weights (Gemma 3: sandwich norms)
         if self.qk_norm:
             extra += 2 * self.head_dim
         if self.qkv_bias:
@@ -97,7 +102,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "config") -> "ModelShape":
-        """From a Hugging Face ``config.json`` dictionary (Llama, Mistral, Qwen2, Qwen3)."""
+        """From a Hugging Face ``config.json`` dictionary (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text)."""
         mt = cfg.get("model_type")
         if mt not in MODEL_TYPES:
             raise ValueError(f"{name}: model_type {mt!r} is not one of {', '.join(MODEL_TYPES)}")
@@ -110,10 +115,10 @@ class ModelShape:
             name=cfg.get("_name_or_path") or name, hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
             heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads, intermediate=cfg["intermediate_size"],
             vocab=cfg["vocab_size"], head_dim=cfg.get("head_dim") or 0,
-            tied=bool(cfg.get("tie_word_embeddings", False)),
+            tied=bool(cfg.get("tie_word_embeddings", mt == "gemma3_text")),
             qkv_bias=bool(cfg.get("attention_bias", False)) or mt == "qwen2",
             o_bias=bool(cfg.get("attention_bias", False)) and mt in ("llama", "qwen3"),
-            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=mt == "qwen3", model_type=mt)
+            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=mt in ("qwen3", "gemma3_text"), model_type=mt)
 
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` fields that rebuild this shape with transformers (random init)."""
@@ -123,6 +128,9 @@ class ModelShape:
                    tie_word_embeddings=self.tied, mlp_bias=self.mlp_bias)
         if self.model_type in ("llama", "qwen3"):
             cfg["attention_bias"] = self.o_bias
+        if self.gemma:  # every layer global (the memory plan does not tell sliding layers apart)
+            cfg |= dict(query_pre_attn_scalar=self.head_dim, layer_types=["full_attention"] * self.layers)
+            del cfg["mlp_bias"]
         return cfg
 
 
@@ -142,6 +150,7 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in (
     _shape("mistral-7b", 4096, 32, 32, 8, 14336, 32000, model_type="mistral"),
     _shape("qwen2-7b", 3584, 28, 28, 4, 18944, 152064, qkv_bias=True, model_type="qwen2"),
     _shape("qwen3-8b", 4096, 36, 32, 8, 12288, 151936, head_dim=128, qk_norm=True, model_type="qwen3"),
+    _shape("gemma3-1b", 1152, 26, 4, 1, 6912, 262144, head_dim=256, qk_norm=True, tied=True, model_type="gemma3_text"),
     # CPU-sized: widths multiples of 16 (FP8 groups), GQA, so every code path of the big ones runs.
     _shape("tiny", 256, 2, 4, 2, 688, 1024),
     _shape("small", 512, 4, 8, 4, 1376, 4096),

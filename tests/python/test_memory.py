@@ -185,18 +185,24 @@ def _count_saved(shape: M.ModelShape, table: str, batch: int, seq: int):
 
 
 @pytest.mark.parametrize("table", ["hf-bf16", "hf-amp", "coat", "hf-bf16-lora", "coat-lora"])
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3", "gemma3"])
 def test_saved_activation_tables_match_saved_tensors(table, variant):
-    extra = dict(model_type="qwen3", head_dim=80, qk_norm=True) if variant == "qwen3" else {}
+    extra = {"qwen3": dict(model_type="qwen3", head_dim=80, qk_norm=True),
+             "gemma3": dict(model_type="gemma3_text", head_dim=64, qk_norm=True, tied=True)}.get(variant, {})
     shape = M.ModelShape(name=variant, **SMALL, **extra)
+    if variant == "gemma3" and table.endswith("lora"):
+        with pytest.raises(ValueError, match="LoRA on Gemma 3 is not modeled"):
+            M.layer_saved(shape, table)
+        return
     batch, seq = 2, 48  # 96 tokens: no activation has a weight's shape
     layer, outside, copies, model = _count_saved(shape, table, batch, seq)
     t = batch * seq
-    want_layer = sum(b for _, b in M.layer_saved(shape, table)) * t
+    fused = bool(getattr(model, "coat_fused_loss", False))  # coat.convert installs it by default
+    const_layer, const_outside = M.saved_constants(shape, table, fused)
+    want_layer = sum(b for _, b in M.layer_saved(shape, table)) * t + const_layer
     if table == "coat-lora":  # and per layer, not per token, the adapters' bf16 weight copies
         want_layer += 2 * shape.lora_params(M.LORA_RANK) / shape.layers
-    fused = bool(getattr(model, "coat_fused_loss", False))  # coat.convert installs it by default
-    want_outside = sum(b for _, b in M.outside_saved(shape, table, fused_loss=fused)) * t
+    want_outside = sum(b for _, b in M.outside_saved(shape, table, fused_loss=fused)) * t + const_outside
     # Per-tensor FP8 scales (4 bytes each) are the only terms not proportional to tokens.
     assert abs(layer - want_layer) <= 0.002 * want_layer + 64, (layer, want_layer, M.layer_saved(shape, table))
     assert abs(outside - want_outside) <= 0.002 * want_outside + 64, (outside, want_outside)
@@ -227,6 +233,25 @@ def test_cpu_step_peak_and_resident_match_plan(setup, batch):
     # Between steps: weights, master, states, nothing else (no cached FP8 weight).
     assert abs(got["resident_gib"] * M.GiB - p.extra["resident"]) <= 0.001 * p.extra["resident"] + 4096, \
         (got["resident_gib"] * M.GiB, p.extra["resident"])
+
+
+@pytest.mark.parametrize("setup,batch", [("amp", 2), ("bf16", 4), ("coat", 4), ("coat-lean", 2)])
+def test_cpu_step_peak_of_gemma3_matches_plan(setup, batch):
+    """The tiny preset as a Gemma 3 (sandwich and (1 + w) norms, q/k norms, GeGLU, tied head)."""
+    from dataclasses import replace
+
+    from coat.cli.bench_worker import SETUPS, Context, build_model, measure
+
+    shape, seq = replace(M.PRESETS["tiny"], name="tiny-gemma3", model_type="gemma3_text", qk_norm=True, tied=True), 128
+    torch.manual_seed(0)
+    s = SETUPS[setup]
+    model = build_model(shape, s.param_dtype, torch.device("cpu"))
+    assert sum(p.numel() for p in model.parameters()) == shape.n_params
+    step = s.prepare(model, Context(torch.device("cpu"), None))
+    got = measure(step, torch.randint(0, shape.vocab, (batch, seq)), warmup=1, steps=1, dev=torch.device("cpu"),
+                  model=model)
+    p = M.plan(shape, s.recipe, batch, seq, device="cpu")
+    assert abs(got["peak_gib"] / p.peak_gib - 1) <= 0.10, (got["peak_gib"] * 1024, p.peak_gib * 1024, p.parts)
 
 
 @pytest.mark.parametrize("setup", ["coat", "coat-lean"])
