@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, fused_loss_transient, saved_constants,
-                                     layer_saved, outside_saved)
+from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, NotModeled, fused_loss_transient,
+                                     layer_saved, outside_saved, saved_constants)
 from coat.memory_recipes import COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe
 from coat.memory_shapes import MODEL_TYPES, PRESETS, ModelShape, load_shape
 
-__all__ = ["GiB", "MiB", "MODEL_TYPES", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
+__all__ = ["GiB", "MiB", "MODEL_TYPES", "NotModeled", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
            "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "saved_constants", "outside_saved",
            "fused_loss_transient", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan", "max_batch",
            "GPU_RATES", "OPTIMIZER_BYTES", "step_time_floor", "rates_for"]

@@ -186,7 +186,10 @@ def estimate(shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq
              device: str) -> float | None:
     if setup_recipe is None:
         return None
-    return memory.plan(shape, setup_recipe, batch, seq, world, "cuda" if device != "cpu" else "cpu").peak_gib
+    try:
+        return memory.plan(shape, setup_recipe, batch, seq, world, "cuda" if device != "cpu" else "cpu").peak_gib
+    except memory.NotModeled:  # measured all the same, without an estimate beside it
+        return None
 
 
 def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dict[str, Any]]:
