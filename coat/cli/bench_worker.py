@@ -452,12 +452,9 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        if dev_type == "cuda":  # device_id: see coat.cli.distributed_train.init
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        else:
-            dist.init_process_group("gloo")
+        if dev_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if dev_type == "cuda" else "gloo")
         mesh = init_device_mesh(dev_type, (world,))
     dev = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
     res["device"] = torch.cuda.get_device_name(dev) if dev_type == "cuda" else "cpu"

@@ -85,11 +85,9 @@ def init(d: Dist, device_type: str) -> Dist:
     if not d.enabled or dist.is_initialized():
         d.initialized = d.enabled
         return d
-    if device_type == "cuda":  # device_id binds NCCL to this rank's GPU (else barrier() warns and guesses)
+    if device_type == "cuda":
         torch.cuda.set_device(d.local_rank)
-        dist.init_process_group("nccl", rank=d.rank, world_size=d.world, device_id=torch.device("cuda", d.local_rank))
-    else:
-        dist.init_process_group("gloo", rank=d.rank, world_size=d.world)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=d.rank, world_size=d.world)
     d.initialized = True
     return d
 
