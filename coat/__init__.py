@@ -18,6 +18,7 @@ try:  # importing torch takes seconds: a Ctrl-C then ends the coat command as it
     from .fp8.tensor import DreTensor, Fp8Tensor  # noqa: E402
     from .graphs import CudaGraphStep  # noqa: E402
     from .nn.stats import Fp8Stats, fp8_stats  # noqa: E402
+    from .side_tuning import SideTuned  # noqa: E402
 except KeyboardInterrupt:
     if not _is_coat_command():
         raise

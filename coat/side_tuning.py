@@ -1,0 +1,280 @@
+"""Quantized Side Tuning (QST, Zhang et al., ACL 2024) on coat's FP8 frozen base.
+
+The base causal LM is frozen and converted with ``coat.convert(base, frozen_weights="fp8")``: its
+projections are kept only as FP8 codes, and it runs under ``torch.no_grad()``, so it saves nothing
+for backward. Beside it a narrow side network trains: the base's hidden state after each decoder
+layer (and its embedding output) is downsampled (Linear(hidden, downsample) -> SiLU ->
+Linear(downsample, hidden // r) -> RMSNorm) and mixed into the side stream by a learnable gate
+``g = sigmoid(alpha)`` (alpha = 0 at first: g = 0.5); the side stream runs through L small Llama
+decoder layers of width hidden // r, one beside each base layer. At the top the side stream is
+upsampled and mixed with the base's final hidden state by a scalar gate ``w`` (1 at first, so the
+model starts as the base exactly), then the base's frozen final norm and LM head take it, through
+coat's fused LM head + loss when labels are given (the logits never exist).
+
+Layout of the side stream (L base layers, h_0 the embedding output, h_i base layer i's output)::
+
+    s = D_0(h_0)
+    for i in 1..L:  s = side_i(s);  s = g_i * D_i(h_i) + (1 - g_i) * s
+    h = w * h_L + (1 - w) * up(s)          -> final norm -> LM head (-> fused loss)
+
+docs/side_tuning.md describes the API, the defaults and what is not done yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from . import models
+from .convert import convert
+from .nn import adapters
+from .nn.lm_head_loss import fused_lm_head_loss
+from .nn.norm import norm_eps
+
+__all__ = ["SideTuned"]
+
+CONFIG_FILE = "side_config.json"
+WEIGHTS_FILE = "side_model.safetensors"
+_FORMAT = "coat-side-tuning/1"
+
+
+def _positive_int(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _side_heads(width: int) -> int:
+    """Attention heads of the side layers: one per 64 channels (at least one), lowered until the
+    heads divide the width into an even head dimension (RoPE rotates pairs)."""
+    heads = max(1, width // 64)
+    while width % heads or (width // heads) % 2:
+        heads -= 1
+    return heads
+
+
+def _check_base(base) -> models.Family:
+    if not isinstance(base, nn.Module):
+        raise ValueError(f"base must be a torch.nn.Module (a Hugging Face causal LM), got {type(base).__name__}")
+    if callable(getattr(base, "get_base_model", None)):
+        raise ValueError("base must be a plain Hugging Face causal LM, not a PEFT model (its adapters would train "
+                         "beside the side network)")
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    fam = models.by_model_type(model_type)
+    if fam is None:
+        raise ValueError(f"base: side tuning supports {models.names()} causal LMs; got {type(base).__name__}"
+                         + (f" (model_type={model_type!r})" if model_type else ""))
+    inner = getattr(base, "model", None)
+    for name, obj in (("model.layers", getattr(inner, "layers", None)), ("model.norm", getattr(inner, "norm", None)),
+                      ("lm_head", getattr(base, "lm_head", None))):
+        if obj is None:
+            raise ValueError(f"base has no {name}: not a {fam.name} causal LM")
+    return fam
+
+
+def _freeze_and_convert(base: nn.Module) -> None:
+    """Freezes every parameter of ``base`` and stores its projections in FP8 (keeping the recipe of
+    an already converted base). Refuses a base whose projections could not be stored in FP8."""
+    layers = base.model.layers
+    recipe = getattr(layers[0].self_attn, "coat_recipe", None) if len(layers) else None
+    base.requires_grad_(False)
+    convert(base, **({"recipe": recipe} if recipe is not None else {}), frozen_weights="fp8")
+    plain = [n for n, m in base.named_modules() if isinstance(m, nn.Linear) and n.startswith("model.layers.")
+             and not adapters.is_frozen_fp8(m)]
+    trainable = [n for n, p in base.named_parameters() if p.requires_grad]
+    if plain or trainable:
+        raise ValueError(f"base: frozen_weights='fp8' conversion left {(plain or trainable)[0]} "
+                         f"{'outside FP8' if plain else 'trainable'}; side tuning needs the whole base frozen in FP8")
+
+
+def _side_layer_config(base, width: int, intermediate: int | None, heads: int | None) -> dict:
+    cfg = base.config
+    heads = _side_heads(width) if heads is None else _positive_int(heads, "num_heads")
+    if width % heads or (width // heads) % 2:
+        raise ValueError(f"num_heads={heads} must divide the side width {width} into an even head dimension")
+    if intermediate is None:
+        intermediate = max(width, cfg.intermediate_size // (cfg.hidden_size // width))
+    return dict(hidden_size=width, intermediate_size=_positive_int(intermediate, "intermediate_size"),
+                num_attention_heads=heads, num_key_value_heads=heads, head_dim=width // heads,
+                rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)))
+
+
+def _downsampler(hidden: int, downsample: int, width: int, eps: float) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(hidden, downsample), nn.SiLU(), nn.Linear(downsample, width),
+                         nn.RMSNorm(width, eps=eps))
+
+
+def _causal_mask(attention_mask: torch.Tensor | None, seq: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """None (SDPA's own causal mask) without padding; else an additive [batch, 1, seq, seq] mask,
+    causal and hiding padded keys."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    dev = attention_mask.device
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=dev).tril()[None, None] \
+        & attention_mask[:, None, None, :].bool()
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class _Recorder:
+    """Forward hooks on the base's decoder layers, for one forward: layer 0's input (the embedding
+    output) and every layer's output (the last one is the final norm's input)."""
+
+    def __init__(self, layers: nn.ModuleList):
+        self.states: list[torch.Tensor] = []
+        self.handles = [layers[0].register_forward_pre_hook(self._first, with_kwargs=True)]
+        self.handles += [layer.register_forward_hook(self._output) for layer in layers]
+
+    def _first(self, module, args, kwargs):
+        self.states.append(args[0] if args else kwargs["hidden_states"])
+
+    def _output(self, module, args, out):
+        self.states.append(out[0] if isinstance(out, (tuple, list)) else out)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+class SideTuned(nn.Module):
+    """A Hugging Face causal LM ``base`` (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) frozen in FP8
+    with a trainable QST side network beside it (module docstring). ``base`` is frozen and converted
+    in place. ``r``: the side width is hidden // r (even); ``downsample``: the downsamplers' inner
+    width. ``intermediate_size`` / ``num_heads`` of the side layers default to the base's
+    intermediate size // r and one head per 64 channels. Only ``side_parameters()`` train."""
+
+    def __init__(self, base: nn.Module, r: int = 16, downsample: int = 16, *, intermediate_size: int | None = None,
+                 num_heads: int | None = None):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        fam = _check_base(base)
+        r, downsample = _positive_int(r, "r"), _positive_int(downsample, "downsample")
+        hidden, n_layers = int(base.config.hidden_size), len(base.model.layers)
+        if hidden % r or (hidden // r) % 2:
+            raise ValueError(f"r={r} must divide the base's hidden size {hidden} into an even side width")
+        width = hidden // r
+        _freeze_and_convert(base)
+        self.family, self.r, self.downsample, self.hidden = fam, r, downsample, hidden
+        self.side_config = _side_layer_config(base, width, intermediate_size, num_heads)
+        cfg = LlamaConfig(vocab_size=1, bos_token_id=None, eos_token_id=None, pad_token_id=None, num_hidden_layers=n_layers, hidden_act="silu", attention_bias=False,
+                          mlp_bias=False, **self.side_config)
+        cfg._attn_implementation = "sdpa"
+        self.base = base
+        dtype = base.lm_head.weight.dtype if base.lm_head.weight.is_floating_point() else torch.float32
+        eps = self.side_config["rms_norm_eps"]
+        dev = base.lm_head.weight.device
+        self.down = nn.ModuleList(_downsampler(hidden, downsample, width, eps) for _ in range(n_layers + 1))
+        self.alpha = nn.Parameter(torch.zeros(n_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, layer_idx=i) for i in range(n_layers))
+        self.up = nn.Linear(width, hidden)
+        self.top_gate = nn.Parameter(torch.ones(()))
+        for p in self.side_parameters():
+            p.data = p.data.to(device=dev, dtype=dtype)
+        self.rotary = LlamaRotaryEmbedding(cfg).to(dev)
+
+    def side_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters: downsamplers, gates, side layers, upsample, top gate."""
+        return [p for _, p in self._side_named()]
+
+    def _side_named(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if not n.startswith("base.")]
+
+    def _base_states(self, input_ids, attention_mask, position_ids) -> list[torch.Tensor]:
+        with torch.no_grad(), _Recorder(self.base.model.layers) as rec:
+            self.base.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
+        if len(rec.states) != len(self.layers) + 1:
+            raise RuntimeError(f"recorded {len(rec.states)} hidden states of the base, expected {len(self.layers) + 1}")
+        return rec.states
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                num_items_in_batch=None, ignore_index: int = -100, **kwargs):
+        """(loss, logits) as a ``CausalLMOutputWithPast``: with ``labels`` the fused loss and
+        ``logits=None``; without, the logits and ``loss=None``."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        states = self._base_states(input_ids, attention_mask, position_ids)
+        seq = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        s = self.down[0](states[0])
+        pos = self.rotary(s, position_ids)
+        mask = _causal_mask(attention_mask, seq, s.dtype)
+        gates = torch.sigmoid(self.alpha)
+        for i, layer in enumerate(self.layers):
+            s = layer(s, attention_mask=mask, position_ids=position_ids, position_embeddings=pos)
+            s = s[0] if isinstance(s, tuple) else s
+            s = gates[i] * self.down[i + 1](states[i + 1]) + (1 - gates[i]) * s
+        w = self.top_gate
+        h = w * states[-1] + (1 - w) * self.up(s)
+        norm, head = self.base.model.norm, self.base.lm_head
+        if labels is None:
+            return CausalLMOutputWithPast(loss=None, logits=head(norm(h)))
+        loss = fused_lm_head_loss(h, head.weight, labels, norm_weight=norm.weight, eps=norm_eps(norm),
+                                  norm_unit_offset=self.family.unit_offset, ignore_index=ignore_index,
+                                  num_items_in_batch=num_items_in_batch)
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    # ---- saving and loading the side network ---------------------------------------------------
+
+    def _config(self) -> dict:
+        return dict(format=_FORMAT, model_type=self.base.config.model_type, r=self.r, downsample=self.downsample,
+                    hidden=self.hidden, layers=len(self.layers), side_layer=dict(self.side_config))
+
+    def save_side(self, folder: str | os.PathLike) -> None:
+        """Writes the side network alone to ``folder`` (created if missing; refused if not empty):
+        side_config.json and the weights as safetensors."""
+        from safetensors.torch import save_file
+
+        folder = os.fspath(folder)
+        if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+            raise ValueError(f"folder {folder!r} is not an empty directory: save_side does not overwrite")
+        os.makedirs(folder, exist_ok=True)
+        tensors = {n: p.detach().contiguous().clone() for n, p in self._side_named()}
+        save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": _FORMAT})
+        with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+            json.dump(self._config(), f, indent=2)
+
+    @classmethod
+    def load_side(cls, folder: str | os.PathLike, base: nn.Module) -> "SideTuned":
+        """Builds a ``SideTuned`` on ``base`` (frozen and converted in place) with the side network
+        saved in ``folder`` by ``save_side``. Reads JSON and safetensors only."""
+        from safetensors.torch import load_file
+
+        folder = os.fspath(folder)
+        with open(os.path.join(folder, CONFIG_FILE)) as f:
+            cfg = json.load(f)
+        if not isinstance(cfg, dict) or cfg.get("format") != _FORMAT:
+            raise ValueError(f"folder {folder!r}: {CONFIG_FILE} is not a coat side-tuning config")
+        _check_base(base)
+        have = {"hidden": int(base.config.hidden_size), "layers": len(base.model.layers),
+                "model_type": base.config.model_type}
+        for key, value in have.items():
+            if cfg.get(key) != value:
+                raise ValueError(f"base: the side network in {folder!r} was saved for {key}={cfg.get(key)!r}, "
+                                 f"this base has {key}={value!r}")
+        side = cfg["side_layer"]
+        model = cls(base, r=cfg["r"], downsample=cfg["downsample"], intermediate_size=side["intermediate_size"],
+                    num_heads=side["num_attention_heads"])
+        tensors = load_file(os.path.join(folder, WEIGHTS_FILE))
+        params = dict(model._side_named())
+        if set(tensors) != set(params):
+            diff = sorted(set(tensors) ^ set(params))
+            raise ValueError(f"folder {folder!r}: the saved side weights do not match this side network ({diff[:3]})")
+        with torch.no_grad():
+            for n, p in params.items():
+                if tensors[n].shape != p.shape:
+                    raise ValueError(f"folder {folder!r}: {n} has shape {tuple(tensors[n].shape)}, "
+                                     f"expected {tuple(p.shape)}")
+                p.copy_(tensors[n])
+        return model

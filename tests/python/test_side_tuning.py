@@ -1,0 +1,181 @@
+"""coat.side_tuning.SideTuned (Quantized Side Tuning on the FP8 frozen base) on tiny Llama / Qwen3 /
+Gemma 3 models built from configs: the model starts as the base exactly, the base saves nothing
+for backward and gets no gradients, the side network learns, save_side / load_side round trip,
+coat's FP8-state AdamW, bad input. CPU path."""
+
+import copy
+
+import pytest
+import torch
+from test_convert import V, _cfg
+
+import coat
+from coat.nn import adapters
+from coat.side_tuning import SideTuned
+
+SPECS = {"llama": ("llama", 48, 3, 1, 80), "qwen3": ("qwen3", 96, 3, 1, 112), "gemma3": ("gemma3", 64, 4, 2, 96)}
+
+
+def _base(arch="llama", seed=0):
+    torch.manual_seed(seed)
+    base = _cfg(*SPECS[arch])
+    with torch.no_grad():
+        # The tiny random model's head (std 0.02) caps a logit margin at ~0.02 x hidden behind the
+        # final RMSNorm (about 1 at hidden 48): no model could lower the loss much. A head 5x
+        # larger, as trained heads' logits of several units are, leaves room to learn.
+        base.lm_head.weight.mul_(5)
+    return base
+
+
+def _ids(gen, batch=2, seq=11):
+    return torch.randint(0, V, (batch, seq), generator=gen)
+
+
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_starts_as_the_base(arch, gen):
+    base = _base(arch)
+    st = SideTuned(base, r=4)
+    ids = _ids(gen)
+    assert all(not p.requires_grad for p in base.parameters())
+    frozen = [m for m in base.modules() if adapters.is_frozen_fp8(m)]
+    assert len(frozen) == 7 * len(base.model.layers)  # every projection kept as FP8 codes only
+    with torch.no_grad():
+        assert torch.equal(st(ids).logits, base(input_ids=ids).logits)
+        want = base(input_ids=ids, labels=ids).loss
+    out = st(ids, labels=ids)
+    assert out.logits is None and torch.equal(out.loss.detach(), want)
+    trainable = {id(p) for p in st.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in st.side_parameters()} and trainable
+    assert st.top_gate.item() == 1.0 and torch.equal(torch.sigmoid(st.alpha), torch.full_like(st.alpha, 0.5))
+
+
+def test_base_saves_nothing_and_gets_no_grads(gen):
+    st = SideTuned(_base(), r=4)
+    inside, saved = [0], {"base": 0, "side": 0}
+
+    def enter(module, args, kwargs):
+        inside[0] += 1
+
+    def leave(module, args, out):
+        inside[0] -= 1
+
+    for layer in st.base.model.layers:
+        layer.register_forward_pre_hook(enter, with_kwargs=True)
+        layer.register_forward_hook(leave)
+    seen: set[int] = set()
+
+    def pack(t):
+        st_ = t.untyped_storage()
+        if st_.data_ptr() not in seen:
+            seen.add(st_.data_ptr())
+            saved["base" if inside[0] else "side"] += st_.nbytes()
+        return t
+
+    ids = _ids(gen)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = st(ids, labels=ids).loss
+    assert saved["base"] == 0 and saved["side"] > 0, saved
+    loss.backward()
+    assert all(p.grad is None for p in st.base.parameters())
+    assert all(p.grad is not None for p in st.side_parameters())
+
+
+def _train(st, ids, steps, opt=None, lr=1e-2):
+    opt = opt or torch.optim.AdamW(st.side_parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = st(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_loss_falls(arch, gen):
+    st = SideTuned(_base(arch), r=4)
+    ids = _ids(gen)
+    losses = _train(st, ids, 30)
+    with torch.no_grad():
+        final = st(ids, labels=ids).loss.item()
+    assert final < 0.8 * losses[0], (losses[0], final)
+
+
+def test_save_load_round_trip(tmp_path, gen):
+    base = _base()
+    fresh = copy.deepcopy(base)
+    st = SideTuned(base, r=4, downsample=8)
+    ids = _ids(gen)
+    _train(st, ids, 3)
+    st.save_side(tmp_path / "side")
+    assert sorted(p.name for p in (tmp_path / "side").iterdir()) == ["side_config.json", "side_model.safetensors"]
+    back = SideTuned.load_side(tmp_path / "side", fresh)
+    assert back.r == 4 and back.downsample == 8
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, st(ids).logits)
+        assert torch.equal(back(ids, labels=ids).loss, st(ids, labels=ids).loss)
+    with pytest.raises(ValueError, match="folder"):  # never overwritten
+        st.save_side(tmp_path / "side")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="folder"):
+        st.save_side(tmp_path / "other")
+    torch.manual_seed(1)
+    wider = _cfg("llama", 64, 4, 1, 80)
+    with pytest.raises(ValueError, match="hidden=48.*hidden=64"):
+        SideTuned.load_side(tmp_path / "side", wider)
+    deeper = _cfg("llama", 48, 3, 1, 80)
+    deeper.model.layers.append(copy.deepcopy(deeper.model.layers[0]))
+    with pytest.raises(ValueError, match="layers=2.*layers=3"):
+        SideTuned.load_side(tmp_path / "side", deeper)
+
+
+def test_coat_adamw_trains_the_side(gen):
+    st = SideTuned(_base("qwen3"), r=4)
+    ids = _ids(gen)
+    losses = _train(st, ids, 3, opt=coat.optim.AdamW(st.side_parameters(), lr=1e-2))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_padding_mask(gen):
+    """The side layers' attention hides padded keys and keeps rows apart. (The FP8 base's per-tensor
+    activation scales span the batch, so the base's states are held fixed here: padding another row
+    moves them by FP8 rounding.)"""
+    st = SideTuned(_base(), r=4)
+    ids = _ids(gen)
+    _train(st, ids, 2)
+    states = st._base_states(ids, None, None)
+    st._base_states = lambda *args: states
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    with torch.no_grad():
+        padded = st(ids, attention_mask=mask).logits
+        plain = st(ids).logits
+        ones = st(ids, attention_mask=torch.ones_like(ids)).logits
+    assert torch.isfinite(padded).all() and torch.equal(ones, plain)
+    torch.testing.assert_close(padded[1], plain[1])  # the unpadded row is unchanged
+    assert not torch.allclose(padded[0, 3:], plain[0, 3:])  # row 0's tokens no longer see its first three
+    later = [h.clone() for h in states]
+    for h in later:
+        h[:, -1] += 1.0  # the last position changes: no earlier one may see it (causal side layers)
+    st._base_states = lambda *args: later
+    with torch.no_grad():
+        moved = st(ids).logits
+    torch.testing.assert_close(moved[:, :-1], plain[:, :-1])
+    assert not torch.allclose(moved[:, -1], plain[:, -1])
+
+
+def test_bad_input():
+    import transformers as tf
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+    with pytest.raises(ValueError, match="base.*Llama"):
+        SideTuned(gpt2)
+    for kw, match in ((dict(r=5), "r=5"), (dict(r=0), "r must"), (dict(r=-2), "r must"), (dict(downsample=0), "downsample"),
+                      (dict(r=48), "r=48"), (dict(r=4, num_heads=5), "num_heads")):
+        base = _base()
+        with pytest.raises(ValueError, match=match):
+            SideTuned(base, **kw)
+    with pytest.raises(ValueError, match="base"):
+        SideTuned(torch.nn.Linear(2, 2))
