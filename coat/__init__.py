@@ -27,5 +27,6 @@ except KeyboardInterrupt:
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "CudaGraphStep", "Fp8Stats", "fp8_stats", "functional", "Fp8Tensor", "DreTensor", "built_with_cuda", "__version__"]
+__all__ = ["convert", "CudaGraphStep", "Fp8Stats", "fp8_stats", "functional", "Fp8Tensor", "DreTensor", "SideTuned",
+           "built_with_cuda", "__version__"]
 
