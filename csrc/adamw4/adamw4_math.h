@@ -1,0 +1,167 @@
+// Scalar pieces of the 4-bit AdamW step (coat/adamw4.h), shared by the CPU reference and the CUDA
+// kernel. Only correctly rounded IEEE operations (add, multiply, divide, sqrt, compare), no
+// contraction on either side: the two agree bit for bit.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "adamw/adamw_math.h"
+#include "coat/adamw4.h"
+#include "common/fp8.h"
+
+namespace coat {
+namespace adamw4 {
+
+constexpr int kCodes = 16;
+constexpr int kZeroCodeM = 7;  // m's map value 0
+constexpr uint32_t kNanBits = 0x7FC00000u;
+
+// m's signed dynamic-exponent map (sorted): per decade 10^-2, 10^-1, 10^0 the midpoints of 1, 2 and
+// 4 linear steps over [0.1, 1], both signs, plus 0 and 1.
+COAT_HD float m_level(int c) {
+  switch (c) {
+    case 0: return -0.8875f;
+    case 1: return -0.6625f;
+    case 2: return -0.4375f;
+    case 3: return -0.2125f;
+    case 4: return -0.0775f;
+    case 5: return -0.0325f;
+    case 6: return -0.0055f;
+    case 7: return 0.0f;
+    case 8: return 0.0055f;
+    case 9: return 0.0325f;
+    case 10: return 0.0775f;
+    case 11: return 0.2125f;
+    case 12: return 0.4375f;
+    case 13: return 0.6625f;
+    case 14: return 0.8875f;
+    default: return 1.0f;
+  }
+}
+
+// v's linear map without zero: (c + 1) / 16 (exact in fp32).
+COAT_HD float v_level(int c) { return static_cast<float>(c + 1) * 0.0625f; }
+
+// The boundary between codes k and k + 1 (k in [0, 14]): a normalized value >= it takes code k + 1.
+COAT_HD float m_mid(int k) { return (m_level(k) + m_level(k + 1)) * 0.5f; }
+COAT_HD float v_mid(int k) { return static_cast<float>(2 * k + 3) * 0.03125f; }
+
+// A scale that codes can be decoded with: finite and > 0 (0 or NaN scales decode to 0 or NaN).
+COAT_HD bool usable_scale(float s) { return s > 0.0f && s <= FLT_MAX; }
+
+// Code of m for the block absmax s: nearest map value of m / s, ties up. A block whose absmax is 0
+// (all zero) or NaN (non-finite moments) stores the zero code.
+COAT_HD int encode_m(float m, float s) {
+  if (!usable_scale(s)) return kZeroCodeM;
+  const float x = m / s;
+  int c = 0;
+  for (int k = 0; k < kCodes - 1; ++k) c += x >= m_mid(k) ? 1 : 0;
+  return c;
+}
+
+// Code of v (>= 0) for the scale s (block absmax or min(row max, column max)): nearest of
+// (c + 1) / 16 to v / s, ties up; 0 where the scale is unusable (it decodes to 0 * 1/16 or NaN).
+COAT_HD int encode_v(float v, float s) {
+  if (!usable_scale(s)) return 0;
+  const float x = v / s;
+  int c = 0;
+  for (int k = 0; k < kCodes - 1; ++k) c += x >= v_mid(k) ? 1 : 0;
+  return c;
+}
+
+COAT_HD float decode_m(int c, float s) { return m_level(c) * s; }
+COAT_HD float decode_v(int c, float s) { return v_level(c) * s; }
+
+// A moment's contribution to a max: the bits of |x| for finite x, of the canonical NaN otherwise.
+// Maxima are taken on these bits as unsigned integers (the order of non-negative floats), so a
+// non-finite moment makes its block's (row's, column's) scale NaN; an atomic max on the device
+// gives the same result as the host's loop in any order.
+COAT_HD uint32_t max_key(float x) {
+  const float a = fabsf(x);
+  return a <= FLT_MAX ? bits_of(a) : kNanBits;
+}
+
+COAT_HD uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+// min(row max, column max), NaN if either is NaN.
+COAT_HD float rank1_scale(float r, float c) {
+  if (r != r || c != c) return float_of(kNanBits);
+  return r < c ? r : c;
+}
+
+// Nibble c of element e in packed codes (element 2i low, 2i + 1 high).
+COAT_HD int nibble(const uint8_t* codes, int64_t e) {
+  const uint8_t b = codes[e >> 1];
+  return (e & 1) ? (b >> 4) : (b & 0xF);
+}
+
+// v's update alone (the statistics pass needs nothing else), and the whole element update; both
+// passes evaluate v with this one expression, so the maxima of pass one are those of pass two's v.
+COAT_HD float new_v(float v, float g, const adamw::Scalars& s) { return v * s.beta2 + (s.w2 * g) * g; }
+
+COAT_HD float update(float p, float g, float& m, float& v, const adamw::Scalars& s) {
+  p = p * s.wd_factor;
+  m = m + s.w1 * (g - m);
+  v = new_v(v, g, s);
+  const float denom = sqrtf(v) * s.inv_bc2_sqrt + s.eps;
+  return p - s.step_size * (m / denom);
+}
+
+// Rank-1 statistics buffers of step t (t >= 1): decode with the ones step t - 1 wrote, write the
+// other. Each buffer is rows + cols floats (rows first).
+COAT_HD int old_buffer(uint64_t t) { return static_cast<int>((t + 1u) & 1u); }
+COAT_HD int new_buffer(uint64_t t) { return static_cast<int>(t & 1u); }
+
+// The scale of v at element (row i, column j) of local group lg: the block absmax (kBlock), or
+// min(row max, column max) from rank-1 buffer `buffer` (kRank1; i, j unused for kBlock).
+COAT_HD float v_scale_of(const Adamw4Tensor& d, int64_t lg, int64_t i, int64_t j, int buffer) {
+  if (d.kind == Adamw4Kind::kBlock) return d.v_scale[lg];
+  const float* r = d.v_scale + buffer * (d.rows + d.cols);
+  return rank1_scale(r[i], r[d.rows + j]);
+}
+
+struct Moments {
+  float m, v;
+};
+
+// The decoded moments of element e (group lg, row i, column j) before step t's update.
+COAT_HD Moments old_moments(const Adamw4Tensor& d, int64_t lg, int64_t e, int64_t i, int64_t j, uint64_t t) {
+  if (d.kind == Adamw4Kind::kFull) return {static_cast<const float*>(d.m)[e], static_cast<const float*>(d.v)[e]};
+  const float m = decode_m(nibble(static_cast<const uint8_t*>(d.m), e), d.m_scale[lg]);
+  const float vs = v_scale_of(d, lg, i, j, old_buffer(t));
+  return {m, decode_v(nibble(static_cast<const uint8_t*>(d.v), e), vs)};
+}
+
+COAT_HD int64_t groups_of(int64_t n) { return (n + kAdamw4Block - 1) / kAdamw4Block; }
+
+}  // namespace adamw4
+
+namespace detail {
+
+// Descriptor checks of the CPU reference and the launcher (the launcher cannot read device
+// descriptors, so it checks only the counts; Python builds the rows from tensors it validated).
+inline void check_adamw4_descriptor(const Adamw4Tensor& d, int64_t i, int64_t next, MasterKind master) {
+  const std::string at = "tensor descriptor " + std::to_string(i);
+  COAT_CHECK_ARG(d.numel > 0, at + ": numel must be > 0");
+  COAT_CHECK_ARG(d.group_begin == next, at + ": group_begin must be " + std::to_string(next));
+  COAT_CHECK_ARG(d.param && d.grad && d.m && d.v && d.step, at + ": null pointer");
+  COAT_CHECK_ARG((master == MasterKind::kFp32) == (d.master != nullptr),
+                 at + ": master must be given exactly for an fp32 master");
+  const int64_t k = static_cast<int64_t>(d.kind);
+  COAT_CHECK_ARG(k >= 0 && k <= 2, at + ": kind must be 0 (full), 1 (block) or 2 (rank1), got " + std::to_string(k));
+  if (d.kind == Adamw4Kind::kFull) {
+    COAT_CHECK_ARG(d.m_scale == nullptr && d.v_scale == nullptr, at + ": a full-precision state has no scales");
+  } else {
+    COAT_CHECK_ARG(d.m_scale && d.v_scale, at + ": null scale pointer");
+  }
+  if (d.kind == Adamw4Kind::kRank1) {
+    COAT_CHECK_ARG(d.rows > 0 && d.cols > 0 && d.rows * d.cols == d.numel,
+                   at + ": rank-1 rows x cols must equal numel");
+  }
+}
+
+}  // namespace detail
+}  // namespace coat

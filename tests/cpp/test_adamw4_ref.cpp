@@ -1,0 +1,260 @@
+// CPU reference of the 4-bit AdamW step (coat/adamw4.h): its maps, and the fused two-pass step
+// against a whole-tensor oracle written here (decode everything to fp32, update, take block and
+// row / column maxima over the fp32 copy, encode), on odd shapes, every kind and master mode, and
+// adversarial inputs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "adamw4/adamw4_math.h"
+#include "adamw4_slot.h"
+#include "coat/adamw4.h"
+
+namespace coat {
+namespace {
+
+using namespace test4;  // NOLINT
+
+// ---- maps --------------------------------------------------------------------------------------
+
+TEST(Adamw4Maps, MonotoneAndZeroOnlyInM) {
+  for (int c = 0; c + 1 < adamw4::kCodes; ++c) {
+    EXPECT_LT(adamw4::m_level(c), adamw4::m_level(c + 1)) << c;
+    EXPECT_LT(adamw4::v_level(c), adamw4::v_level(c + 1)) << c;
+    EXPECT_GT(adamw4::m_mid(c), adamw4::m_level(c));
+    EXPECT_LT(adamw4::m_mid(c), adamw4::m_level(c + 1));
+    EXPECT_GT(adamw4::v_mid(c), adamw4::v_level(c));
+    EXPECT_LT(adamw4::v_mid(c), adamw4::v_level(c + 1));
+  }
+  EXPECT_EQ(adamw4::m_level(adamw4::kZeroCodeM), 0.0f);
+  EXPECT_EQ(adamw4::m_level(15), 1.0f);
+  EXPECT_EQ(adamw4::v_level(0), 1.0f / 16);  // no code of v means 0
+  EXPECT_EQ(adamw4::v_level(15), 1.0f);
+  // The signed map is symmetric apart from +1 (the paper's map has no -1).
+  for (int c = 0; c < 7; ++c) EXPECT_EQ(adamw4::m_level(c), -adamw4::m_level(14 - c));
+}
+
+TEST(Adamw4Maps, EncodeDecodeRoundTripsEveryCode) {
+  for (float s : {1.0f, 3.7f, 1e-30f, 2e30f, 1e-40f /* subnormal */}) {
+    for (int c = 0; c < adamw4::kCodes; ++c) {
+      EXPECT_EQ(adamw4::encode_m(adamw4::decode_m(c, s), s), c) << "m code " << c << " scale " << s;
+      EXPECT_EQ(adamw4::encode_v(adamw4::decode_v(c, s), s), c) << "v code " << c << " scale " << s;
+    }
+  }
+}
+
+TEST(Adamw4Maps, EncodeIsNearestAndMonotone) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  int prev_m = 0, prev_v = 0;
+  for (int i = 0; i <= 20000; ++i) {  // a sweep: codes never decrease
+    const float x = -1.0f + 2.0f * static_cast<float>(i) / 20000.0f;
+    const int cm = adamw4::encode_m(x, 1.0f), cv = adamw4::encode_v(std::fabs(x), 1.0f);
+    if (i > 0) {
+      EXPECT_GE(cm, prev_m) << x;
+    }
+    if (i > 10000) {
+      EXPECT_GE(cv, prev_v) << x;
+    }
+    prev_m = cm;
+    prev_v = cv;
+  }
+  for (int i = 0; i < 100000; ++i) {
+    const float x = u(rng);
+    const int cm = adamw4::encode_m(x, 1.0f), cv = adamw4::encode_v(std::fabs(x), 1.0f);
+    for (int k = 0; k < adamw4::kCodes; ++k) {
+      // Nearest up to one ulp (the boundaries are fp32 midpoints).
+      EXPECT_LE(std::fabs(adamw4::m_level(cm) - x), std::fabs(adamw4::m_level(k) - x) + 1e-7f) << x;
+      EXPECT_LE(std::fabs(adamw4::v_level(cv) - std::fabs(x)), std::fabs(adamw4::v_level(k) - std::fabs(x)) + 1e-7f);
+    }
+  }
+  EXPECT_EQ(adamw4::encode_m(0.0f, 1.0f), adamw4::kZeroCodeM);
+  EXPECT_EQ(adamw4::encode_m(-0.0f, 1.0f), adamw4::kZeroCodeM);
+  EXPECT_EQ(adamw4::encode_m(-1.0f, 1.0f), 0);  // -absmax: the map's most negative value
+  EXPECT_EQ(adamw4::encode_v(0.0f, 1.0f), 0);    // v = 0 under a non-zero scale: 1/16 of it
+}
+
+TEST(Adamw4Maps, UnusableScales) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (float s : {0.0f, nan, inf}) {
+    EXPECT_EQ(adamw4::encode_m(0.5f, s), adamw4::kZeroCodeM);
+    EXPECT_EQ(adamw4::encode_v(0.5f, s), 0);
+  }
+  EXPECT_EQ(adamw4::decode_v(7, 0.0f), 0.0f);  // a zero scale (all-zero block) decodes to 0
+  EXPECT_TRUE(std::isnan(adamw4::decode_m(3, nan)));
+  EXPECT_TRUE(std::isnan(adamw4::rank1_scale(nan, 1.0f)));
+  EXPECT_TRUE(std::isnan(adamw4::rank1_scale(1.0f, nan)));
+  EXPECT_EQ(adamw4::rank1_scale(2.0f, 3.0f), 2.0f);
+  EXPECT_EQ(adamw4::max_key(-2.0f), bits_of(2.0f));
+  EXPECT_EQ(adamw4::max_key(inf), adamw4::kNanBits);
+  EXPECT_EQ(adamw4::max_key(nan), adamw4::kNanBits);
+}
+
+// ---- the whole-tensor oracle ---------------------------------------------------------------------
+
+float nan_max(const std::vector<float>& x, int64_t b, int64_t e, int64_t stride = 1) {
+  float mx = 0.0f;
+  for (int64_t i = b; i < e; i += stride) {
+    if (!std::isfinite(x[i])) return std::numeric_limits<float>::quiet_NaN();
+    mx = std::max(mx, std::fabs(x[i]));
+  }
+  return mx;
+}
+
+// The expected slot after one step of fp32 params (no master; t = s.step, already incremented).
+// Returns the new fp32 parameters.
+std::vector<float> oracle(Slot& s, const AdamwConfig& c) {
+  const uint64_t t = adamw::step_count(s.step);
+  const adamw::Scalars sc = adamw::make_scalars(c.lr, c, t);
+  const int64_t n = s.n, rc = s.rows + s.cols;
+  std::vector<float> m(n), v(n), p(n);
+  for (int64_t e = 0; e < n; ++e) {
+    if (s.kind == Adamw4Kind::kFull) {
+      std::memcpy(&m[e], &s.m[4 * e], 4);
+      std::memcpy(&v[e], &s.v[4 * e], 4);
+    } else {
+      m[e] = adamw4::decode_m(adamw4::nibble(s.m.data(), e), s.m_scale[e / G]);
+      const float* old = s.v_scale.data() + adamw4::old_buffer(t) * rc;
+      const float vs = s.kind == Adamw4Kind::kBlock ? s.v_scale[e / G]
+                                                    : adamw4::rank1_scale(old[e / s.cols], old[s.rows + e % s.cols]);
+      v[e] = adamw4::decode_v(adamw4::nibble(s.v.data(), e), vs);
+    }
+    p[e] = adamw4::update(s.p(e), value_at(s.grad, e, s.gt) * adamw::inv_grad_scale(c.grad_scale), m[e], v[e], sc);
+  }
+  if (s.kind == Adamw4Kind::kFull) {
+    std::memcpy(s.m.data(), m.data(), 4 * n);
+    std::memcpy(s.v.data(), v.data(), 4 * n);
+    return p;
+  }
+  float* fresh = s.v_scale.data() + adamw4::new_buffer(t) * rc;
+  if (s.kind == Adamw4Kind::kRank1) {
+    for (int64_t i = 0; i < s.rows; ++i) fresh[i] = nan_max(v, i * s.cols, (i + 1) * s.cols);
+    for (int64_t j = 0; j < s.cols; ++j) fresh[s.rows + j] = nan_max(v, j, n, s.cols);
+  }
+  std::fill(s.m.begin(), s.m.end(), 0);
+  std::fill(s.v.begin(), s.v.end(), 0);
+  for (int64_t g = 0; g < groups_of(n); ++g) {
+    const int64_t b = g * G, e1 = std::min(n, b + G);
+    s.m_scale[g] = nan_max(m, b, e1);
+    if (s.kind == Adamw4Kind::kBlock) s.v_scale[g] = nan_max(v, b, e1);
+    for (int64_t e = b; e < e1; ++e) {
+      const float vs = s.kind == Adamw4Kind::kBlock ? s.v_scale[g]
+                                                    : adamw4::rank1_scale(fresh[e / s.cols], fresh[s.rows + e % s.cols]);
+      s.m[e / 2] |= static_cast<uint8_t>(adamw4::encode_m(m[e], s.m_scale[g]) << (4 * (e % 2)));
+      s.v[e / 2] |= static_cast<uint8_t>(adamw4::encode_v(v[e], vs) << (4 * (e % 2)));
+    }
+  }
+  return p;
+}
+
+void expect_same_states(const Slot& a, const Slot& b, const char* where) {
+  EXPECT_EQ(a.m, b.m) << where;
+  EXPECT_EQ(a.v, b.v) << where;
+  ASSERT_EQ(a.m_scale.size(), b.m_scale.size());
+  for (size_t i = 0; i < a.m_scale.size(); ++i) EXPECT_EQ(bits_of(a.m_scale[i]), bits_of(b.m_scale[i])) << where << i;
+  if (a.kind == Adamw4Kind::kBlock) {
+    for (size_t i = 0; i < a.v_scale.size(); ++i) EXPECT_EQ(bits_of(a.v_scale[i]), bits_of(b.v_scale[i])) << where << i;
+  }
+  if (a.kind == Adamw4Kind::kRank1) {  // only the buffer this step wrote is defined
+    const int64_t rc = a.rows + a.cols, nb = adamw4::new_buffer(adamw::step_count(a.step));
+    for (int64_t i = 0; i < rc; ++i)
+      EXPECT_EQ(bits_of(a.v_scale[nb * rc + i]), bits_of(b.v_scale[nb * rc + i])) << where << " rowcol " << i;
+  }
+}
+
+// Several tensors of every kind and odd shapes in one launch, over several steps.
+TEST(Adamw4Ref, MatchesWholeTensorOracle) {
+  struct Shape {
+    int64_t r, c;
+    Adamw4Kind k;
+  };
+  const Shape shapes[] = {{1, 1, Adamw4Kind::kRank1},    {3, 5000, Adamw4Kind::kRank1}, {5000, 3, Adamw4Kind::kRank1},
+                          {129, 257, Adamw4Kind::kRank1}, {129, 257, Adamw4Kind::kBlock}, {1, 4097, Adamw4Kind::kBlock},
+                          {1, 1, Adamw4Kind::kFull},     {7, 300, Adamw4Kind::kFull},   {1, 129, Adamw4Kind::kBlock}};
+  std::vector<Slot> slots;
+  for (const Shape& sh : shapes) slots.emplace_back(sh.r, sh.c, sh.k);
+  const AdamwConfig c = config();
+  for (int it = 1; it <= 4; ++it) {
+    std::vector<Slot> want = slots;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      slots[i].set_grad(normal(slots[i].n, 1e-2f * (1 + i % 3), 100 * it + i));
+      slots[i].step = want[i].step = static_cast<float>(it);
+      want[i].grad = slots[i].grad;
+    }
+    int64_t ng = 0;
+    std::vector<Adamw4Tensor> ds = descs_of(slots, ng);
+    ref::adamw4_step(ds.data(), ds.size(), ng, c);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const std::vector<float> p = oracle(want[i], c);
+      for (int64_t e = 0; e < slots[i].n; ++e) ASSERT_EQ(slots[i].p(e), p[e]) << "tensor " << i << " element " << e;
+      expect_same_states(slots[i], want[i], "oracle");
+    }
+  }
+}
+
+// Every master mode and gradient dtype; threads change nothing; bf16_sr draws coat::adamw_step's bits.
+TEST(Adamw4Ref, MasterModesAndThreads) {
+  struct Combo {
+    DType p, g;
+    MasterKind m;
+  };
+  const Combo combos[] = {{DType::kFloat32, DType::kBFloat16, MasterKind::kNone},
+                          {DType::kBFloat16, DType::kBFloat16, MasterKind::kFp32},
+                          {DType::kFloat16, DType::kFloat16, MasterKind::kFp32},
+                          {DType::kBFloat16, DType::kFloat32, MasterKind::kBf16Sr}};
+  for (const Combo& cb : combos) {
+    auto run = [&](int threads) {
+      std::vector<Slot> slots;
+      slots.emplace_back(600, 700, Adamw4Kind::kRank1, cb.p, cb.g, cb.m == MasterKind::kFp32);
+      slots.emplace_back(1, 2100 * G + 33, Adamw4Kind::kBlock, cb.p, cb.g, cb.m == MasterKind::kFp32);
+      AdamwConfig c = config(cb.p, cb.g, cb.m);
+      c.cpu_threads = threads;
+      for (int it = 1; it <= 2; ++it) {
+        for (Slot& s : slots) s.step = static_cast<float>(it);
+        int64_t ng = 0;
+        std::vector<Adamw4Tensor> ds = descs_of(slots, ng);
+        ref::adamw4_step(ds.data(), ds.size(), ng, c);
+      }
+      return slots;
+    };
+    const std::vector<Slot> a = run(1), b = run(4);
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].param, b[i].param);
+      EXPECT_EQ(a[i].master, b[i].master);
+      expect_same_states(a[i], b[i], "threads");
+      for (int64_t e = 0; e < a[i].n; e += 97) ASSERT_TRUE(std::isfinite(a[i].p(e)));
+    }
+  }
+}
+
+TEST(Adamw4Ref, StochasticRoundingIsCoatAdamwsAndUnbiased) {
+  Slot s(1, 8192, Adamw4Kind::kBlock, DType::kBFloat16, DType::kFloat32, false);
+  std::vector<float> p0(s.n, 1.0f);
+  s.set_param(p0);
+  s.set_grad(std::vector<float>(s.n, 1e-3f));
+  AdamwConfig c = config(DType::kBFloat16, DType::kFloat32, MasterKind::kBf16Sr);
+  c.lr = 1e-4;  // an update well below bf16's ulp at 1 (2^-7): only rounding can move p
+  c.weight_decay = 0.0;
+  s.step = 1.0f;
+  Adamw4Tensor d = s.desc(0, 99);
+  ref::adamw4_step(&d, 1, groups_of(s.n), c);
+  const adamw::Scalars sc = adamw::make_scalars(c.lr, c, 1);
+  double mean = 0.0;
+  for (int64_t e = 0; e < s.n; ++e) {
+    float m = 0.0f, v = 0.0f;
+    const float exact = adamw4::update(1.0f, 1e-3f, m, v, sc);
+    const uint64_t r = adamw::sr_bits(99, 1, static_cast<uint64_t>(e / 4));
+    ASSERT_EQ(s.p(e), host_bf16_to_float(adamw::bf16_sr(exact, static_cast<uint32_t>(r >> (16 * (e % 4))))));
+    mean += s.p(e);
+  }
+  const double exact = 1.0 - 1e-4;  // m / sqrt(v) = 1 at step 1
+  EXPECT_NEAR(mean / s.n, exact, 2e-5);
+}
+
+}  // namespace
+}  // namespace coat
