@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
@@ -10,19 +9,11 @@ import torch
 from .._ops import adamw as _ops
 from .._ops import quantize as _qops
 from ..fp8.formats import format_name
-from . import _compat, _state
+from . import _compat, _hyper, _state
 from ._state import _local
 from .fused import FusedOptimizer
 
 __all__ = ["AdamW", "CoatAdamW"]
-
-_MASTER = ("fp32", "bf16_sr")
-_NONFINITE = ("propagate", "raise")
-
-
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
 
 class AdamW(FusedOptimizer):
     """AdamW whose moments are stored in FP8 with Dynamic Range Expansion (COAT, ICLR 2025).
@@ -120,12 +111,7 @@ class AdamW(FusedOptimizer):
     ) -> None:
         if group_size != _qops.DRE_GROUP_SIZE:
             raise ValueError(f"group_size must be {_qops.DRE_GROUP_SIZE} (the fused kernel's group size), got {group_size}")
-        if master_weights not in _MASTER:
-            raise ValueError(f"master_weights must be one of {_MASTER}, got {master_weights!r}")
-        if nonfinite not in _NONFINITE:
-            raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
-        if not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        _hyper.check_settings(master_weights, nonfinite, seed)
         flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                      differentiable=differentiable, fused=fused)
         _compat.check_constructor(lr, betas, flags)
@@ -150,47 +136,17 @@ class AdamW(FusedOptimizer):
     # ---- validation ------------------------------------------------------------------------
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1 or not lr.is_floating_point():
-                raise ValueError(f"Tensor lr must be 1-element and floating-point, got shape {tuple(lr.shape)} "
-                                 f"and dtype {lr.dtype}")
-        elif not _finite(lr) or lr < 0:
-            raise ValueError(f"Invalid learning rate: {lr} (must be finite and >= 0)")
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas must be a pair of floats, got {betas!r}")
-        if any(isinstance(b, torch.Tensor) for b in betas):
-            raise ValueError("betas as Tensors are not supported by coat.optim.AdamW: its kernel takes the betas "
-                             "as floats at each launch (only lr can be a tensor read on the device); pass "
-                             "floats, e.g. betas=(0.9, 0.999)")
-        for i, b in enumerate(betas):
-            if not _finite(b) or not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be a float in [0, 1))")
-        if not _finite(group["eps"]) or group["eps"] < 0:
-            raise ValueError(f"Invalid epsilon value: {group['eps']} (must be finite and >= 0)")
-        if not _finite(group["weight_decay"]) or group["weight_decay"] < 0:
-            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be finite and >= 0)")
+        _hyper.check_adam_group(group, self.nonfinite, self.display_name)
         group["m_format"] = format_name(group["m_format"], "m_format")
         group["v_format"] = format_name(group["v_format"], "v_format")
         if not isinstance(group["expansion"], bool):
             raise ValueError(f"expansion must be a bool, got {group['expansion']!r}")
-        _compat.check_group_flags(group, self.nonfinite)
 
     def _master_kind(self, dtype: torch.dtype) -> str:
-        if dtype == torch.float32:
-            return "none"
-        return self.master_weights
+        return _hyper.master_kind(dtype, self.master_weights)
 
     def _check_param(self, p: torch.Tensor) -> None:
-        dt = _local(p).dtype
-        if dt not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"coat.optim.AdamW supports float32, bfloat16 and float16 parameters, got {dt}")
-        if self.master_weights == "bf16_sr" and dt != torch.bfloat16 and dt != torch.float32:
-            raise ValueError(f"master_weights='bf16_sr' needs bfloat16 parameters, got {dt}")
-        if self.master_weights == "bf16_sr" and dt == torch.float32:
-            raise ValueError("master_weights='bf16_sr' needs bfloat16 parameters, got float32 "
-                             "(cast the model with .bfloat16(), or use master_weights='fp32')")
+        _hyper.check_param_dtype(_local(p).dtype, self.master_weights, self.display_name)
         super()._check_param(p)
 
     # ---- state (the layout is coat/optim/_state.py's) ------------------------------------------

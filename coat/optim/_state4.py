@@ -1,0 +1,169 @@
+"""Per-parameter state of coat.optim.AdamW4bit (layout: csrc/include/coat/adamw4.h): which kind a
+tensor gets, fresh states, descriptor rows for the kernel, and checked loading of saved states.
+
+Keys by kind:
+- "full" (<= 4096 elements): ``exp_avg``, ``exp_avg_sq``: fp32, laid out like the parameter.
+- "block": ``exp_avg_q4`` / ``exp_avg_sq_q4``: uint8 [ceil(n / 2)], two 4-bit codes a byte in memory
+  order; ``exp_avg_absmax`` / ``exp_avg_sq_absmax``: fp32 [ceil(n / 128)].
+- "rank1": as "block", but v's scales are ``exp_avg_sq_rowcol``: fp32 [2, rows + cols] (row maxima,
+  then column maxima; two buffers that steps use alternately).
+Every kind: ``step`` (fp32 scalar); ``master`` (fp32 like the parameter) for master_weights="fp32"
+on 16-bit parameters; ``sr_seed`` (int64 scalar, CPU) for "bf16_sr".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._ops import adamw4 as _ops
+from ._state import _is_dtensor, same_layout, shard_seed
+
+__all__ = ["kind_of", "new_state", "check_state", "descriptor_row", "load_param_state", "groups", "state_kind"]
+
+_KEYS = {
+    "full": ("exp_avg", "exp_avg_sq"),
+    "block": ("exp_avg_q4", "exp_avg_absmax", "exp_avg_sq_q4", "exp_avg_sq_absmax"),
+    "rank1": ("exp_avg_q4", "exp_avg_absmax", "exp_avg_sq_q4", "exp_avg_sq_rowcol"),
+}
+
+
+def groups(n: int) -> int:
+    return (n + _ops.BLOCK - 1) // _ops.BLOCK
+
+
+def rank1_shape(local: torch.Tensor) -> tuple[int, int]:
+    """(rows, cols) of the matrix view rank-1 normalization uses: dim 0 against the rest."""
+    rows = local.shape[0]
+    return rows, local.numel() // rows
+
+
+def kind_of(p: torch.Tensor, local: torch.Tensor) -> str:
+    """The state kind of a parameter. Rank-1 v needs a contiguous matrix (rows and columns in memory
+    order) that is not a shard (a DTensor's column maxima would span ranks: sharded parameters take
+    blocks of 128), and pays off where its two buffers of row and column maxima are no larger than
+    the block scales they replace; else blocks of 128."""
+    n = local.numel()
+    if n < _ops.MIN_NUMEL:
+        return "full"
+    if local.dim() < 2 or not local.is_contiguous() or _is_dtensor(p):
+        return "block"
+    rows, cols = rank1_shape(local)
+    return "rank1" if 2 * (rows + cols) <= groups(n) else "block"
+
+
+def new_state(local: torch.Tensor, kind: str, master: str, seed: int) -> dict[str, Any]:
+    """Zero moments (every kind decodes them to 0: zero codes with zero scales), step 0, master =
+    the parameter."""
+    dev, n = local.device, local.numel()
+    st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device=dev)}
+    if kind == "full":
+        st["exp_avg"] = torch.zeros_like(local, dtype=torch.float32)
+        st["exp_avg_sq"] = torch.zeros_like(local, dtype=torch.float32)
+    else:
+        codes = (n + 1) // 2
+        st["exp_avg_q4"] = torch.zeros(codes, dtype=torch.uint8, device=dev)
+        st["exp_avg_absmax"] = torch.zeros(groups(n), dtype=torch.float32, device=dev)
+        st["exp_avg_sq_q4"] = torch.zeros(codes, dtype=torch.uint8, device=dev)
+        if kind == "rank1":
+            rows, cols = rank1_shape(local)
+            st["exp_avg_sq_rowcol"] = torch.zeros(2, rows + cols, dtype=torch.float32, device=dev)
+        else:
+            st["exp_avg_sq_absmax"] = torch.zeros(groups(n), dtype=torch.float32, device=dev)
+    if master == "fp32":
+        st["master"] = torch.empty_like(local, dtype=torch.float32).copy_(local.detach())
+    if master == "bf16_sr":
+        st["sr_seed"] = torch.tensor(seed, dtype=torch.int64)
+    return st
+
+
+def state_kind(st: dict[str, Any]) -> str:
+    if "exp_avg_sq_rowcol" in st:
+        return "rank1"
+    return "block" if "exp_avg_q4" in st else "full"
+
+
+def _expected(local: torch.Tensor, kind: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    n = local.numel()
+    if kind == "full":
+        return {k: (torch.float32, tuple(local.shape)) for k in _KEYS["full"]}
+    out = {"exp_avg_q4": (torch.uint8, ((n + 1) // 2,)), "exp_avg_absmax": (torch.float32, (groups(n),)),
+           "exp_avg_sq_q4": (torch.uint8, ((n + 1) // 2,))}
+    if kind == "rank1":
+        rows, cols = rank1_shape(local)
+        out["exp_avg_sq_rowcol"] = (torch.float32, (2, rows + cols))
+    else:
+        out["exp_avg_sq_absmax"] = (torch.float32, (groups(n),))
+    return out
+
+
+def check_state(st: dict[str, Any], local: torch.Tensor, want: str) -> None:
+    """A state the kernel can use with this parameter: its kind, device, dtypes, sizes and layout."""
+    kind = state_kind(st)
+    if kind != want:
+        raise ValueError(f"a {kind!r} state cannot step a parameter that takes {want!r} states (shape "
+                         f"{tuple(local.shape)}): it was made for a parameter of another shape or layout")
+    for k, t in st.items():
+        if isinstance(t, torch.Tensor) and k != "sr_seed" and t.device != local.device:
+            raise ValueError(f"optimizer state '{k}' is on {t.device} but its parameter is on {local.device}; "
+                             "move the model before creating the optimizer or loading its state dict")
+    for k, (dtype, shape) in _expected(local, kind).items():
+        t = st[k]
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() and kind != "full":
+            raise ValueError(f"optimizer state '{k}' must be a contiguous {dtype} tensor of shape {shape}, got "
+                             f"{t.dtype} of shape {tuple(t.shape)}")
+    for k in ("exp_avg", "exp_avg_sq", "master"):
+        if k in st and not same_layout(st[k], local):
+            raise ValueError(f"optimizer state '{k}' is laid out otherwise in memory than its parameter")
+
+
+def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int, shard: int,
+                   kind: str) -> list[int]:
+    """One coat::Adamw4Tensor (16 int64 words) for the kernel; `shard`: shard_index of the parameter."""
+    master = st.get("master")
+    seed = shard_seed(int(st["sr_seed"]), shard) if "sr_seed" in st else 0
+    full = kind == "full"
+    m = st["exp_avg"] if full else st["exp_avg_q4"]
+    v = st["exp_avg_sq"] if full else st["exp_avg_sq_q4"]
+    m_scale = 0 if full else st["exp_avg_absmax"].data_ptr()
+    v_scale = 0 if full else st["exp_avg_sq_rowcol" if kind == "rank1" else "exp_avg_sq_absmax"].data_ptr()
+    rows, cols = rank1_shape(local) if kind == "rank1" else (0, 0)
+    return [local.data_ptr(), grad.data_ptr(), master.data_ptr() if master is not None else 0, m.data_ptr(),
+            m_scale, v.data_ptr(), v_scale, st["step"].data_ptr(), local.numel(), begin, seed, _ops.KINDS[kind],
+            rows, cols, 0, 0]
+
+
+def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, master: str, seed: int,
+                     where: str) -> dict[str, Any]:
+    """A saved state, checked against the parameter and copied onto its device (never aliased)."""
+    if any(_is_dtensor(t) for t in saved.values()):
+        raise NotImplementedError(f"{where}: coat.optim.AdamW4bit does not load sharded (DTensor) states")
+    got = state_kind(saved)
+    if got != kind:
+        raise ValueError(f"{where}: a {got!r} state (keys {sorted(saved)}) does not fit a parameter of shape "
+                         f"{tuple(local.shape)}, which takes {kind!r} states")
+    missing = [k for k in ("step", *_KEYS[kind]) if k not in saved]
+    if missing:
+        raise ValueError(f"{where}: missing {missing} (not a coat.optim.AdamW4bit state)")
+    dev = local.device
+    st: dict[str, Any] = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).to(dev).reshape(()).clone()}
+    for k, (dtype, shape) in _expected(local, kind).items():
+        t = saved[k]
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != int(torch.Size(shape).numel()):
+            raise ValueError(f"{where}: {k} must be a {dtype} tensor of {torch.Size(shape).numel()} elements "
+                             f"(shape {shape}), got {getattr(t, 'dtype', type(t))} of shape "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if kind == "full":  # laid out like the parameter, element i is element i's moment
+            st[k] = torch.empty_like(local, dtype=torch.float32).copy_(t.to(dev).reshape(local.shape))
+        else:
+            st[k] = t.to(dev).reshape(shape).clone().contiguous()
+    if master == "fp32":
+        m = saved.get("master")
+        if m is not None and m.numel() != local.numel():
+            raise ValueError(f"{where}: master has {m.numel()} elements, the parameter {local.numel()}")
+        src = m if m is not None else local.detach()
+        st["master"] = torch.empty_like(local, dtype=torch.float32).copy_(src.to(dev).reshape(local.shape))
+    if master == "bf16_sr":
+        st["sr_seed"] = torch.as_tensor(saved.get("sr_seed", seed), dtype=torch.int64).cpu().reshape(()).clone()
+    return st
