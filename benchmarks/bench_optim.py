@@ -1,4 +1,5 @@
-"""Benchmark coat.optim.AdamW (fused FP8-state step) against torch.optim.AdamW(fused=True) on the
+"""Benchmark coat.optim.AdamW (fused FP8-state step) and coat.optim.AdamW4bit (4-bit states) against
+torch.optim.AdamW(fused=True) on the
 Llama-2-7B parameter set (6.74e9 parameters: embed_tokens and lm_head 32000 x 4096; per layer
 q/k/v/o 4096 x 4096, gate/up/down 11008 x 4096, two 4096 norms; a final 4096 norm).
 
@@ -6,6 +7,8 @@ Configurations, run one after another with memory freed in between:
   coat  bf16 params + fp32 master + bf16 grads  (COAT-faithful)
   coat  bf16 params, bf16_sr (no master) + bf16 grads
   coat  fp32 params + fp32 grads
+  4bit  bf16 params + fp32 master + bf16 grads  (coat.optim.AdamW4bit)
+  4bit  bf16 params, bf16_sr (no master) + bf16 grads
   torch AdamW(fused=True), fp32 params + fp32 grads   (the baseline; needs ~108 GB at full size)
 For each: the step time of `--iters` steps run back to back (CUDA events around them all; the host
 queues ahead as in training, so this is the GPU's time), also the median of steps timed one at a
@@ -35,11 +38,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 
 STATE_B = 2 * 2 * (1 + 5 / 128)  # m and v, read and written: codes + gmax + k16 per 128
+# AdamW4bit: m and v read and written as 4-bit codes + an fp32 absmax per 128 (v of the matrices: row
+# and column maxima, ~0), plus the first pass over the rank-1 tensors (nearly every parameter of this
+# set), which reads the bf16 gradient and v's codes once more to find the new maxima.
+STATE4_B = 2 * 2 * (0.5 + 4 / 128) + 2 + 0.5
 # Bytes per parameter each configuration must move at least.
 BYTES = {
     "coat bf16+fp32 master, bf16 grads": 2 + 8 + 2 + STATE_B,  # param write, master r/w, grad read
     "coat bf16_sr, bf16 grads": 4 + 2 + STATE_B,               # param r/w, grad read
     "coat fp32, fp32 grads": 8 + 4 + STATE_B,                  # param r/w, grad read
+    "4bit bf16+fp32 master, bf16 grads": 2 + 8 + 2 + STATE4_B,
+    "4bit bf16_sr, bf16 grads": 4 + 2 + STATE4_B,
     "torch fused AdamW fp32": 8 + 4 + 16,                      # param r/w, grad read, fp32 m and v r/w
 }
 
@@ -87,6 +96,10 @@ def bench(name: str, shapes, warmup: int, iters: int) -> dict:
     elif name.startswith("coat bf16_sr"):
         params = make_params(shapes, torch.bfloat16, torch.bfloat16)
         opt = co.AdamW(params, lr=1e-4, weight_decay=0.01, master_weights="bf16_sr")
+    elif name.startswith("4bit"):
+        params = make_params(shapes, torch.bfloat16, torch.bfloat16)
+        master = "bf16_sr" if "bf16_sr" in name else "fp32"
+        opt = co.AdamW4bit(params, lr=1e-4, weight_decay=0.01, master_weights=master)
     elif name.startswith("coat fp32"):
         params = make_params(shapes, torch.float32, torch.float32)
         opt = co.AdamW(params, lr=1e-4, weight_decay=0.01)
