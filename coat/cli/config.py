@@ -24,7 +24,10 @@ RECIPES = tuple(RECIPE_PARTS)
 DEFAULT_RECIPE = "coat"
 BASELINE_RECIPE = "bf16"
 ACTIVATIONS = ("bf16", "fp8")
-OPTIMIZERS = ("torch", "coat")
+#: torch: torch.optim.AdamW; coat: coat.optim.AdamW (FP8 states); coat4bit: coat.optim.AdamW4bit (4-bit states).
+OPTIMIZERS = ("torch", "coat", "coat4bit")
+#: The optimizers of coat: --master-weights and --release-grads apply to them.
+COAT_OPTIMIZERS = ("coat", "coat4bit")
 MASTER_WEIGHTS = ("fp32", "bf16_sr")
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_SEED = 2**32 - 1
@@ -394,8 +397,8 @@ def _validate_step_variants(cfg: TrainConfig) -> None:
             if getattr(cfg, name):
                 raise ConfigError("--fp8-stats", f"cannot be combined with {flag(name)} (compiled code and graph "
                                                  "replays record no statistics)")
-    if cfg.release_grads and cfg.optim != "coat":
-        raise ConfigError("--release-grads", "needs --optim coat (the step inside backward is coat.optim.AdamW's)")
+    if cfg.release_grads and cfg.optim not in COAT_OPTIMIZERS:
+        raise ConfigError("--release-grads", "needs --optim coat or coat4bit (the step inside backward is coat.optim's)")
     if cfg.cuda_graph:
         for name in ("release_grads", "compile"):
             if getattr(cfg, name):

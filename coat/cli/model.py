@@ -77,6 +77,10 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     if cfg.optim == "coat":
         return _coat_adamw()(groups, master_weights=cfg.master_weights, **kwargs)
+    if cfg.optim == "coat4bit":
+        from coat.optim import AdamW4bit
+
+        return AdamW4bit(groups, master_weights=cfg.master_weights, **kwargs)
     # capturable: a CUDA graph replays the step (--cuda-graph), reading its step count on the device
     return torch.optim.AdamW(groups, fused=params[0].is_cuda, capturable=cfg.cuda_graph, **kwargs)
 
@@ -181,6 +185,9 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         g = optimizer.param_groups[0]
         fp8.append(f"AdamW states: m {g['m_format'].upper()}, v {g['v_format'].upper()}, per 128-element group "
                    "with Dynamic Range Expansion")
+    elif cfg.optim == "coat4bit":
+        other.append("AdamW states in 4 bits (m: dynamic-exponent map, v: linear map without zero, rank-1 or "
+                     "128-element scales; tensors of <= 4096 elements fp32)")
     else:
         other.append("AdamW states (fp32 m and v)")
     if cfg.lora:

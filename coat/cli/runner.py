@@ -22,7 +22,7 @@ from tqdm import tqdm
 from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import ConfigError, lr_lambda, setup_name
+from coat.cli.config import COAT_OPTIMIZERS, ConfigError, lr_lambda, setup_name
 from coat.cli.data import sample_batch
 from coat.cli.model import (add_lora, build_model, build_optimizer, describe_precision, evaluate, final_held_out,
                             held_out_sets, lm_loss, metric_name, optimizer_state_bytes)
@@ -187,7 +187,7 @@ class _Training:
     def _build_model(self) -> None:
         cfg, plan, device = self.cfg, self.plan, self.device
         torch.manual_seed(cfg.seed)
-        param_dtype = torch.bfloat16 if cfg.optim == "coat" and cfg.master_weights == "bf16_sr" else torch.float32
+        param_dtype = torch.bfloat16 if cfg.optim in COAT_OPTIMIZERS and cfg.master_weights == "bf16_sr" else torch.float32
         if plan.init is not None:
             from coat.cli.pretrained import load_model
 
@@ -204,6 +204,9 @@ class _Training:
             model = add_lora(model, cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
         if self.d.enabled:
+            if cfg.optim == "coat4bit":  # refused before any step: its checkpoint would fail at the first save
+                raise ConfigError("--optim", "coat4bit has no sharded (FSDP2) state dicts yet, so a run over several "
+                                  "processes could not checkpoint; use --optim coat there")
             dt.shard(model, self.d, device)
         self.model = model
         self.optimizer = build_optimizer(model, cfg)

@@ -22,8 +22,8 @@ from typing import Any, Callable
 from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, LORA_LR, MASTER_WEIGHTS,
-                             MODEL_PRESETS, OPTIMIZERS, SCHEDULES, TRAIN_SETUPS, ConfigError,
+from coat.cli.config import (ACTIVATIONS, COAT_OPTIMIZERS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, LORA_LR,
+                             MASTER_WEIGHTS, MODEL_PRESETS, OPTIMIZERS, SCHEDULES, TRAIN_SETUPS, ConfigError,
                              TrainConfig, check_init_flags, expand_setup, explicit_fields, flag, lr_lambda,
                              resolve_config, validate)
 from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, default_cache_dir, load_corpus
@@ -40,11 +40,12 @@ RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "thread
 
 
 def _check_imports(cfg: TrainConfig) -> None:
-    if cfg.optim == "coat":
+    if cfg.optim in COAT_OPTIMIZERS:
+        cls = "AdamW4bit" if cfg.optim == "coat4bit" else "AdamW"
         try:
-            from coat.optim import AdamW  # noqa: F401
+            from coat.optim import AdamW, AdamW4bit  # noqa: F401
         except ImportError as e:  # the compiled extension may be missing or not built yet
-            raise ConfigError("--optim", f"'coat' needs coat.optim.AdamW, which failed to import ({e}); "
+            raise ConfigError("--optim", f"{cfg.optim!r} needs coat.optim.{cls}, which failed to import ({e}); "
                               "build/install coat's extension or use --recipe bf16") from e
     if cfg.activations == "fp8":
         try:
@@ -422,8 +423,8 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beta2", **_X, help="AdamW beta2" + _default("beta2"))
     g.add_argument("--grad-clip", **_X, help="max gradient norm (0 disables clipping)" + _default("grad_clip"))
     g.add_argument("--optim", choices=OPTIMIZERS, help="torch: torch.optim.AdamW; coat: coat.optim.AdamW with FP8 "
-                   "states (default: from --recipe)")
-    g.add_argument("--master-weights", choices=MASTER_WEIGHTS, help="master weight format of --optim coat "
+                   "states; coat4bit: coat.optim.AdamW4bit with 4-bit states (default: from --recipe)")
+    g.add_argument("--master-weights", choices=MASTER_WEIGHTS, help="master weight format of --optim coat or coat4bit "
                    "(bf16_sr: bf16 with stochastic rounding)" + _default("master_weights"))
     g.add_argument("--lora", type=int, metavar="RANK",
                    help="fine-tune PEFT LoRA adapters of this rank instead of every weight (needs --init); "
