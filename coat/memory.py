@@ -31,7 +31,7 @@ from typing import Any
 
 from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, NotModeled, fused_loss_transient,
                                      layer_saved, outside_saved, saved_constants)
-from coat.memory_recipes import COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe
+from coat.memory_recipes import ADAMW4_STATE_BYTES, COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe
 from coat.memory_shapes import MODEL_TYPES, PRESETS, ModelShape, load_shape
 
 __all__ = ["GiB", "MiB", "MODEL_TYPES", "NotModeled", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
@@ -292,7 +292,11 @@ GPU_RATES: dict[str, dict[str, Any]] = {
 
 #: Bytes per parameter that the optimizer step reads and writes.
 OPTIMIZER_BYTES = {"amp": 28.0, "bf16": 14.0, "coat": 4 + 2 + COAT_STATE_BYTES + 4 + 2 + COAT_STATE_BYTES,
-                   "coat-lean": 2 + 2 + COAT_STATE_BYTES + 2 + COAT_STATE_BYTES}
+                   "coat-lean": 2 + 2 + COAT_STATE_BYTES + 2 + COAT_STATE_BYTES,
+                   # AdamW4bit reads the gradient and v's codes once more to find v's new row and
+                   # column maxima (2.5 B with bf16 gradients)
+                   "coat4bit": 4 + 2 + ADAMW4_STATE_BYTES + 4 + 2 + ADAMW4_STATE_BYTES + 2.5,
+                   "coat4bit-lean": 2 + 2 + ADAMW4_STATE_BYTES + 2 + ADAMW4_STATE_BYTES + 2.5}
 
 
 def step_time_floor(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, rates: dict[str, float],

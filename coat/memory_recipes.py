@@ -10,6 +10,10 @@ from coat import recipes as names
 
 #: coat.optim.AdamW: per moment 1 byte of FP8 code + per 128-element group a fp32 max and a 1-byte exponent.
 COAT_STATE_BYTES = 2 * (1 + 5 / 128)
+#: coat.optim.AdamW4bit on a decoder model: 4-bit m with an fp32 absmax per 128 elements, 4-bit v with
+#: rank-1 (row and column) maxima on the matrices, two buffers of them: ~8 (rows + cols) / (rows cols)
+#: B/param, 0.002-0.004 on Llama-2-7B's matrices; the few small tensors (norms) keep fp32 states.
+ADAMW4_STATE_BYTES = 1 + 4 / 128 + 0.004
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            2, "coat", "coat", fp8_weights=True, fused_loss=True),
     Recipe("coat-lean", "bf16 weights, coat.convert, coat.optim.AdamW(master_weights='bf16_sr')", 2, 0,
            COAT_STATE_BYTES, 2, "coat", "coat", fp8_weights=True, fused_loss=True),
+    Recipe("coat4bit", "bf16 weights, coat.convert, coat.optim.AdamW4bit (4-bit states, fp32 master)", 2, 4,
+           ADAMW4_STATE_BYTES, 2, "coat", "coat", fp8_weights=True, fused_loss=True),
+    Recipe("coat4bit-lean", "bf16 weights, coat.convert, coat.optim.AdamW4bit(master_weights='bf16_sr')", 2, 0,
+           ADAMW4_STATE_BYTES, 2, "coat", "coat", fp8_weights=True, fused_loss=True),
 )}
 
 

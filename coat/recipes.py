@@ -20,6 +20,8 @@ RECIPES: dict[str, str] = {
     "fp8": "FP8 layers (coat.convert), torch.optim.AdamW on fp32 weights",
     "coat": "FP8 layers (coat.convert), coat.optim.AdamW (FP8 states) with fp32 master weights",
     "coat-lean": "coat with master_weights='bf16_sr': bf16 weights and no fp32 copy",
+    "coat4bit": "FP8 layers (coat.convert), coat.optim.AdamW4bit (4-bit states) with fp32 master weights",
+    "coat4bit-lean": "coat4bit with master_weights='bf16_sr': bf16 weights and no fp32 copy",
 }
 
 #: The modes, in the order they are written; each a one-line description.

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import BASELINE_RECIPE, RECIPE_PARTS, ConfigError, TrainConfig
+from coat.cli.config import BASELINE_RECIPE, COAT_OPTIMIZERS, RECIPE_PARTS, ConfigError, TrainConfig
 from coat.cli.plot import plot_comparison
 from coat.cli.plan import RunPlan
 
@@ -37,8 +37,8 @@ def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainCo
     combination outside the named recipes has no name to give), everything else as the user gave it."""
     act, opt = parts
     return replace(flags, recipe=None, activations=act, optim=opt, compare=False, out=str(out), resume=None,
-                   master_weights=flags.master_weights if opt == "coat" else "fp32",
-                   release_grads=flags.release_grads and opt == "coat",
+                   master_weights=flags.master_weights if opt in COAT_OPTIMIZERS else "fp32",
+                   release_grads=flags.release_grads and opt in COAT_OPTIMIZERS,
                    frozen_fp8=flags.frozen_fp8 and act == "fp8", fp8_stats=flags.fp8_stats and act == "fp8")
 
 

@@ -19,7 +19,8 @@ DTYPES = ("auto", "fp32", "bf16")
 # optimizer states. These are the runs (and the folders of a comparison); --recipe also takes the
 # setup names of coat.recipes, which ``expand_setup`` turns into one of these plus flags, and a
 # run is recorded under its setup name (``setup_name``).
-RECIPE_PARTS = {"bf16": ("bf16", "torch"), "fp8": ("fp8", "torch"), "coat": ("fp8", "coat")}
+RECIPE_PARTS = {"bf16": ("bf16", "torch"), "fp8": ("fp8", "torch"), "coat": ("fp8", "coat"),
+                "coat4bit": ("fp8", "coat4bit")}
 RECIPES = tuple(RECIPE_PARTS)
 DEFAULT_RECIPE = "coat"
 BASELINE_RECIPE = "bf16"
@@ -185,7 +186,8 @@ def expand_setup(cfg: TrainConfig) -> tuple[TrainConfig, set[str]]:
 #: CPU), not coat.recipes' bf16 (bf16 weights), which coat train does not run.
 TRAIN_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16": ("bf16", {}), "amp": ("bf16", {"dtype": "bf16"}), "fp32": ("bf16", {"dtype": "fp32"}), "fp8": ("fp8", {}),
-    "coat": ("coat", {}), "coat-lean": ("coat", {"master_weights": "bf16_sr"})}
+    "coat": ("coat", {}), "coat-lean": ("coat", {"master_weights": "bf16_sr"}),
+    "coat4bit": ("coat4bit", {}), "coat4bit-lean": ("coat4bit", {"master_weights": "bf16_sr"})}
 #: coat.recipes' modes that coat train runs, and the flags they set (+lora: with --lora RANK, and
 #: on the FP8 layers --frozen-fp8).
 TRAIN_MODES: dict[str, dict[str, Any]] = {"lora": {}, "release": {"release_grads": True},
@@ -201,8 +203,9 @@ def setup_name(cfg: TrainConfig) -> str:
         base = "amp" if cfg.dtype == "bf16" else "fp32"
     elif (cfg.activations, cfg.optim) == RECIPE_PARTS["fp8"]:
         base = "fp8"
-    elif (cfg.activations, cfg.optim) == RECIPE_PARTS["coat"]:
-        base = "coat-lean" if cfg.master_weights == "bf16_sr" else "coat"
+    elif (cfg.activations, cfg.optim) in (RECIPE_PARTS["coat"], RECIPE_PARTS["coat4bit"]):
+        base = "coat" if cfg.optim == "coat" else "coat4bit"
+        base += "-lean" if cfg.master_weights == "bf16_sr" else ""
     else:
         return recipe_name(cfg.activations, cfg.optim)
     on = {"lora": bool(cfg.lora), "release": cfg.release_grads, "graph": cfg.cuda_graph}
