@@ -405,3 +405,45 @@ def test_cuda_matches_cpu_bit_for_bit(dtype, master):
             assert torch.equal(p, q.cpu())
             for k, t in oc.state[p].items():
                 assert torch.equal(t, og.state[q][k].cpu()), k
+
+
+@pytest.mark.gpu
+def test_cuda_no_sync_three_launches_and_graph_capture():
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in _params(dtype=torch.bfloat16)]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = co.AdamW4bit(params, lr=1e-3, master_weights="bf16_sr")
+    ref = co.AdamW4bit(twin, lr=1e-3, master_weights="bf16_sr")
+    _set_grads(params, 1)
+    for p, q in zip(params, twin):
+        q.grad = p.grad.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up: states and the descriptor table are created here
+        opt.step()
+    torch.cuda.current_stream().wait_stream(s)
+    ref.step()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronisation inside step() raises
+    try:
+        opt.step()
+        ref.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    ref.step()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and any(k in e.name for k in ("clear_kernel", "stats_kernel", "step_kernel"))]
+    assert len(kernels) == 3, kernels  # one launch sequence for all tensors of the group
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(3):  # the rank-1 buffers alternate between replays as between eager steps
+        graph.replay()
+        ref.step()
+    torch.cuda.synchronize()
+    for p, q in zip(params, twin):
+        assert torch.equal(p, q)
+        for k, t in opt.state[p].items():
+            assert torch.equal(t, ref.state[q][k]), k
+    assert opt.state[params[0]]["step"].item() == 6
