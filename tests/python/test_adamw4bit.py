@@ -271,6 +271,29 @@ def test_state_dict_round_trip_and_exact_resume(dtype, master):
             assert torch.equal(t, opt_b.state[q][k]), k
 
 
+def test_distributed_checkpoint_and_deepcopy_round_trip(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    import copy
+
+    batches = list(_batches(4, seed=4))
+    m = _mlp()
+    opt = co.AdamW4bit(m.parameters(), master_weights="fp32", seed=3)
+    _train(m, opt, batches[:2])
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path))
+    fresh = co.AdamW4bit(m.parameters(), seed=3)
+    _train(m, fresh, batches[:1])  # allocate states, then load into them in place
+    sd = {"optim": fresh.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path))
+    fresh.load_state_dict(sd["optim"])
+    for s1, s2 in zip(opt.state.values(), fresh.state.values()):
+        assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+    twin = copy.deepcopy((m, opt))  # coat's settings travel; the copy steps as the original
+    assert twin[1].master_weights == "fp32" and twin[1].seed == 3
+    _train(m, opt, batches[2:])
+    _train(twin[0], twin[1], batches[2:])
+    assert torch.equal(_flat(m), _flat(twin[0]))
+
+
 def test_state_dict_is_compact_and_checked():
     p = torch.nn.Parameter(torch.randn(600, 700))
     opt = co.AdamW4bit([p])
