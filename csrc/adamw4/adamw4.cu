@@ -4,7 +4,8 @@
 // bit for bit.
 //
 // A first version, written for correctness: a warp per group of 128 elements (a lane per 4
-// consecutive elements), one binary search of the descriptor table per group. Bytes per parameter
+// consecutive elements); a warp looks its group's descriptor up (binary search) and derives the
+// step's scalars only when its next group is in another tensor. Bytes per parameter
 // of the step (bf16 params and grads, fp32 master): 2 + 2 + 8 (master) + 2 x 0.5 x 2 (codes) plus
 // for rank-1 tensors a second read of the gradient and the v codes (2.5 B) in the statistics pass.
 // Not measured yet (no GPU where it was written); the FP8 step's lessons (adamw.cu: whole-sector
@@ -38,6 +39,24 @@ __device__ __forceinline__ int64_t find_tensor(const Adamw4Tensor* t, int64_t n,
 }
 
 __device__ __forceinline__ bool skipped(const AdamwConfig& c) { return c.found_inf != nullptr && *c.found_inf != 0.0f; }
+
+// The descriptor of group g and its step's scalars, kept across a warp's groups: a warp's next
+// group is usually in the same tensor, and the scalars cost ~20 fp64 operations (beta^t).
+struct Current {
+  Adamw4Tensor d{};
+  uint64_t t;
+  adamw::Scalars s;
+  int64_t end = -1;  // one past the tensor's last group; -1: none yet
+
+  __device__ __forceinline__ void seek(const Adamw4Tensor* tensors, int64_t n, int64_t g, double lr,
+                                       const AdamwConfig& c) {
+    if (g >= d.group_begin && g < end) return;
+    d = tensors[find_tensor(tensors, n, g)];
+    end = d.group_begin + groups_of(d.numel);
+    t = adamw::step_count(*d.step);
+    s = adamw::make_scalars(lr, c, t);
+  }
+};
 
 // Row and column of a lane's first element (rank-1 tensors); the next ones follow by stepping.
 struct RowCol {
@@ -87,11 +106,13 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Adamw4Tensor* __r
   const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
   const int lane = threadIdx.x & 31;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  Current cur;
   for (int64_t g = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); g < n_groups; g += n_warps) {
-    const Adamw4Tensor d = tensors[find_tensor(tensors, n_tensors, g)];
+    cur.seek(tensors, n_tensors, g, lr, c);
+    const Adamw4Tensor& d = cur.d;
     if (d.kind != Adamw4Kind::kRank1) continue;
-    const uint64_t t = adamw::step_count(*d.step);
-    const adamw::Scalars s = adamw::make_scalars(lr, c, t);
+    const uint64_t t = cur.t;
+    const adamw::Scalars& s = cur.s;
     const int64_t begin = (g - d.group_begin) * G, e0 = begin + lane * kPer;
     const int64_t end = begin + G < d.numel ? begin + G : d.numel;
     const float* old_r = d.v_scale + adamw4::old_buffer(t) * (d.rows + d.cols);
@@ -162,10 +183,12 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const Adamw4Tensor* __re
   const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
   const int lane = threadIdx.x & 31;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  Current cur;
   for (int64_t g = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); g < n_groups; g += n_warps) {
-    const Adamw4Tensor d = tensors[find_tensor(tensors, n_tensors, g)];
-    const uint64_t t = adamw::step_count(*d.step);
-    const adamw::Scalars s = adamw::make_scalars(lr, c, t);
+    cur.seek(tensors, n_tensors, g, lr, c);
+    const Adamw4Tensor& d = cur.d;
+    const uint64_t t = cur.t;
+    const adamw::Scalars& s = cur.s;
     const int64_t lg = g - d.group_begin, e0 = lg * G + lane * kPer;
     auto* param = static_cast<P*>(d.param);
     float p[kPer] = {}, m[kPer] = {}, v[kPer] = {};
