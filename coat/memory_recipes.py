@@ -85,14 +85,19 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 
 def recipe(name: str) -> Recipe:
     """The plan of setup ``name`` (``coat.recipes``): ``RECIPES[name]``, or a ``with_modes``
-    variant (``+release``, ``+fused-loss``, ``+hf-loss``, ``+graph``). ``ValueError`` naming
-    --recipe for a name that is unknown or not modeled."""
+    variant (``+release``, ``+fused-loss``, ``+hf-loss``, ``+graph``, ``+lora``). ``ValueError`` naming
+    --recipe for a name that is unknown or not modeled (``NotModeled``, a ValueError, for ``+side``)."""
     s = names.parse(name)
     if s.recipe not in RECIPES:
         peer = s.recipe in names.PEERS
         kind, what = ("setup", names.PEERS[s.recipe]) if peer else ("recipe", names.RECIPES[s.recipe])
         raise ValueError(f"--recipe {name!r}: {kind} {s.recipe} ({what}) has no memory model (modeled: "
                          f"{', '.join(RECIPES)})")
+    if s.has("side"):
+        from coat.memory_activations import NotModeled  # (that module imports this one)
+
+        raise NotModeled(f"--recipe {name!r}: side tuning (coat.SideTuned) has no memory model yet; coat bench "
+                         "measures it without an estimate")
     r = RECIPES[s.recipe]
     if not s.modes:
         return r
