@@ -8,6 +8,10 @@ from dataclasses import dataclass, replace
 
 from coat import recipes as names
 
+class NotModeled(ValueError):
+    """What the memory plan has no table for (coat bench then measures without an estimate)."""
+
+
 #: coat.optim.AdamW: per moment 1 byte of FP8 code + per 128-element group a fp32 max and a 1-byte exponent.
 COAT_STATE_BYTES = 2 * (1 + 5 / 128)
 
@@ -94,8 +98,6 @@ def recipe(name: str) -> Recipe:
         raise ValueError(f"--recipe {name!r}: {kind} {s.recipe} ({what}) has no memory model (modeled: "
                          f"{', '.join(RECIPES)})")
     if s.has("side"):
-        from coat.memory_activations import NotModeled  # (that module imports this one)
-
         raise NotModeled(f"--recipe {name!r}: side tuning (coat.SideTuned) has no memory model yet; coat bench "
                          "measures it without an estimate")
     r = RECIPES[s.recipe]
