@@ -144,3 +144,26 @@ def test_coat_bench_runs_the_side_setup_on_the_cpu(tmp_path: Path) -> None:
     assert (rec["setup"], rec["status"], rec["model"], rec["recipe"]) == ("coat+side", "ok", "tiny", None)
     assert rec["peak_gib"] > rec["resident_gib"] > 0 and rec["tokens_per_s"] > 0 and rec.get("estimate_gib") is None
     assert "| tiny | coat+side | 1 |" in p.stdout
+
+
+def test_bench_builds_the_side_base_one_fp8_layer_at_a_time() -> None:
+    # coat+side's model (coat/cli/bench_frozen.py): every projection frozen in FP8, the model whole
+    # and working, and at no moment more than about one decoder layer in bf16 (the tracker of live
+    # storages coat bench uses on a CPU).
+    from coat import memory
+    from coat.cli.bench_frozen import build_frozen_fp8
+    from coat.cli.bench_worker import LiveBytes
+    from coat.nn import adapters
+
+    shape = memory.ModelShape("deep", hidden=256, layers=8, heads=4, kv_heads=2, intermediate=688, vocab=64)
+    torch.manual_seed(0)
+    with LiveBytes() as live:
+        model = build_frozen_fp8(shape, torch.bfloat16, torch.device("cpu"))
+    bf16_layers = 2 * shape.layers * shape.layer_params
+    assert live.peak < 0.75 * bf16_layers, (live.peak, bf16_layers)  # FP8 codes (half) + one bf16 layer
+    assert model.config.num_hidden_layers == len(model.model.layers) == 8
+    assert sum(adapters.is_frozen_fp8(m) for m in model.modules()) == 7 * 8
+    assert not any(p.requires_grad for p in model.model.layers.parameters())
+    ids = torch.randint(0, 64, (2, 16))
+    loss = SideTuned(model, r=16)(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss) and abs(loss.item() - float(torch.tensor(64.0).log())) < 0.5
