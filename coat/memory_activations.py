@@ -7,15 +7,11 @@ of the memory plan (``coat.memory``); tests count them with saved-tensor hooks."
 
 from __future__ import annotations
 
-from coat.memory_recipes import LORA_RANK
+from coat.memory_recipes import LORA_RANK, NotModeled  # NotModeled: defined with the recipes, which refuse +side
 from coat.memory_shapes import ModelShape
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
-
-
-class NotModeled(ValueError):
-    """What the memory plan has no table for (coat bench then measures without an estimate)."""
 
 
 def _norm(width: int, rows: int, table: str) -> float:

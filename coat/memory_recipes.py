@@ -8,6 +8,10 @@ from dataclasses import dataclass, replace
 
 from coat import recipes as names
 
+class NotModeled(ValueError):
+    """What the memory plan has no table for (coat bench then measures without an estimate)."""
+
+
 #: coat.optim.AdamW: per moment 1 byte of FP8 code + per 128-element group a fp32 max and a 1-byte exponent.
 COAT_STATE_BYTES = 2 * (1 + 5 / 128)
 #: coat.optim.AdamW4bit on a decoder model: 4-bit m with an fp32 absmax per 128 elements, 4-bit v with
@@ -93,14 +97,17 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 
 def recipe(name: str) -> Recipe:
     """The plan of setup ``name`` (``coat.recipes``): ``RECIPES[name]``, or a ``with_modes``
-    variant (``+release``, ``+fused-loss``, ``+hf-loss``, ``+graph``). ``ValueError`` naming
-    --recipe for a name that is unknown or not modeled."""
+    variant (``+release``, ``+fused-loss``, ``+hf-loss``, ``+graph``, ``+lora``). ``ValueError`` naming
+    --recipe for a name that is unknown or not modeled (``NotModeled``, a ValueError, for ``+side``)."""
     s = names.parse(name)
     if s.recipe not in RECIPES:
         peer = s.recipe in names.PEERS
         kind, what = ("setup", names.PEERS[s.recipe]) if peer else ("recipe", names.RECIPES[s.recipe])
         raise ValueError(f"--recipe {name!r}: {kind} {s.recipe} ({what}) has no memory model (modeled: "
                          f"{', '.join(RECIPES)})")
+    if s.has("side"):
+        raise NotModeled(f"--recipe {name!r}: side tuning (coat.SideTuned) has no memory model yet; coat bench "
+                         "measures it without an estimate")
     r = RECIPES[s.recipe]
     if not s.modes:
         return r

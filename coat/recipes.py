@@ -27,6 +27,8 @@ RECIPES: dict[str, str] = {
 #: The modes, in the order they are written; each a one-line description.
 MODES: dict[str, str] = {
     "lora": "PEFT LoRA adapters, the base weights frozen",
+    "side": "Quantized Side Tuning (coat.SideTuned): the base frozen in FP8 and run without grad, a side network "
+            "of width hidden/16 trains beside it",
     "release": "gradient release: the optimizer steps each layer inside backward and frees its gradients",
     "fused-loss": "coat's fused LM head + loss, chunked, no full logits (the FP8 recipes have it already)",
     "hf-loss": "Hugging Face's loss path instead of coat's fused one",
@@ -50,6 +52,10 @@ ALIASES: dict[str, str] = {
     "lora-coat": "coat+lora",
     "lora-coat-graph": "coat+lora+graph",
 }
+
+
+#: The recipes ``+side`` combines with: their layers keep a frozen base in FP8 (coat.convert).
+SIDE_RECIPES = ("fp8", "coat", "coat-lean")
 
 
 class Setup(NamedTuple):
@@ -84,6 +90,11 @@ def parse(name: str, flag: str = "--recipe") -> Setup:
             raise ValueError(f"{flag} {name!r}: mode {m!r} given twice")
     if "fused-loss" in mods and "hf-loss" in mods:
         raise ValueError(f"{flag} {name!r}: fused-loss and hf-loss exclude each other")
+    if "side" in mods and "lora" in mods:
+        raise ValueError(f"{flag} {name!r}: side and lora exclude each other (each is a way to fine-tune)")
+    if "side" in mods and base not in SIDE_RECIPES:
+        raise ValueError(f"{flag} {name!r}: side tuning runs on the FP8 frozen base: recipes "
+                         f"{', '.join(SIDE_RECIPES)}")
     return Setup(base, tuple(m for m in MODES if m in mods))
 
 

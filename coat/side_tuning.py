@@ -110,7 +110,10 @@ def _downsampler(hidden: int, downsample: int, width: int, eps: float) -> nn.Seq
 
 def _causal_mask(attention_mask: torch.Tensor | None, seq: int, dtype: torch.dtype) -> torch.Tensor | None:
     """None (SDPA's own causal mask) without padding; else an additive [batch, 1, seq, seq] mask,
-    causal and hiding padded keys."""
+    causal and hiding padded keys. Called once per forward, before the side layers run: with an
+    ``attention_mask`` it reads on the host whether any key is padded (one device sync per call,
+    as the base's own Hugging Face mask code does), because a mask of no padding would keep SDPA
+    off its causal flash kernel in every side layer; without one (coat train, coat bench) no sync."""
     if attention_mask is None or bool(attention_mask.all()):
         return None
     dev = attention_mask.device
@@ -165,8 +168,9 @@ class SideTuned(nn.Module):
         _freeze_and_convert(base)
         self.family, self.r, self.downsample, self.hidden = fam, r, downsample, hidden
         self.side_config = _side_layer_config(base, width, intermediate_size, num_heads)
-        cfg = LlamaConfig(vocab_size=1, bos_token_id=None, eos_token_id=None, pad_token_id=None, num_hidden_layers=n_layers, hidden_act="silu", attention_bias=False,
-                          mlp_bias=False, **self.side_config)
+        cfg = LlamaConfig(vocab_size=1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                          num_hidden_layers=n_layers, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                          **self.side_config)
         cfg._attn_implementation = "sdpa"
         self.base = base
         dtype = base.lm_head.weight.dtype if base.lm_head.weight.is_floating_point() else torch.float32
@@ -180,6 +184,28 @@ class SideTuned(nn.Module):
         for p in self.side_parameters():
             p.data = p.data.to(device=dev, dtype=dtype)
         self.rotary = LlamaRotaryEmbedding(cfg).to(dev)
+
+    @property
+    def config(self):
+        """The base's Hugging Face config (what code written for a causal LM reads: model type, sizes)."""
+        return self.base.config
+
+    def side_state_dict(self) -> dict[str, torch.Tensor]:
+        """The side network's state alone (``state_dict()`` also holds the base, dequantized): what a
+        training checkpoint needs, the base being rebuilt from its own checkpoint."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("base.")}
+
+    def load_side_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads what ``side_state_dict`` returned (strict: the same names and shapes)."""
+        own = self.side_state_dict()
+        if set(state) != set(own):
+            diff = sorted(set(state) ^ set(own))
+            raise ValueError(f"state: the side network's names differ ({diff[:3]})")
+        with torch.no_grad():
+            for k, v in own.items():
+                if state[k].shape != v.shape:
+                    raise ValueError(f"state: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+                v.copy_(state[k])
 
     def side_parameters(self) -> list[nn.Parameter]:
         """The trainable parameters: downsamplers, gates, side layers, upsample, top gate."""
@@ -198,9 +224,12 @@ class SideTuned(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                num_items_in_batch=None, ignore_index: int = -100, **kwargs):
-        """(loss, logits) as a ``CausalLMOutputWithPast``: with ``labels`` the fused loss and
-        ``logits=None``; without, the logits and ``loss=None``."""
+                num_items_in_batch=None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                **kwargs):
+        """(loss, logits) as a ``CausalLMOutputWithPast``: with ``labels`` (shifted here, as Hugging
+        Face does) or ``shift_labels`` (already aligned with the inputs) the fused loss and
+        ``logits=None``; without, the logits and ``loss=None``. Other keyword arguments of a causal
+        LM's forward (``use_cache``) are accepted and ignored: the base runs without a cache."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         states = self._base_states(input_ids, attention_mask, position_ids)
@@ -218,11 +247,11 @@ class SideTuned(nn.Module):
         w = self.top_gate
         h = w * states[-1] + (1 - w) * self.up(s)
         norm, head = self.base.model.norm, self.base.lm_head
-        if labels is None:
+        if labels is None and shift_labels is None:
             return CausalLMOutputWithPast(loss=None, logits=head(norm(h)))
         loss = fused_lm_head_loss(h, head.weight, labels, norm_weight=norm.weight, eps=norm_eps(norm),
                                   norm_unit_offset=self.family.unit_offset, ignore_index=ignore_index,
-                                  num_items_in_batch=num_items_in_batch)
+                                  num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
     # ---- saving and loading the side network ---------------------------------------------------

@@ -66,6 +66,7 @@ class Setup:
     cuda_only: bool = False
     fsdp: bool = True  # runs under --fsdp
     graphed: bool = False  # the step is a coat.CudaGraphStep (its capture is part of the peak)
+    build: Callable[..., torch.nn.Module] | None = None  # how the model is made (default: ``build_model``)
 
     @property
     def recipe(self) -> str | None:
@@ -187,6 +188,34 @@ def _prep_lora(on_coat: bool, graphed: bool = False):
     return prepare
 
 
+#: The side network's reduction factor of the coat+side setup (QST's default: width hidden / 16).
+SIDE_R = 16
+
+
+def _build_frozen(shape, dtype, device):
+    from coat.cli.bench_frozen import build_frozen_fp8  # the layers stored in FP8 one at a time (70B on one GPU)
+
+    return build_frozen_fp8(shape, dtype, device)
+
+
+def _prep_side(model, ctx):
+    # Issue 31: Quantized Side Tuning (coat.SideTuned) on coat's FP8 layers: the base frozen and
+    # stored in FP8 (frozen_weights="fp8"), run under no_grad; a side network of width hidden / 16
+    # trains with coat.optim.AdamW (FP8 states, fp32 master), the base's fused LM head + loss. The model
+    # comes from _build_frozen: its layers already frozen in FP8 (convert again: the fused loss, the recipe).
+    import coat
+    import coat.optim
+
+    coat.convert(model, recipe="coat")
+    side = coat.SideTuned(model, r=SIDE_R)
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # the bf16 weights the FP8 codes replaced
+    opt = coat.optim.AdamW(side.side_parameters(), lr=ctx.lr, master_weights="fp32")
+    step = _train_step(side, opt, nullcontext())
+    step.tensors = side.side_parameters()  # built outside the model: counted by the CPU tracker too
+    return step
+
+
 def _prep_qlora(model, ctx):
     # The QLoRA recipe (Dettmers et al.; PEFT's documented path): every decoder linear as a
     # bitsandbytes 4-bit NF4 layer with double quantization and bf16 compute, then
@@ -239,6 +268,8 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           torch.bfloat16, _prep_lora(True), needs=("peft",), fsdp=False),
     Setup("qlora", "PEFT QLoRA: bitsandbytes 4-bit NF4 decoder linears + LoRA r=16 on all of them, torch fused AdamW",
           torch.bfloat16, _prep_qlora, needs=("peft", "bitsandbytes"), cuda_only=True, fsdp=False),
+    Setup("coat+side", f"coat.convert + coat.SideTuned(r={SIDE_R}): base frozen in FP8 under no_grad, side network "
+          "of width hidden/16, coat.optim.AdamW", torch.bfloat16, _prep_side, fsdp=False, build=_build_frozen),
     Setup("coat+lora+graph", "coat+lora, the step replayed from CUDA graphs (coat.CudaGraphStep)",
           torch.bfloat16, _prep_lora(True, graphed=True), needs=("peft",), cuda_only=True, fsdp=False, graphed=True),
 )}
@@ -342,7 +373,7 @@ def measure(step: StepFn, ids: torch.Tensor, warmup: int, steps: int, dev: torch
         for _ in range(warmup):
             step(ids)
     elif dev.type == "cpu":
-        tracker = LiveBytes(list(model.parameters()) + list(model.buffers()))
+        tracker = LiveBytes(list(model.parameters()) + list(model.buffers()) + list(getattr(step, "tensors", [])))
         with tracker:
             for _ in range(warmup):
                 step(ids)
@@ -471,7 +502,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         torch.manual_seed(cfg.get("seed", 0))
         t0 = time.perf_counter()
-        model = build_model(shape, setup.param_dtype, dev)
+        model = (setup.build or build_model)(shape, setup.param_dtype, dev)
         step = setup.prepare(model, Context(dev, mesh))
         res["init_s"] = time.perf_counter() - t0
         g = torch.Generator(device=dev).manual_seed(1234 + rank)

@@ -19,6 +19,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -277,10 +278,8 @@ class MetricsLog:
             if _write_fd(fd, line) != len(line):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as e:
-            try:
+            with contextlib.suppress(OSError):  # else readers drop a torn last line
                 os.ftruncate(fd, end)
-            except OSError:
-                pass  # readers drop a torn last line
             raise WriteError(f"could not write {self.path}: {why_failed(e)}") from e
 
     def close(self) -> None:
@@ -321,10 +320,11 @@ def fingerprint(obj: Any) -> str:
 def run_identity(run_info: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint's state belongs to, from a run's config.json: the run's id, its model and
     the parts of the recipe that shape the optimizer state. A resume refuses a checkpoint of another."""
-    train = run_info.get("train", {})
-    keys = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
-    return {"run_id": run_info.get("run_id")} | {k: train.get(k) for k in keys} | {
-        "model": fingerprint(run_info.get("model"))}
+    train, keys = run_info.get("train", {}), ("recipe", "activations", "optim", "master_weights", "lora",
+                                              "lora_targets", "release_grads")
+    side = {"side_tuning": train["side_tuning"]} if train.get("side_tuning") else {}  # older runs: no key
+    return {"run_id": run_info.get("run_id"), **{k: train.get(k) for k in keys}, **side,
+            "model": fingerprint(run_info.get("model"))}
 
 
 def _sha256(path: Path) -> str:
@@ -407,7 +407,8 @@ def save(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
             dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
                      checkpoint_id=str(tmp))
         else:
-            _save_file({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp / "model_optim.pt")
+            state = getattr(model, "side_state_dict", model.state_dict)()  # side tuning: not the frozen base
+            _save_file({"model": state, "optim": optimizer.state_dict()}, tmp / "model_optim.pt")
         _save_file(rank_state, tmp / f"rank{d.rank:05d}.pt")
         # Each rank hashes what it wrote (DCP: __<rank>_*.distcp), in parallel, while it is in the page cache.
         own = [f"rank{d.rank:05d}.pt", *(p.name for p in tmp.glob(f"__{d.rank}_*"))] if d.enabled else \
@@ -586,9 +587,8 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             set_model_state_dict(model, sd["model"])
             set_optimizer_state_dict(model, optimizer, sd["optim"])
         else:
-            device = next(model.parameters()).device
-            sd = torch.load(ckpt / "model_optim.pt", map_location=device, weights_only=True)
-            model.load_state_dict(sd["model"])
+            sd = torch.load(ckpt / "model_optim.pt", map_location=next(model.parameters()).device, weights_only=True)
+            getattr(model, "load_side_state_dict", model.load_state_dict)(sd["model"])
             optimizer.load_state_dict(sd["optim"])
         train_state = torch.load(ckpt / "train_state.pt", weights_only=True)
         rank_state = torch.load(ckpt / f"rank{d.rank:05d}.pt", weights_only=True)

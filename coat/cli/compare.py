@@ -1,5 +1,6 @@
 """``coat train --compare``: the recipe and the BF16 baseline, same seed and data order, one table
-and one plot.
+and one plot. Side tuning (``--side-tuning R --compare``) is compared with LoRA on the same FP8
+frozen base instead (``arms``): coat bench's coat+lora, rank 16, alpha 32, every projection.
 
 Single process: each recipe trains in a fresh child process, one after the other, so each
 one's peak memory (peak RSS on a CPU, CUDA peak allocated on a GPU) is its own and not the
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import BASELINE_RECIPE, COAT_OPTIMIZERS, RECIPE_PARTS, ConfigError, TrainConfig
+from coat.cli.config import BASELINE_RECIPE, COAT_OPTIMIZERS, RECIPE_PARTS, ConfigError, TrainConfig, setup_name
 from coat.cli.plot import plot_comparison
 from coat.cli.plan import RunPlan
 
@@ -40,6 +41,27 @@ def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainCo
                    master_weights=flags.master_weights if opt in COAT_OPTIMIZERS else "fp32",
                    release_grads=flags.release_grads and opt in COAT_OPTIMIZERS,
                    frozen_fp8=flags.frozen_fp8 and act == "fp8", fp8_stats=flags.fp8_stats and act == "fp8")
+
+
+#: The LoRA that side tuning is compared with (coat bench's coat+lora): rank, alpha, targets.
+SIDE_COMPARE_LORA = dict(lora=16, lora_alpha=32, lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+
+
+def arms(cfg: TrainConfig) -> tuple[str, str]:
+    """The names of the comparison's two runs (and folders), the baseline first: the bf16 baseline
+    and the recipe; with side tuning, LoRA on the same FP8 frozen base (coat+lora) and side tuning."""
+    if cfg.side_tuning:
+        return setup_name(replace(cfg, side_tuning=0, lora=16)), setup_name(cfg)
+    return BASELINE_RECIPE, cfg.recipe
+
+
+def _arm_flags(flags: TrainConfig, cfg: TrainConfig, name: str, out: Path) -> TrainConfig:
+    """The flags of the comparison's run ``name``."""
+    if not cfg.side_tuning:
+        parts = RECIPE_PARTS[BASELINE_RECIPE] if name == BASELINE_RECIPE else (cfg.activations, cfg.optim)
+        return _sub_flags(flags, parts, out)
+    sub = _sub_flags(flags, (cfg.activations, cfg.optim), out)
+    return sub if name == arms(cfg)[1] else replace(sub, side_tuning=0, frozen_fp8=True, **SIDE_COMPARE_LORA)
 
 
 def _set_death_signal() -> None:
@@ -77,7 +99,7 @@ def _run_child(cfg: TrainConfig, explicit: set[str] | None = None) -> tuple[int,
 
 
 def _sub_runs(plan: RunPlan) -> dict[str, Path]:
-    return {r: plan.out / r for r in (BASELINE_RECIPE, plan.cfg.recipe)}
+    return {r: plan.out / r for r in arms(plan.cfg)}
 
 
 def _finished(folder: Path) -> dict[str, Any] | None:
@@ -96,7 +118,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], one_seed:
 
     cfg = plan.cfg
     runs = _sub_runs(plan)
-    parts = {BASELINE_RECIPE: RECIPE_PARTS[BASELINE_RECIPE], cfg.recipe: (cfg.activations, cfg.optim)}
+    base, other = arms(cfg)
     if d.is_main:
         ckpt.write_json_atomic(plan.out / "compare.json", {"train": asdict(cfg), "flags": asdict(plan.flags or cfg),
                                                            "runs": {r: r for r in runs}, "world_size": d.world})
@@ -113,7 +135,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], one_seed:
             log(f"[{recipe}] already finished in {folder}")
             results[recipe] = done
             continue
-        sub = _sub_flags(plan.flags or cfg, parts[recipe], folder)
+        sub = _arm_flags(plan.flags or cfg, cfg, recipe, folder)
         resume = ckpt.latest(folder) if folder.exists() else None
         if folder.exists() and resume is None and d.is_main:
             # Stopped before its first checkpoint: set aside (never deleted), and started again.
@@ -155,7 +177,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], one_seed:
             results[recipe] = runner.run(sub_plan, d, log)
         if not results[recipe].get("finished"):
             return {"runs": results, "out_dir": str(plan.out)}
-    table = comparison_table(results, BASELINE_RECIPE, cfg.recipe, one_seed=one_seed)
+    table = comparison_table(results, base, other, one_seed=one_seed)
     out: dict[str, Any] = {"runs": results, "table": table["markdown"], "out_dir": str(plan.out)}
     if d.is_main:
         (plan.out / "comparison.md").write_text(table["markdown"] + "\n")
@@ -254,7 +276,7 @@ def comparison_table(results: dict[str, dict[str, Any]], base: str, other: str,
                      "noise is only its floor. `coat train --seeds 5` pairs 5 seeds and gives the mean difference "
                      "with a 95% confidence interval; benchmarks/RESULTS.md (section 10) has the spread measured "
                      "on the default runs.")
-    if b.get("dtype") == "fp32":
+    if b.get("dtype") == "fp32" and base == BASELINE_RECIPE:
         lines.append(f"The {base} baseline is plain PyTorch; here it computed in fp32 (--dtype fp32, the CPU default; "
                      "GPUs default to bf16 autocast).")
     if device == "cpu":

@@ -55,6 +55,11 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 INIT_LR = 3e-5
 # LoRA (--lora) trains a few small matrices from zero: the usual PEFT rate, not a full fine-tune's.
 LORA_LR = 2e-4
+# Side tuning (--side-tuning) trains a small network from scratch beside the frozen base: LoRA's rate
+# (QST trains with QLoRA's settings), not tuned for side tuning.
+SIDE_LR = LORA_LR
+#: --side-tuning without R: QST's reduction factor (the side network's width is hidden / R).
+SIDE_R = 16
 
 
 class ConfigError(ValueError):
@@ -116,6 +121,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_targets: str | None = None  # comma-separated module names; None: PEFT's default for the model type
     frozen_fp8: bool = False  # keep the frozen (LoRA base) weights only in FP8
+    side_tuning: int = 0  # side network reduction factor R (coat.SideTuned, width hidden / R); 0: off
     compile: bool = False
     cuda_graph: bool = False  # each step replayed from CUDA graphs (coat.CudaGraphStep)
     fp8_stats: bool = False  # FP8 operand statistics of each log interval's last step (coat.fp8_stats)
@@ -171,6 +177,8 @@ def expand_setup(cfg: TrainConfig) -> tuple[TrainConfig, set[str]]:
         raise ConfigError("--recipe", f"{s.name}: +lora needs the adapters' rank: add --lora RANK")
     if s.has("lora") and RECIPE_PARTS[recipe][0] == "fp8":
         sets["frozen_fp8"] = True  # coat+lora names the FP8 layers' LoRA with the base kept only in FP8
+    if s.has("side") and not cfg.side_tuning:
+        sets["side_tuning"] = SIDE_R  # coat+side without --side-tuning R: QST's r
     default = TrainConfig()
     for name, value in sets.items():
         given = getattr(cfg, name)
@@ -190,7 +198,7 @@ TRAIN_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
     "coat4bit": ("coat4bit", {}), "coat4bit-lean": ("coat4bit", {"master_weights": "bf16_sr"})}
 #: coat.recipes' modes that coat train runs, and the flags they set (+lora: with --lora RANK, and
 #: on the FP8 layers --frozen-fp8).
-TRAIN_MODES: dict[str, dict[str, Any]] = {"lora": {}, "release": {"release_grads": True},
+TRAIN_MODES: dict[str, dict[str, Any]] = {"lora": {}, "side": {}, "release": {"release_grads": True},
                                           "graph": {"cuda_graph": True}}
 
 
@@ -208,7 +216,8 @@ def setup_name(cfg: TrainConfig) -> str:
         base += "-lean" if cfg.master_weights == "bf16_sr" else ""
     else:
         return recipe_name(cfg.activations, cfg.optim)
-    on = {"lora": bool(cfg.lora), "release": cfg.release_grads, "graph": cfg.cuda_graph}
+    on = {"lora": bool(cfg.lora), "side": bool(cfg.side_tuning), "release": cfg.release_grads,
+          "graph": cfg.cuda_graph}
     return recipes.Setup(base, tuple(m for m in recipes.MODES if on.get(m))).name
 
 
@@ -237,11 +246,12 @@ def _resolve_recipe(cfg: TrainConfig) -> TrainConfig:
         name = cfg.recipe
     else:
         # Parts not given come from the default recipe; with no recipe named, the run is
-        # compared with the BF16 baseline unless it is the baseline itself.
+        # compared with the BF16 baseline unless it is the baseline itself. Side tuning (which has
+        # no BF16 baseline) is compared with LoRA on the same FP8 base only when --compare asks.
         act = cfg.activations or RECIPE_PARTS[DEFAULT_RECIPE][0]
         opt = cfg.optim or RECIPE_PARTS[DEFAULT_RECIPE][1]
         name = recipe_name(act, opt)
-        compare = (name != BASELINE_RECIPE) if cfg.compare is None else cfg.compare
+        compare = (name != BASELINE_RECIPE and not cfg.side_tuning) if cfg.compare is None else cfg.compare
     if compare and name == BASELINE_RECIPE:
         raise ConfigError("--compare", f"trains the {BASELINE_RECIPE} baseline beside the recipe; the recipe "
                           f"here is {BASELINE_RECIPE} itself (use --recipe coat or fp8, or --no-compare)")
@@ -269,7 +279,7 @@ def resolve_config(cfg: TrainConfig, init_max_positions: int | None = None) -> T
     defaults = dict(DEVICE_DEFAULTS.get(device, DEVICE_DEFAULTS["cpu"]))
     if cfg.init is not None:
         defaults.pop("model")
-        defaults["lr"] = LORA_LR if cfg.lora else INIT_LR
+        defaults["lr"] = LORA_LR if cfg.lora else SIDE_LR if cfg.side_tuning else INIT_LR
         if init_max_positions is not None:
             defaults["seq_len"] = min(defaults["seq_len"], init_max_positions)
     default_warmup = defaults.pop("warmup_steps")
@@ -361,6 +371,7 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device", "cuda requested but torch sees no CUDA device")
     _validate_fine_tuning(cfg)
+    _validate_side_tuning(cfg)
     _validate_step_variants(cfg)
     if cfg.keep_last < 1:
         raise ConfigError("--keep-last", f"must be >= 1, got {cfg.keep_last}")
@@ -389,6 +400,34 @@ def _validate_fine_tuning(cfg: TrainConfig) -> None:
     if cfg.frozen_fp8 and cfg.activations != "fp8":
         raise ConfigError("--frozen-fp8", "needs the FP8 layers (--recipe coat or fp8): it keeps the frozen base "
                                           "weights as FP8 codes those layers read")
+
+
+def _validate_side_tuning(cfg: TrainConfig) -> None:
+    """--side-tuning R and what it cannot be combined with."""
+    r = cfg.side_tuning
+    if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+        raise ConfigError("--side-tuning", f"must be a reduction factor >= 1 (or 0: no side tuning), got {r!r}")
+    if not r:
+        return
+    if cfg.init is None:
+        raise ConfigError("--side-tuning", "side tuning fine-tunes a pretrained model: give --init PATH")
+    if cfg.lora:
+        raise ConfigError("--side-tuning", "cannot be combined with --lora (each is a way to fine-tune the frozen "
+                                           "base; --side-tuning R --compare trains both and compares them)")
+    if cfg.activations != "fp8":
+        raise ConfigError("--side-tuning", f"needs the FP8 frozen base (--recipe coat, coat-lean or fp8), not "
+                                           f"--recipe {cfg.recipe}: the base is kept only as FP8 codes")
+    for name, why in (("release_grads", "the side network's few layers gain nothing from it"),
+                      ("cuda_graph", "not supported with side tuning yet"),
+                      ("compile", "not supported with side tuning yet"),
+                      ("fp8_stats", "not supported with side tuning yet")):
+        if getattr(cfg, name):
+            raise ConfigError("--side-tuning", f"cannot be combined with {flag(name)} ({why})")
+
+
+def artifact(cfg: TrainConfig) -> str:
+    """The folder of OUT that --save writes: the LoRA adapter, the side network, or the model."""
+    return "adapter" if cfg.lora else "side" if cfg.side_tuning else "model"
 
 
 def _validate_step_variants(cfg: TrainConfig) -> None:

@@ -1,6 +1,7 @@
 """--save at the end of ``coat train``: the trained model (or LoRA adapter) written as Hugging
-Face writes it, whole or absent; when that fails, the weights stay in a checkpoint to export
-later with ``coat train --resume OUT --save``."""
+Face writes it (a side-tuned run: the side network, as coat.SideTuned.save_side writes it), whole
+or absent; when that fails, the weights stay in a checkpoint to export later with
+``coat train --resume OUT --save``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
+from coat.cli.config import artifact
 
 if TYPE_CHECKING:
     from coat.cli.plan import RunPlan
@@ -71,7 +73,7 @@ def _replace(out: Path, write: Callable[[Path], Path]) -> Path:
 
 def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.device, log: Callable[[str], None],
             save_checkpoint: Callable[[int], None], step: int) -> str | None:
-    """--save: the trained model (or LoRA adapter) as Hugging Face writes it, in OUT/model (OUT/adapter),
+    """--save: the trained model (or LoRA adapter, side network) in OUT/model (OUT/adapter, OUT/side),
     replacing the export of a run now extended (``--resume OUT --steps N``). If that fails, an
     earlier export stays as it was, the weights are kept in a checkpoint of the last step (written
     now if there is none), and ``WriteError`` says how to export them later."""
@@ -80,13 +82,17 @@ def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.devi
     cfg, out = plan.cfg, plan.out
     error: BaseException | None = None
     saved = None
-    full = None if cfg.lora else dt.full_state_dict(model, d)  # collective
+    full = None if cfg.lora or cfg.side_tuning else dt.full_state_dict(model, d)  # collective
     if d.is_main:
         try:
             if cfg.lora:  # the adapter, as PEFT saves it (plus the tokenizer)
                 saved = str(_replace(out / "adapter", lambda p: _save_adapter(
                     model, p, plan.tokenizer, plan.init.path if plan.init else None)))
                 log(f"[{cfg.recipe}] LoRA adapter saved to {saved}")
+            elif cfg.side_tuning:  # the side network alone (coat.SideTuned.save_side): JSON + safetensors
+                saved = str(_replace(out / "side", model.save_side))
+                log(f"[{cfg.recipe}] side network saved to {saved} (load it with coat.SideTuned.load_side on "
+                    f"{plan.init.path if plan.init else 'the base'})")
             else:
                 tok = plan.tokenizer.tokenizer if plan.tokenizer else None
                 dtype = plan.init.dtype if plan.init else "float32"
@@ -97,7 +103,7 @@ def export(plan: RunPlan, model: torch.nn.Module, d: dt.Dist, device: torch.devi
             error = e
     if not d.any(error is not None, device):
         return saved
-    target = out / ("adapter" if cfg.lora else "model")
+    target = out / artifact(cfg)
     final = out / ckpt.CHECKPOINTS / f"step_{step:08d}"
     if not final.is_dir():
         save_checkpoint(step)  # a WriteError here says what is kept

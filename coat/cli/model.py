@@ -67,6 +67,17 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     return model
 
 
+def add_side(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """``coat.SideTuned`` on ``model`` (already converted to the FP8 layers): the base frozen and kept
+    only in FP8, a side network of width hidden / ``cfg.side_tuning`` beside it."""
+    import coat
+
+    try:
+        return coat.SideTuned(model, r=cfg.side_tuning)
+    except ValueError as e:  # e.g. an R that does not divide the hidden size
+        raise ConfigError("--side-tuning", str(e)) from None
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the model; norms and biases are exempt from weight decay, as usual for LMs."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -170,12 +181,16 @@ def wdt_of(model: torch.nn.Module) -> torch.dtype:
 
 def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> dict[str, Any]:
     """Which parts of the step ran in FP8 and which did not, read from the model and optimizer."""
-    layers = dt.decoder_layers(model)
+    layers = dt.decoder_layers(model.base if cfg.side_tuning else model)
     # coat.convert gives each converted layer a class named Fp8<Original>; FSDP2 subclasses it again.
     fp8_layers = sum(any(c.__name__.startswith("Fp8") for c in type(m).__mro__) for m in layers)
     high = "bf16 (autocast)" if cfg.dtype == "bf16" else "fp32"
     fp8, other = [], []
-    if fp8_layers:
+    if fp8_layers and cfg.side_tuning:  # the base runs forward only, under no_grad: it saves nothing
+        fp8.append(f"forward GEMMs of the frozen base's {fp8_layers}/{len(layers)} decoder layers (E4M3 "
+                   "activations, fp32 accumulation), run without gradients")
+        fp8.append("frozen base weights (E4M3 codes, one scale per fused group)")
+    elif fp8_layers:
         fp8.append(f"GEMMs of {fp8_layers}/{len(layers)} decoder layers (q/k/v, o, gate/up, down projections: "
                    "E4M3 activations and weights, E5M2 gradients, fp32 accumulation)")
         fp8.append("activations the decoder layers save for backward (E4M3, one scale per 1x16 group)")
@@ -196,6 +211,9 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             fp8.append(base)
         other.append(f"LoRA adapters (rank {cfg.lora}, computed beside the base GEMMs in their own dtype, "
                      f"{str(wdt_of(model)).removeprefix('torch.')})")
+    if cfg.side_tuning:
+        other.append(f"side network (width hidden / {cfg.side_tuning}: downsamplers, gates, {len(layers)} Llama "
+                     f"layers, upsample; {str(wdt_of(model)).removeprefix('torch.')}), the base's saved hidden states")
     other.append(f"embeddings, final norm, LM head, attention math (softmax(QK^T)V), residual stream ({high})")
     wdt = wdt_of(model)
     if wdt == torch.float32:

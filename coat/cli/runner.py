@@ -24,7 +24,7 @@ from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import COAT_OPTIMIZERS, ConfigError, lr_lambda, setup_name
 from coat.cli.data import sample_batch
-from coat.cli.model import (add_lora, build_model, build_optimizer, describe_precision, evaluate, final_held_out,
+from coat.cli.model import (add_lora, add_side, build_model, build_optimizer, describe_precision, evaluate, final_held_out,
                             held_out_sets, lm_loss, metric_name, optimizer_state_bytes)
 from coat.cli.export import export
 from coat.cli.plan import RunPlan
@@ -202,6 +202,8 @@ class _Training:
             coat.convert(model, recipe="fp8")
         if cfg.lora:
             model = add_lora(model, cfg)
+        if cfg.side_tuning:  # the frozen base in FP8 beside the side network (coat.SideTuned)
+            model = add_side(model, cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
         if self.d.enabled:
             if cfg.optim == "coat4bit":  # refused before any step: its checkpoint would fail at the first save
@@ -473,7 +475,7 @@ class _Training:
         if self.last_stats is not None:
             log(f"[{cfg.recipe}] FP8 operands of the last recorded step, largest losses first (all in summary.json):\n"
                 + self.fp8_stats.table(self.last_stats, top=10))
-        written = [p.name for p in self.paths.values()] + [n + "/" for n in ("model", ckpt.CHECKPOINTS)
+        written = [p.name for p in self.paths.values()] + [n + "/" for n in ("model", "adapter", "side", ckpt.CHECKPOINTS)
                                                           if (out / n).is_dir()]
         log(f"[{cfg.recipe}] in {out}: {', '.join(written)}")
 

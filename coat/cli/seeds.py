@@ -20,7 +20,6 @@ from typing import Any, Callable, Mapping
 
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import BASELINE_RECIPE
 from coat.cli.plan import RunPlan
 from coat.cli.stats import mean_std, t975
 
@@ -107,9 +106,10 @@ def plot_mean_curves(runs: Mapping[str, list[Path]], out_png: Path, title: str) 
 
 def run_seeds(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str, Any]:
     """The N comparisons, one seed after another, then the summary (of the seeds that finished)."""
-    from coat.cli.compare import run_compare
+    from coat.cli.compare import arms, run_compare
 
     cfg = plan.cfg
+    base, other = arms(cfg)  # the baseline's and the recipe's runs (side tuning: LoRA's and its own)
     seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
     if d.is_main:
         ckpt.write_json_atomic(plan.out / "compare.json", {"train": asdict(cfg), "flags": asdict(plan.flags or cfg),
@@ -135,27 +135,27 @@ def run_seeds(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str
                 f"next seed. coat train --resume {plan.out} runs it again")
     out = _result(results, plan.out, None)
     finished = {s: r["runs"] for s, r in results.items() if s not in failed}
-    losses = {s: (r[BASELINE_RECIPE]["final_val_loss"], r[cfg.recipe]["final_val_loss"]) for s, r in finished.items()}
+    losses = {s: (r[base]["final_val_loss"], r[other]["final_val_loss"]) for s, r in finished.items()}
     if not losses or not d.is_main:
         return out
     stats = paired_stats(losses)
-    md = summary_markdown(stats, losses, BASELINE_RECIPE, cfg.recipe, failed)
+    md = summary_markdown(stats, losses, base, other, failed)
     summary = {**stats, "failed": failed, "final_val_loss": {
-        s: {BASELINE_RECIPE: b, cfg.recipe: o} for s, (b, o) in losses.items()}}
+        s: {base: b, other: o} for s, (b, o) in losses.items()}}
     # The prose held-out set (the built-in corpus): the same paired reading on text unlike the training data.
     key = "final_val_prose_loss"
-    if all(r[BASELINE_RECIPE].get(key) is not None and r[cfg.recipe].get(key) is not None for r in finished.values()):
-        prose = {s: (r[BASELINE_RECIPE][key], r[cfg.recipe][key]) for s, r in finished.items()}
+    if all(r[base].get(key) is not None and r[other].get(key) is not None for r in finished.values()):
+        prose = {s: (r[base][key], r[other][key]) for s, r in finished.items()}
         summary["prose"] = paired_stats(prose) | {"final_loss": {
-            s: {BASELINE_RECIPE: b, cfg.recipe: o} for s, (b, o) in prose.items()}}
-        md += "\n\n" + summary_markdown(summary["prose"], prose, BASELINE_RECIPE, cfg.recipe, what="held-out prose loss")
+            s: {base: b, other: o} for s, (b, o) in prose.items()}}
+        md += "\n\n" + summary_markdown(summary["prose"], prose, base, other, what="held-out prose loss")
     (plan.out / "comparison.md").write_text(md + "\n")
     ckpt.write_json_atomic(plan.out / "comparison.json", summary)
-    first = results[min(losses)]["runs"][cfg.recipe]
+    first = results[min(losses)]["runs"][other]
     title = (f"{first['n_params'] / 1e6:.1f}M params, {first['steps']} steps, {len(losses)} seeds, "
              f"{first['world_size']} x {first['device']}: validation loss, mean and min-max band")
     out["plot"] = str(plot_mean_curves({r: [plan.out / f"seed_{s}" / r / "metrics.jsonl" for s in losses]
-                                        for r in (BASELINE_RECIPE, cfg.recipe)}, plan.out / "comparison.png", title))
+                                        for r in (base, other)}, plan.out / "comparison.png", title))
     out["table"] = md
     log("\n" + md + f"\n\nplot: {out['plot']}\ntable: {plan.out / 'comparison.md'}")
     return out

@@ -23,9 +23,9 @@ from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import (ACTIVATIONS, COAT_OPTIMIZERS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, LORA_LR,
-                             MASTER_WEIGHTS, MODEL_PRESETS, OPTIMIZERS, SCHEDULES, TRAIN_SETUPS, ConfigError,
-                             TrainConfig, check_init_flags, expand_setup, explicit_fields, flag, lr_lambda,
-                             resolve_config, validate)
+                             MASTER_WEIGHTS, MODEL_PRESETS, OPTIMIZERS, SCHEDULES, SIDE_LR, SIDE_R, TRAIN_SETUPS,
+                             ConfigError, TrainConfig, artifact, check_init_flags, expand_setup, explicit_fields,
+                             flag, lr_lambda, resolve_config, validate)
 from coat.cli.data import MAX_TOKEN_ID, TOKENIZERS, default_cache_dir, load_corpus
 from coat.cli.plan import RunPlan
 from coat.cli.model import build_model, build_optimizer, evaluate, lm_loss
@@ -179,6 +179,8 @@ def _check_settings(cfg: TrainConfig, d: dt.Dist) -> tuple[TrainConfig, Any]:
     if cfg.lora and d.enabled:
         raise ConfigError("--lora", "LoRA under torchrun (FSDP2 of a PEFT model) is not supported yet; "
                                     "run it in one process")
+    if cfg.side_tuning:
+        _check_side_tuning(cfg, d, init)
     _check_imports(cfg)
     if cfg.data is not None and not Path(cfg.data).exists():
         raise ConfigError("--data", f"path does not exist: {cfg.data}")
@@ -191,6 +193,20 @@ def _check_settings(cfg: TrainConfig, d: dt.Dist) -> tuple[TrainConfig, Any]:
         except ckpt.OutputError as e:
             raise ConfigError("--out", str(e)) from None
     return cfg, init
+
+
+def _check_side_tuning(cfg: TrainConfig, d: dt.Dist, init: Any) -> None:
+    """--side-tuning R: one process, and an R that divides the --init model's hidden size into an even width."""
+    if d.enabled:
+        raise ConfigError("--side-tuning", "side tuning under torchrun (FSDP2) is not supported; run it in one process")
+    try:
+        hidden = json.loads((init.path / "config.json").read_text()).get("hidden_size")
+    except (OSError, ValueError):
+        hidden = None
+    r = cfg.side_tuning
+    if isinstance(hidden, int) and (hidden % r or (hidden // r) % 2):
+        raise ConfigError("--side-tuning", f"{r} must divide the --init model's hidden size {hidden} into an even "
+                                           "side width (hidden / R)")
 
 
 def _load_data(cfg: TrainConfig, d: dt.Dist, log: Callable[[str], None], init: Any, tokenizer: Any) -> Any:
@@ -241,6 +257,9 @@ def _check_chat_data(cfg: TrainConfig, tokenizer: Any) -> str | None:
     if tokenizer is None:
         raise ConfigError("--init", f"{cfg.init} has no tokenizer, and --data {cfg.data} holds {what}, which are "
                           "tokenized with the checkpoint's own tokenizer and chat template")
+    if cfg.side_tuning:  # the side layers' SDPA is causal over the whole row, across packed examples
+        raise ConfigError("--side-tuning", f"does not run on packed chat data yet (--data {cfg.data}): the side "
+                          "network's attention would cross the packed examples' boundaries")
     if cfg.cuda_graph:  # transformers reads the packed positions on the host: no graph capture
         raise ConfigError("--cuda-graph", f"does not run on packed chat data (--data {cfg.data}): transformers "
                           "finds the example boundaries from the position ids on the host")
@@ -284,8 +303,8 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tu
     if target == cfg.steps and not export:
         raise ConfigError("--resume", f"the run in {folder} already finished its {cfg.steps} steps; pass --steps "
                           "with a larger total to train further, or --save to export its trained model")
-    if target == cfg.steps and (folder / ("adapter" if cfg.lora else "model")).exists():
-        raise ConfigError("--save", f"{folder / ('adapter' if cfg.lora else 'model')} already exists")
+    if target == cfg.steps and (folder / artifact(cfg)).exists():
+        raise ConfigError("--save", f"{folder / artifact(cfg)} already exists")
     return found[target], target
 
 
@@ -386,8 +405,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--intermediate-size", **_N, help="MLP width " + _from_preset("intermediate_size"))
     g.add_argument("--max-positions", **_N, help="longest sequence " + _from_preset("max_positions"))
     g.add_argument("--init", metavar="PATH", help="start from this Hugging Face checkpoint folder (Llama, Mistral, "
-                   f"Qwen2, Qwen3) and its tokenizer; implies --save and a default --lr of {INIT_LR} "
-                   f"({LORA_LR} with --lora)")
+                   f"Qwen2, Qwen3, Gemma 3) and its tokenizer; implies --save and a default --lr of {INIT_LR} "
+                   f"({LORA_LR} with --lora, {SIDE_LR} with --side-tuning)")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:
@@ -434,6 +453,14 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-dropout", **_X, help="LoRA dropout (PEFT's default)" + _default("lora_dropout"))
     g.add_argument("--lora-targets", metavar="NAMES", help="comma-separated module names to adapt, e.g. "
                    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default: PEFT's for the model type)")
+    g.add_argument("--side-tuning", type=int, nargs="?", const=SIDE_R, metavar="R",
+                   help="Quantized Side Tuning (coat.SideTuned, docs/side_tuning.md) instead of every weight "
+                        "(needs --init and the FP8 layers: --recipe coat, coat-lean or fp8): the base is frozen, "
+                        "kept only as FP8 codes and run without gradients; a side network R times narrower than "
+                        f"the base (width hidden / R; R defaults to {SIDE_R}, QST's) trains beside it. --save then "
+                        f"writes only the side network to OUT/side; the default --lr is then {SIDE_LR}; --compare "
+                        "also trains LoRA (rank 16, alpha 32, every projection) on the same FP8 base (default: 0, "
+                        "no side tuning)")
     g.add_argument("--frozen-fp8", action="store_true", help="with --lora and the FP8 layers: keep the frozen "
                    "base weights only as FP8 codes (1 byte per parameter instead of 2)")
     g.add_argument("--release-grads", action="store_true",
@@ -449,7 +476,8 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    "decoder layers, FP8 optimizer states; coat-lean: coat with --master-weights bf16_sr; fp8: the "
                    "FP8 layers without FP8 optimizer states; bf16: the plain PyTorch baseline (fp32 weights, "
                    "autocast from --dtype), amp / fp32: that baseline with / without bf16 autocast. Modes after "
-                   "'+': +release (= --release-grads), +graph (= --cuda-graph), +lora (with --lora RANK), e.g. "
+                   "'+': +release (= --release-grads), +graph (= --cuda-graph), +lora (with --lora RANK), +side (= "
+                   "--side-tuning, R 16 unless given), e.g. "
                    "coat-lean+release. The run is recorded under its setup name "
                    "(setup in config.json and summary.json: amp for the baseline on a GPU), which coat estimate "
                    "--recipe and coat bench --recipe take as is (recipes: " + ", ".join(TRAIN_SETUPS) + ")")

@@ -1,0 +1,85 @@
+"""coat.SideTuned on a CUDA GPU (marker gpu; skipped without CUDA): a small bf16 Llama whose base runs
+coat's FP8 GEMMs on the device. The model starts as the base, the base keeps no saved tensors
+(saved-tensor hooks) and gets no gradients, and the loss falls under coat.optim.AdamW. Not yet run
+on a GPU by the session that wrote it (it had no device)."""
+
+import pytest
+import torch
+
+import coat
+import coat.optim
+from coat.side_tuning import SideTuned
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 512
+
+
+def _base(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    base = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(5)  # room to learn behind a random head (tests/python/test_side_tuning.py)
+    return base
+
+
+def _ids(batch: int = 2, seq: int = 64) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return torch.randint(0, VOCAB, (batch, seq), device="cuda", generator=g)
+
+
+def test_starts_as_the_base_on_the_gpu():
+    base = _base()
+    st = SideTuned(base, r=8)
+    ids = _ids()
+    with torch.no_grad():
+        got, want = st(ids).logits, base(input_ids=ids).logits
+        loss, want_loss = st(ids, labels=ids).loss, base(input_ids=ids, labels=ids).loss
+    # The same FP8 base and the same modules compute both: equal up to cuBLAS's choice of algorithm.
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-4)
+
+
+def test_base_keeps_no_saved_tensors_on_the_gpu():
+    st = SideTuned(_base(), r=8)
+    inside, saved = [0], {"base": 0, "side": 0}
+    for layer in st.base.model.layers:
+        layer.register_forward_pre_hook(lambda m, a, k: inside.__setitem__(0, inside[0] + 1), with_kwargs=True)
+        layer.register_forward_hook(lambda m, a, o: inside.__setitem__(0, inside[0] - 1))
+    seen: set[int] = set()
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            saved["base" if inside[0] else "side"] += t.untyped_storage().nbytes()
+        return t
+
+    ids = _ids()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = st(ids, labels=ids).loss
+    assert saved["base"] == 0 and saved["side"] > 0, saved
+    loss.backward()
+    assert all(p.grad is None for p in st.base.parameters())
+    assert all(p.grad is not None for p in st.side_parameters())
+
+
+def test_loss_falls_on_the_gpu():
+    st = SideTuned(_base(), r=8)
+    opt = coat.optim.AdamW(st.side_parameters(), lr=1e-2)
+    ids = _ids()
+    losses = []
+    for _ in range(30):
+        loss = st(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    with torch.no_grad():
+        final = st(ids, labels=ids).loss.item()
+    assert final < 0.8 * losses[0], (losses[0], final)
