@@ -85,13 +85,17 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast, gr
         graph = coat.CudaGraphStep(model, opt, warmup_steps=1)
         return lambda ids: graph(input_ids=ids, labels=ids, use_cache=False)
 
+    losses: list[torch.Tensor] = []  # every step's loss, on the device: read once, after the timing
+
     def step(ids: torch.Tensor) -> None:
         with autocast:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
 
+    step.losses = losses
     return step
 
 
@@ -124,10 +128,12 @@ def _prep_bf16(model, ctx):
     return _train_step(model, _torch_adamw(model, ctx), nullcontext())
 
 
-def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, graphed: bool = False):
+def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, graphed: bool = False,
+               optim: str = "AdamW"):
     # coat.convert's defaults (FP8 layers, fused LM head + loss); ``release``: the optimizer steps
     # inside backward (coat.optim.step_in_backward); ``fused_loss=False``: Hugging Face's loss path;
-    # ``graphed``: the step replayed from CUDA graphs (coat.CudaGraphStep).
+    # ``graphed``: the step replayed from CUDA graphs (coat.CudaGraphStep); ``optim``: the class in
+    # coat.optim (AdamW: FP8 states, AdamW4bit: 4-bit states).
     def prepare(model, ctx):
         import coat
         import coat.optim
@@ -135,7 +141,7 @@ def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, grap
         coat.convert(model, recipe="coat", fused_loss=fused_loss)
         if ctx.mesh is not None:
             _shard(model, ctx)
-        opt = coat.optim.AdamW(model.parameters(), lr=ctx.lr, master_weights=master)
+        opt = getattr(coat.optim, optim)(model.parameters(), lr=ctx.lr, master_weights=master)
         if release:
             coat.optim.step_in_backward(opt, model)
         return _train_step(model, opt, nullcontext(), graphed)
@@ -254,6 +260,12 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           torch.bfloat16, _prep_coat("fp32", release=True)),
     Setup("coat-lean+release", "coat-lean with the optimizer step inside backward", torch.bfloat16,
           _prep_coat("bf16_sr", release=True)),
+    Setup("coat4bit", "bf16 weights, coat.convert, coat.optim.AdamW4bit (4-bit states, fp32 master)",
+          torch.bfloat16, _prep_coat("fp32", optim="AdamW4bit")),
+    Setup("coat4bit-lean", "bf16 weights, coat.convert, coat.optim.AdamW4bit(master_weights='bf16_sr')",
+          torch.bfloat16, _prep_coat("bf16_sr", optim="AdamW4bit")),
+    Setup("coat4bit-lean+release", "coat4bit-lean with the optimizer step inside backward", torch.bfloat16,
+          _prep_coat("bf16_sr", release=True, optim="AdamW4bit")),
     Setup("coat+graph", "coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,
           _prep_coat("fp32", graphed=True), cuda_only=True, fsdp=False, graphed=True),
     Setup("coat-lean+graph", "coat-lean, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,
@@ -510,6 +522,8 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         phase = "steps"
         res.update(measure(step, ids, cfg["warmup"], cfg["steps"], dev, model, cfg.get("deadline"), track_cpu=not fsdp,
                            graphed=setup.graphed))
+        if getattr(step, "losses", None):  # the same batch every step: a loss that falls shows the step trains
+            res["losses"] = [round(x, 4) for x in torch.stack(step.losses).float().tolist()]
         res["status"] = "ok"
         if fsdp:  # every rank's peak, so rank 0 alone can report the group
             import torch.distributed as dist

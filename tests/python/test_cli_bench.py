@@ -6,6 +6,7 @@ with FSDP2 on two gloo ranks; the GPU sweep on a CUDA machine (marker gpu)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import asdict
@@ -122,6 +123,18 @@ def test_out_of_memory_is_this_configurations_result(monkeypatch):
     assert not bench_worker.is_oom(RuntimeError("shape mismatch"))
     why = bench_worker.unavailable(bench_worker.SETUPS["torchao"], "cpu", False)
     assert why == "torchao needs a CUDA GPU"
+
+
+@pytest.mark.parametrize("setup", ["coat4bit-lean+release", "coat"])
+def test_a_configuration_records_every_steps_loss(setup):
+    # The bench trains on one batch: its loss must be finite and fall (a step that trains), and every
+    # step's loss is in the result (warm-up, host-timed and timed steps alike).
+    res = bench_worker.run_config({"setup": setup, "shape": asdict(M.PRESETS["tiny"]), "batch": 2, "seq": 32,
+                                   "warmup": 2, "steps": 4, "device": "cpu"})
+    assert res["status"] == "ok"
+    losses = res["losses"]
+    assert len(losses) == 2 + 1 + 4  # warm-up, the peak step, timed steps (CPU)
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 def test_plot_draws_memory_and_throughput(tmp_path):
