@@ -42,8 +42,10 @@ struct DeviceSlot {
     d.param = copy(s.param.data(), s.param.size(), off * dtype_size(s.pt));
     d.grad = copy(s.grad.data(), s.grad.size(), off * dtype_size(s.gt));
     if (s.with_master) d.master = static_cast<float*>(copy(s.master.data(), 4 * s.master.size(), 4 * off));
-    d.m = copy(s.m.data(), s.m.size(), off);
-    d.v = copy(s.v.data(), s.v.size(), off);
+    // Packed 4-bit codes are read byte by byte (any offset); full-precision states are floats.
+    const size_t state_off = s.kind == Adamw4Kind::kFull ? 4 * off : off;
+    d.m = copy(s.m.data(), s.m.size(), state_off);
+    d.v = copy(s.v.data(), s.v.size(), state_off);
     if (d.m_scale) d.m_scale = static_cast<float*>(copy(s.m_scale.data(), 4 * s.m_scale.size(), 0));
     if (d.v_scale) d.v_scale = static_cast<float*>(copy(s.v_scale.data(), 4 * s.v_scale.size(), 0));
     d.step = static_cast<float*>(copy(&s.step, 4, 0));

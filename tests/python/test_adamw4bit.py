@@ -154,7 +154,7 @@ def _params(shapes=SHAPES, dtype=F32, seed=0):
 def _set_grads(params, step, scale=1e-2):
     g = torch.Generator().manual_seed(100 + step)
     for i, p in enumerate(params):
-        p.grad = (torch.randn(p.shape, generator=g) * scale * (1 + i % 3)).to(p.dtype)
+        p.grad = (torch.randn(p.shape, generator=g) * scale * (1 + i % 3)).to(p.device, p.dtype)
 
 
 def test_matches_pure_torch_reference():
