@@ -96,7 +96,9 @@ void run_combo(const Combo& cb) {
   std::vector<std::unique_ptr<DeviceSlot>> dev;
   std::vector<Adamw4Tensor> ht, dt;
   int64_t groups = 0;
+  std::vector<int64_t> begins;
   for (size_t i = 0; i < host.size(); ++i) {
+    begins.push_back(groups);
     dev.push_back(std::make_unique<DeviceSlot>(host[i], groups, i % 2));
     ht.push_back(host[i].desc(groups, 4321));
     dt.push_back(dev.back()->d);
@@ -115,8 +117,9 @@ void run_combo(const Combo& cb) {
       }
       if (it == 3 && i == 4) g[1234] = std::numeric_limits<float>::quiet_NaN();
       if (it == 3 && i == 6) g[77] = 3e30f;  // v overflows: a NaN block scale
-      host[i].set_grad(g);
+      host[i].set_grad(g);  // a new buffer: the host descriptor must point at it
       host[i].step = static_cast<float>(it);
+      ht[i] = host[i].desc(begins[i], 4321);
       CK(cudaMemcpy(const_cast<void*>(dt[i].grad), host[i].grad.data(), host[i].grad.size(), cudaMemcpyHostToDevice));
       CK(cudaMemcpy(const_cast<float*>(dt[i].step), &host[i].step, 4, cudaMemcpyHostToDevice));
     }
