@@ -164,7 +164,15 @@ def e2e_largest(data: dict[str, Any], source: str) -> str:
     return " ".join(parts)
 
 
-MODEL_NAMES = {"llama2-7b": "Llama-2-7B", "llama2-13b": "Llama-2-13B", "codellama-34b": "CodeLlama-34B"}
+MODEL_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama2-13b": "Llama-2-13B",
+               "codellama-34b": "CodeLlama-34B", "llama2-70b": "Llama-2-70B"}
+#: The order of setups in the tables that list several (the summary's, then the rest).
+SETUP_ORDER = [s for _, s in SUMMARY_SETUPS] + ["coat4bit", "coat4bit-lean", "coat4bit-lean+release"]
+
+
+def _setup_rank(r: dict[str, Any]) -> int:
+    name = recipes.canonical(r["setup"])
+    return SETUP_ORDER.index(name) if name in SETUP_ORDER else len(SETUP_ORDER)
 
 
 def e2e_two_gpus(data: dict[str, Any], source: str) -> str:
@@ -176,8 +184,7 @@ def e2e_two_gpus(data: dict[str, Any], source: str) -> str:
     rs = [r for r in data["records"] if r.get("world", 1) == 2 and r.get("device") == H200 and r["status"] == "ok"]
     amp = {(r["model"], r["batch"]): r for r in rs if recipes.canonical(r["setup"]) == "amp"}
     order = {m: i for i, m in enumerate(MODEL_NAMES)}
-    rs.sort(key=lambda r: (order.get(r["model"], 99), r["model"], [s for _, s in SUMMARY_SETUPS].index(
-        recipes.canonical(r["setup"])), r["batch"]))
+    rs.sort(key=lambda r: (order.get(r["model"], 99), r["model"], _setup_rank(r), r["batch"]))
     lines = ["| model | setup | batch per GPU | peak per GPU (estimate) | tokens/s per GPU | vs BF16 AMP | host / step, spread |",
              "|---|---|---:|---:|---:|---:|---|"]
     for r in rs:
@@ -192,7 +199,48 @@ def e2e_two_gpus(data: dict[str, Any], source: str) -> str:
         notes.append(f"BF16 AMP was not run on {MODEL_NAMES.get(model, model)}: its plan at batch 1 is {need:.0f} GiB "
                      "per GPU, more than an H200's 140.")
     return "\n".join(lines + ([""] + notes if notes else []) + ["", f"Measured at {_commits(rs)}: `python "
-                      "benchmarks/bench_e2e.py --fsdp 2 ...` (benchmarks/RESULTS.md section 11)."])
+                      "benchmarks/bench_e2e.py --fsdp 2 ...` (benchmarks/RESULTS.md sections 11 and 13)."])
+
+
+SIDE_PEERS = [("coat+lora", "coat LoRA, FP8 base"), ("bf16+lora", "PEFT LoRA, bf16 base"), ("qlora", "QLoRA")]
+
+
+def e2e_side(data: dict[str, Any], source: str) -> str:
+    """Side tuning (coat.SideTuned, r=16) on one H200 beside LoRA r=16 on coat's FP8 base, PEFT's
+    bf16 LoRA and QLoRA at the same batch: peak and tokens/s, and side tuning's ratios to coat LoRA."""
+    lines = ["| model | batch | side tuning: peak | tokens/s | " + " | ".join(f"{n}: peak | tokens/s" for _, n in SIDE_PEERS)
+             + " | side / coat LoRA: peak | tokens/s |", "|---|---:|" + "---:|" * (2 + 2 * len(SIDE_PEERS) + 2)]
+    used = []
+    for model in ("llama2-7b", "llama3-8b", "llama2-70b"):
+        recs = _records(data, H200, model)
+        for side in _runs(recs, "coat+side"):
+            if side["status"] != "ok":
+                continue
+            peers = [recs.get((setup, side["batch"])) for setup, _ in SIDE_PEERS]
+            cells = [f"{p['peak_gib']:.1f} GiB | {_tok(p)}" if p and p["status"] == "ok" else "- | -" for p in peers]
+            lora = peers[0] if peers[0] and peers[0]["status"] == "ok" else None
+            ratio = (f"{side['peak_gib'] / lora['peak_gib']:.2f}x | {side['tokens_per_s'] / lora['tokens_per_s']:.2f}x"
+                     if lora else "- | -")
+            lines.append(f"| {MODEL_NAMES.get(model, model)} | {side['batch']} | {side['peak_gib']:.1f} GiB | "
+                         f"{_tok(side)} | {' | '.join(cells)} | {ratio} |")
+            used += [side] + [p for p in peers if p]
+    return "\n".join(lines + ["", f"Measured on one H200 at {_commits(used)}: `python benchmarks/bench_e2e.py --setups "
+                              "coat+side coat+lora bf16+lora qlora ...` (benchmarks/RESULTS.md section 13)."])
+
+
+def e2e_4bit(data: dict[str, Any], source: str) -> str:
+    """4-bit AdamW states (coat.optim.AdamW4bit) beside coat's FP8 states, one GPU, same batch."""
+    lines = ["| model | batch | setup | peak (estimate) | tokens/s |", "|---|---:|---|---:|---:|"]
+    used = []
+    for model in ("llama2-7b",):
+        recs = _records(data, H200, model)
+        for setup in ("coat-lean+release", "coat4bit-lean+release"):
+            r = recs.get((setup, 1))
+            if r is not None and r["status"] == "ok":
+                lines.append(f"| {MODEL_NAMES[model]} | 1 | {setup} | {r['peak_gib']:.1f} GiB ({r['estimate_gib']:.1f}) "
+                             f"| {_tok(r)} |")
+                used.append(r)
+    return "\n".join(lines + ["", f"One H200, sequence 2048, {_commits(used)} (benchmarks/RESULTS.md section 13)."])
 
 
 def train_scaling(data: dict[str, Any], source: str) -> str:
@@ -351,6 +399,8 @@ BLOCKS: dict[str, tuple[str, Formatter]] = {
     "train-h200-300": ("benchmarks/results/train_h200/compare_300.json", train_comparison),
     "estimate-80gb": (E2E, estimate_table),
     "e2e-two-gpus": (E2E, e2e_two_gpus),
+    "e2e-side": (E2E, e2e_side),
+    "e2e-4bit": (E2E, e2e_4bit),
     "train-scaling": ("benchmarks/results/train_scaling_h200.json", train_scaling),
     "quality-study": ("benchmarks/results/quality_*.json", quality_study),
     "quality-main": ("benchmarks/results/quality_*.json", quality_main),
