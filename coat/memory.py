@@ -33,6 +33,7 @@ from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, NotModeled, fu
                                      layer_saved, outside_saved, saved_constants)
 from coat.memory_recipes import ADAMW4_STATE_BYTES, COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe
 from coat.memory_shapes import MODEL_TYPES, PRESETS, ModelShape, load_shape
+from coat.memory_side import side_plan_parts
 
 __all__ = ["GiB", "MiB", "MODEL_TYPES", "NotModeled", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
            "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "saved_constants", "outside_saved",
@@ -93,6 +94,8 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     """The memory plan of one full step at ``batch`` sequences of ``seq`` tokens (per GPU under FSDP2)."""
     rec = recipe(rec) if isinstance(rec, str) else rec
     _check_step(batch, seq, gpus, device)
+    if rec.side:
+        return _side_plan(shape, rec, batch, seq, gpus, device)
     s, n, t = shape, shape.n_params, batch * seq
     fsdp = gpus > 1
     table = rec.fsdp_activations if fsdp else rec.activations
@@ -153,6 +156,33 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
                 other_phase=min(start, end), reserve=reserve,
                 extra={"resident": resident, "saved_per_token_layer": per_layer / t,
                        "fp8_weight_transient": weight_tr})
+
+
+def _side_plan(s: ModelShape, rec: Recipe, batch: int, seq: int, gpus: int, device: str) -> Plan:
+    """``plan`` of a side-tuning step (coat.memory_side): resident, everything the side network saved
+    and the larger transient at the start of backward, or resident and its gradients at the end."""
+    if gpus > 1:
+        raise ValueError(f"--recipe {rec.name}: side tuning runs on one GPU (coat.SideTuned has no FSDP2)")
+    if device != "cuda":
+        raise NotModeled(f"--recipe {rec.name}: side tuning is modeled on CUDA only")
+    t = batch * seq
+    resident, tr, saved = side_plan_parts(s, rec.master_bytes, rec.state_bytes, t, rec.loss_chunk_mib, device)
+    saved_bytes = sum(b for _, b in saved) * t
+    res = sum(resident.values())
+    start = res + saved_bytes + tr["start"] + CUDA_WORKSPACE
+    end = res + tr["end"] + CUDA_WORKSPACE
+    if start >= end:
+        phase, parts = "backward start", {**resident, "side network's saved activations": saved_bytes,
+                                          "fused loss or a side layer's backward": tr["start"]}
+    else:
+        phase, parts = "backward end", {**resident, "side network gradients": tr["end"]}
+    parts["cuBLAS workspaces"] = CUDA_WORKSPACE
+    peak = max(start, end)
+    return Plan(model=s.name, recipe=rec.name, batch=batch, seq=seq, gpus=gpus, device=device, n_params=s.n_params,
+                phase=phase, parts=parts, saved_per_layer=[(op, b * t / s.layers) for op, b in saved], peak=peak,
+                other_phase=min(start, end), reserve=CUDA_CONTEXT + FRAGMENTATION * peak,
+                extra={"resident": res, "saved_per_token_layer": sum(b for _, b in saved) / s.layers,
+                       "fp8_weight_transient": 0.0})
 
 
 def _check_step(batch: int, seq: int, gpus: int, device: str) -> None:

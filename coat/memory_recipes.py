@@ -48,16 +48,24 @@ class Recipe:
     # the adapters of a bf16 model to fp32), torch AdamW over them; the base (weights at
     # param_bytes) frozen, so it has no master copy, states or gradients.
     lora: bool = False
+    # Side tuning (coat.SideTuned, r=16, coat bench's ``+side`` setups): the base frozen in FP8 and run
+    # without autograd; the side network trains with this recipe's optimizer (coat.memory_side).
+    side: bool = False
 
     def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None,
-                   graph: bool | None = None, lora: bool | None = None) -> "Recipe":
+                   graph: bool | None = None, lora: bool | None = None, side: bool | None = None) -> "Recipe":
         """This recipe with gradient release, the fused loss, CUDA graphs and/or LoRA switched on or
         off (named ``<name>+release``, ``+fused-loss`` where the base recipe has none, ``+hf-loss``
         where it has one and it is switched off, ``+graph``, ``+lora``)."""
         r = replace(self, grad_release=self.grad_release if grad_release is None else grad_release,
                     fused_loss=self.fused_loss if fused_loss is None else fused_loss,
-                    graph=self.graph if graph is None else graph, lora=self.lora if lora is None else lora)
+                    graph=self.graph if graph is None else graph, lora=self.lora if lora is None else lora,
+                    side=self.side if side is None else side)
         base = self.name.split("+")[0]
+        if r.side and not self.side:
+            if base not in names.SIDE_RECIPES or r.lora or r.grad_release or r.graph or not r.fused_loss:
+                raise ValueError(f"--recipe {r.name}+side: side tuning is modeled for {', '.join(names.SIDE_RECIPES)} "
+                                 "with the fused loss, without other modes (coat train's and coat bench's setups)")
         if r.lora and not self.lora:
             # coat bench's two LoRA setups, with their own loss paths: bf16+lora (PEFT on Hugging Face's
             # layers) and coat+lora (PEFT on coat.convert's layers, the base kept only in FP8:
@@ -72,7 +80,7 @@ class Recipe:
                         "linear (fp32 adapters, torch AdamW)")
         default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
         mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
-                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora}
+                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora, "side": r.side}
         return replace(r, name=names.Setup(base, tuple(m for m in names.MODES if mods.get(m))).name)
 
 
@@ -97,20 +105,18 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 
 def recipe(name: str) -> Recipe:
     """The plan of setup ``name`` (``coat.recipes``): ``RECIPES[name]``, or a ``with_modes``
-    variant (``+release``, ``+fused-loss``, ``+hf-loss``, ``+graph``, ``+lora``). ``ValueError`` naming
-    --recipe for a name that is unknown or not modeled (``NotModeled``, a ValueError, for ``+side``)."""
+    variant (``+release``, ``+fused-loss``, ``+hf-loss``, ``+graph``, ``+lora``, ``+side``). ``ValueError``
+    naming --recipe for a name that is unknown or not modeled."""
     s = names.parse(name)
     if s.recipe not in RECIPES:
         peer = s.recipe in names.PEERS
         kind, what = ("setup", names.PEERS[s.recipe]) if peer else ("recipe", names.RECIPES[s.recipe])
         raise ValueError(f"--recipe {name!r}: {kind} {s.recipe} ({what}) has no memory model (modeled: "
                          f"{', '.join(RECIPES)})")
-    if s.has("side"):
-        raise NotModeled(f"--recipe {name!r}: side tuning (coat.SideTuned) has no memory model yet; coat bench "
-                         "measures it without an estimate")
     r = RECIPES[s.recipe]
     if not s.modes:
         return r
     fused = True if s.has("fused-loss") else False if s.has("hf-loss") else None
     return r.with_modes(grad_release=True if s.has("release") else None, fused_loss=fused,
-                        graph=True if s.has("graph") else None, lora=True if s.has("lora") else None)
+                        graph=True if s.has("graph") else None, lora=True if s.has("lora") else None,
+                        side=True if s.has("side") else None)

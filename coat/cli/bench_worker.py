@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from coat import memory, models, recipes
+from coat.memory_side import SIDE_R  # the coat+side setup: side width hidden / SIDE_R (QST default)
 
 GiB = memory.GiB
 StepFn = Callable[[torch.Tensor], None]
@@ -194,8 +195,6 @@ def _prep_lora(on_coat: bool, graphed: bool = False):
     return prepare
 
 
-#: The side network's reduction factor of the coat+side setup (QST's default: width hidden / 16).
-SIDE_R = 16
 
 
 def _build_frozen(shape, dtype, device):

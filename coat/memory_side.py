@@ -1,0 +1,89 @@
+"""The memory plan of a side-tuning step (``coat.SideTuned``, setups ``<recipe>+side``): the base frozen
+in FP8 and run without autograd, a side network of width hidden / r trained beside it. Part of
+``coat.memory`` (``plan`` hands ``+side`` recipes here); pure arithmetic, no torch import.
+
+What a step holds, per token (bf16 base and side network, as ``coat bench``'s ``coat+side`` builds it):
+- every base hidden state the side network reads (the embedding output and each layer's output):
+  the recorder keeps them all through the side forward, and each downsampler's first Linear keeps
+  its input for its weight gradient;
+- per downsampler: the SiLU's input and output, the second Linear's output into ``nn.RMSNorm``
+  (its input, an fp32 copy, the normalized fp32 tensor and rstd) and both operands of the gated mix;
+- per side layer: what a Hugging Face Llama decoder layer of the side's shape keeps in bf16
+  (``memory_activations.layer_saved(..., "hf-bf16")``);
+- at the top: the upsample's input and output (the mix keeps the latter), then the fused loss with
+  a frozen LM head (``fused_loss_transient(..., head_trains=False)``).
+The base keeps nothing (no autograd); while it runs, one layer's working set is the transient.
+"""
+
+from __future__ import annotations
+
+from coat.memory_activations import _norm, fused_loss_transient, layer_saved
+from coat.memory_shapes import ModelShape
+
+#: QST's defaults, and coat bench's ``coat+side``: side width hidden / SIDE_R, downsample width.
+SIDE_R = 16
+SIDE_DOWNSAMPLE = 16
+
+
+def side_heads(width: int) -> int:
+    """Attention heads of the side layers (coat.SideTuned's rule): one per 64 channels, at least one,
+    lowered until they divide the width into an even head dimension (RoPE rotates pairs)."""
+    heads = max(1, width // 64)
+    while width % heads or (width // heads) % 2:
+        heads -= 1
+    return heads
+
+
+def side_shape(shape: ModelShape, r: int = SIDE_R) -> ModelShape:
+    """The side network's decoder layers as a model shape: width hidden / r, intermediate size the
+    base's / r (at least the width), one KV head per head (coat.SideTuned's defaults)."""
+    if shape.hidden % r or (shape.hidden // r) % 2:
+        raise ValueError(f"r={r} must divide the hidden size {shape.hidden} of {shape.name} into an even side width")
+    w = shape.hidden // r
+    heads = side_heads(w)
+    return ModelShape(f"{shape.name}-side", hidden=w, layers=shape.layers, heads=heads, kv_heads=heads,
+                      intermediate=max(w, shape.intermediate // (shape.hidden // w)), vocab=shape.vocab)
+
+
+def side_params(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNSAMPLE) -> int:
+    """Trainable parameters of the side network: L + 1 downsamplers (Linear(h, d), Linear(d, w), RMSNorm),
+    L side layers, the upsample Linear(w, h), L mixing gates and the top gate."""
+    side = side_shape(shape, r)
+    h, w, d, n = shape.hidden, side.hidden, downsample, shape.layers
+    down = h * d + d + d * w + w + w
+    return (n + 1) * down + n * side.layer_params + w * h + h + n + 1
+
+
+def side_saved_per_token(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNSAMPLE) -> list[tuple[str, float]]:
+    """(part, bytes per token) the side network keeps for its backward (bf16 tensors), all layers."""
+    side = side_shape(shape, r)
+    h, w, d, n = shape.hidden, side.hidden, downsample, shape.layers
+    per_down = 2 * d + 2 * d + 2 * w + _norm(w, 1, "hf-amp") + 2 * w + 2 * w
+    return [("base hidden states (the downsamplers' inputs)", (n + 1) * 2.0 * h),
+            ("downsamplers and gated mixes", (n + 1) * per_down),
+            (f"side decoder layers (width {w})", n * sum(b for _, b in layer_saved(side, "hf-bf16"))),
+            ("upsample input and output", 2.0 * w + 2.0 * h)]
+
+
+def base_forward_transient(shape: ModelShape, tokens: int) -> float:
+    """The largest working set of one base layer's no-grad forward: its MLP's gate/up output, the
+    gated product and its FP8 copy beside the residual stream (bf16)."""
+    return (2.0 * 2 * shape.intermediate + 3.0 * shape.intermediate + 4.0 * shape.hidden) * tokens
+
+
+def side_plan_parts(shape: ModelShape, master_bytes: int, state_bytes: float, tokens: int, chunk_mib: float,
+                    device: str) -> tuple[dict[str, float], dict[str, float], list[tuple[str, float]]]:
+    """(resident parts, transients at the start of backward and at its end, saved parts per token):
+    bytes, for ``coat.memory.plan``."""
+    linear = shape.layers * shape.layer_linear_params
+    p_side = side_params(shape)
+    resident = {"base weights (decoder linears as FP8 codes, the rest bf16)":
+                1.0 * linear + 2.0 * (shape.n_params - linear),
+                "side network weights (bf16)": 2.0 * p_side, "side network master weights": master_bytes * p_side,
+                "side network optimizer states": state_bytes * p_side}
+    loss = fused_loss_transient(shape, tokens, chunk_mib, 2, 2, device, head_trains=False)
+    side = side_shape(shape)
+    layer_bwd = (6 * side.intermediate + 2 * side.hidden) * tokens  # a side layer's MLP backward
+    start = {"fused loss (frozen LM head)": loss, "a side layer's backward": layer_bwd}
+    end = {"side network gradients (bf16)": 2.0 * p_side}
+    return resident, {"start": max(start.values()), "end": sum(end.values())}, side_saved_per_token(shape)
