@@ -52,6 +52,12 @@ def check_adam_group(group: dict[str, Any], nonfinite: str, name: str) -> None:
         raise ValueError(f"Invalid epsilon value: {group['eps']} (must be finite and >= 0)")
     if not _finite(group["weight_decay"]) or group["weight_decay"] < 0:
         raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be finite and >= 0)")
+    if group.get("decoupled_weight_decay", True) is not True and group["weight_decay"] != 0:
+        # torch.optim.Adam's groups (an Adam state dict loaded here): an L2 term on the gradient,
+        # which this step would silently turn into AdamW's decoupled decay.
+        raise ValueError(f"decoupled_weight_decay={group['decoupled_weight_decay']!r} with weight_decay="
+                         f"{group['weight_decay']} is not supported by {name}: its weight decay is AdamW's "
+                         "(decoupled); a torch.optim.Adam state dict with weight decay does not load here")
     _compat.check_group_flags(group, nonfinite)
 
 

@@ -98,6 +98,7 @@ class AdamW4bit(FusedOptimizer):
 
     def _check_state(self, state: dict[str, Any], local: torch.Tensor) -> None:
         _state4.check_state(state, local, _state4.state_kind(state))
+        _state4.check_master(state, local, self._master_kind(local.dtype))
 
     def _check_saved(self, pid: Any, saved: dict[str, Any]) -> None:
         if "exp_avg_q4" not in saved and not ("exp_avg" in saved and "exp_avg_q" not in saved):

@@ -1,0 +1,97 @@
+"""Review of coat.optim.AdamW4bit: combinations that must either step right or be refused before
+anything is written (CPU path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import coat.optim as co
+
+
+def test_master_mismatch_after_dtype_change_is_refused_before_any_write():
+    """A parameter cast after its state exists (fp32 -> bf16: the state has no fp32 master) is
+    refused while planning, before another group's launch has written its parameter or counted
+    a step."""
+    a = torch.nn.Parameter(torch.randn(600, 700))
+    b = torch.nn.Parameter(torch.randn(10))
+    opt = co.AdamW4bit([{"params": [a]}, {"params": [b]}])
+    a.grad, b.grad = torch.randn(600, 700), torch.randn(10)
+    opt.step()
+    b.data = b.data.bfloat16()
+    b.grad = torch.randn(10, dtype=torch.bfloat16)
+    a.grad = torch.randn(600, 700)
+    before = a.detach().clone()
+    with pytest.raises(ValueError, match="master"):
+        opt.step()
+    assert torch.equal(a, before)
+    assert [s["step"].item() for s in opt.state.values()] == [1.0, 1.0]
+
+
+def test_bf16_master_state_on_fp32_parameter_is_refused_before_any_write():
+    a = torch.nn.Parameter(torch.randn(600, 700))
+    b = torch.nn.Parameter(torch.randn(10, dtype=torch.bfloat16))
+    opt = co.AdamW4bit([{"params": [a]}, {"params": [b]}])
+    a.grad, b.grad = torch.randn(600, 700), torch.randn(10, dtype=torch.bfloat16)
+    opt.step()
+    b.data = b.data.float()
+    b.grad = torch.randn(10)
+    a.grad = torch.randn(600, 700)
+    before = a.detach().clone()
+    with pytest.raises(ValueError, match="master"):
+        opt.step()
+    assert torch.equal(a, before)
+
+
+def test_coupled_weight_decay_of_torch_adam_is_refused():
+    """torch.optim.Adam's weight_decay is an L2 term added to the gradient, not AdamW's decoupled
+    decay: its state dict (decoupled_weight_decay=False) must not load as if it were AdamW's."""
+    p = torch.nn.Parameter(torch.randn(10))
+    adam = torch.optim.Adam([p], weight_decay=0.1)
+    p.grad = torch.randn(10)
+    adam.step()
+    sd = adam.state_dict()
+    if "decoupled_weight_decay" not in sd["param_groups"][0]:
+        pytest.skip("this torch's Adam does not record decoupled_weight_decay")
+    opt = co.AdamW4bit([torch.nn.Parameter(p.detach().clone())])
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["weight_decay"] == 1e-2 and not opt.state
+    # without weight decay Adam and AdamW are the same step: that loads
+    q = torch.nn.Parameter(torch.randn(10))
+    adam0 = torch.optim.Adam([q])
+    q.grad = torch.randn(10)
+    adam0.step()
+    co.AdamW4bit([torch.nn.Parameter(q.detach().clone())]).load_state_dict(adam0.state_dict())
+    # a torch.optim.AdamW state dict (decoupled) loads for fp32 states of small tensors
+    r = torch.nn.Parameter(torch.randn(10))
+    adamw = torch.optim.AdamW([r], weight_decay=0.1)
+    r.grad = torch.randn(10)
+    adamw.step()
+    co.AdamW4bit([torch.nn.Parameter(r.detach().clone())]).load_state_dict(adamw.state_dict())
+
+
+def test_matches_torch_adamw_on_small_tensors_across_groups():
+    """fp32 states (<= 4096 elements): the step is torch.optim.AdamW's for groups with their own lr
+    and weight decay, a group added later, 0-d, empty and non-contiguous parameters, maximize, lr as
+    a tensor and a parameter without a gradient in one step."""
+    torch.manual_seed(0)
+    shapes = [(10,), (3, 4), (), (0,), (7, 5)]
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ps[4] = torch.nn.Parameter(torch.randn(5, 7).t())  # non-contiguous
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    hyper = [dict(lr=0.1, weight_decay=0.5), dict(lr=1e-3, weight_decay=0.0), dict(lr=0.3),
+             dict(), dict(lr=torch.tensor(0.02), maximize=True)]
+    a = co.AdamW4bit([{"params": [p], **h} for p, h in zip(ps[:4], hyper)], lr=1e-2)
+    b = torch.optim.AdamW([{"params": [q], **h} for q, h in zip(qs[:4], hyper)], lr=1e-2)
+    for t in range(4):
+        if t == 2:
+            a.add_param_group({"params": [ps[4]], **hyper[4]})
+            b.add_param_group({"params": [qs[4]], **hyper[4]})
+        for i, (p, q) in enumerate(zip(ps, qs)):
+            g = torch.randn(q.shape)
+            p.grad, q.grad = (None, None) if (t == 1 and i == 0) else (g.clone(), g.clone())
+        a.step()
+        b.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
