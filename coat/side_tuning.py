@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
 
 import torch
 from torch import nn
@@ -123,6 +125,35 @@ def _causal_mask(attention_mask: torch.Tensor | None, seq: int, dtype: torch.dty
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def _check_tensors(tensors: dict, want: dict, where: str) -> None:
+    """``tensors`` has exactly ``want``'s names, each a floating-point tensor of its shape."""
+    if not isinstance(tensors, dict) or set(tensors) != set(want):
+        diff = sorted(set(tensors) ^ set(want)) if isinstance(tensors, dict) else type(tensors).__name__
+        raise ValueError(f"{where}: the saved side weights do not match this side network ({diff[:3]})")
+    for k, v in want.items():
+        t = tensors[k]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != v.shape:
+            raise ValueError(f"{where}: {k} has {getattr(t, 'dtype', type(t).__name__)} of shape "
+                             f"{tuple(getattr(t, 'shape', ()))}, expected a floating-point tensor of shape "
+                             f"{tuple(v.shape)}")
+
+
+#: Causal LM keywords whose meaning the side network does not implement: refused, not ignored.
+_UNSUPPORTED = {"past_key_values": "KV caches", "inputs_embeds": "input embeddings in place of input_ids",
+                "use_cache": "KV caches", "output_hidden_states": "hidden states in the output",
+                "output_attentions": "attention weights in the output"}
+
+
+def _refuse_unsupported(kwargs: dict) -> None:
+    for name, what in _UNSUPPORTED.items():
+        value = kwargs.get(name)
+        if value is not None and value is not False:
+            shown = repr(value) if isinstance(value, bool) else f"<{type(value).__name__}>"
+            raise ValueError(f"{name}={shown}: coat.SideTuned does not support {what} (its forward recomputes "
+                             "the whole sequence through the base and the side network); pass the whole sequence "
+                             "as input_ids")
+
+
 class _Recorder:
     """Forward hooks on the base's decoder layers, for one forward: layer 0's input (the embedding
     output) and every layer's output (the last one is the final norm's input)."""
@@ -156,6 +187,11 @@ class SideTuned(nn.Module):
     def __init__(self, base: nn.Module, r: int = 16, downsample: int = 16, *, intermediate_size: int | None = None,
                  num_heads: int | None = None):
         super().__init__()
+        self._build(base, r, downsample, intermediate_size, num_heads)
+        _freeze_and_convert(base)  # last: a refused argument leaves the base as it was
+
+    def _build(self, base: nn.Module, r, downsample, intermediate_size, num_heads) -> None:
+        """Checks every argument and makes the side network; the base is not changed."""
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -165,9 +201,9 @@ class SideTuned(nn.Module):
         if hidden % r or (hidden // r) % 2:
             raise ValueError(f"r={r} must divide the base's hidden size {hidden} into an even side width")
         width = hidden // r
-        _freeze_and_convert(base)
+        side_config = _side_layer_config(base, width, intermediate_size, num_heads)
         self.family, self.r, self.downsample, self.hidden = fam, r, downsample, hidden
-        self.side_config = _side_layer_config(base, width, intermediate_size, num_heads)
+        self.side_config = side_config
         cfg = LlamaConfig(vocab_size=1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                           num_hidden_layers=n_layers, hidden_act="silu", attention_bias=False, mlp_bias=False,
                           **self.side_config)
@@ -198,13 +234,9 @@ class SideTuned(nn.Module):
     def load_side_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads what ``side_state_dict`` returned (strict: the same names and shapes)."""
         own = self.side_state_dict()
-        if set(state) != set(own):
-            diff = sorted(set(state) ^ set(own))
-            raise ValueError(f"state: the side network's names differ ({diff[:3]})")
+        _check_tensors(state, own, "state")  # every name, shape and dtype before anything is copied
         with torch.no_grad():
             for k, v in own.items():
-                if state[k].shape != v.shape:
-                    raise ValueError(f"state: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
                 v.copy_(state[k])
 
     def side_parameters(self) -> list[nn.Parameter]:
@@ -229,9 +261,12 @@ class SideTuned(nn.Module):
         """(loss, logits) as a ``CausalLMOutputWithPast``: with ``labels`` (shifted here, as Hugging
         Face does) or ``shift_labels`` (already aligned with the inputs) the fused loss and
         ``logits=None``; without, the logits and ``loss=None``. Other keyword arguments of a causal
-        LM's forward (``use_cache``) are accepted and ignored: the base runs without a cache."""
+        LM's forward are accepted and ignored, except those asking for what the side network does
+        not do (a KV cache: ``past_key_values``, ``use_cache=True``; ``inputs_embeds``;
+        ``output_hidden_states`` / ``output_attentions``), which are refused; ``generate`` too."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        _refuse_unsupported(kwargs)
         states = self._base_states(input_ids, attention_mask, position_ids)
         seq = input_ids.shape[1]
         if position_ids is None:
@@ -254,6 +289,12 @@ class SideTuned(nn.Module):
                                   num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
+    def generate(self, *args, **kwargs):
+        """Not supported: refused (a causal LM's ``generate`` needs KV caches through the side network)."""
+        raise NotImplementedError("coat.SideTuned.generate is not implemented: the side network has no KV cache "
+                                  "(docs/side_tuning.md, 'Not done yet'); decode by calling the model on the whole "
+                                  "sequence at each step and reading logits[:, -1]")
+
     # ---- saving and loading the side network ---------------------------------------------------
 
     def _config(self) -> dict:
@@ -262,48 +303,69 @@ class SideTuned(nn.Module):
 
     def save_side(self, folder: str | os.PathLike) -> None:
         """Writes the side network alone to ``folder`` (created if missing; refused if not empty):
-        side_config.json and the weights as safetensors."""
+        side_config.json and the weights as safetensors. Both are written into a fresh folder beside
+        it, which then takes ``folder``'s place: a failure leaves no half-written folder."""
         from safetensors.torch import save_file
 
-        folder = os.fspath(folder)
+        given = os.fspath(folder)
+        folder = os.path.abspath(given)
         if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
-            raise ValueError(f"folder {folder!r} is not an empty directory: save_side does not overwrite")
-        os.makedirs(folder, exist_ok=True)
-        tensors = {n: p.detach().contiguous().clone() for n, p in self._side_named()}
-        save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": _FORMAT})
-        with open(os.path.join(folder, CONFIG_FILE), "w") as f:
-            json.dump(self._config(), f, indent=2)
+            raise ValueError(f"folder {given!r} is not an empty directory: save_side does not overwrite")
+        parent = os.path.dirname(folder)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(folder)}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+        os.mkdir(tmp)  # (the umask's permissions, as os.makedirs gives the folder)
+        try:
+            tensors = {n: p.detach().contiguous().clone() for n, p in self._side_named()}
+            save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": _FORMAT})
+            with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+                json.dump(self._config(), f, indent=2)
+            os.rename(tmp, folder)  # replaces an empty folder (POSIX), else creates it
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     @classmethod
     def load_side(cls, folder: str | os.PathLike, base: nn.Module) -> "SideTuned":
         """Builds a ``SideTuned`` on ``base`` (frozen and converted in place) with the side network
-        saved in ``folder`` by ``save_side``. Reads JSON and safetensors only."""
+        saved in ``folder`` by ``save_side``. Reads JSON and safetensors only. Everything is checked
+        (the config against the base, every weight's name, dtype and shape) before ``base`` is
+        frozen and converted: a refused folder leaves the base as it was."""
         from safetensors.torch import load_file
 
         folder = os.fspath(folder)
-        with open(os.path.join(folder, CONFIG_FILE)) as f:
-            cfg = json.load(f)
-        if not isinstance(cfg, dict) or cfg.get("format") != _FORMAT:
-            raise ValueError(f"folder {folder!r}: {CONFIG_FILE} is not a coat side-tuning config")
-        _check_base(base)
-        have = {"hidden": int(base.config.hidden_size), "layers": len(base.model.layers),
-                "model_type": base.config.model_type}
-        for key, value in have.items():
-            if cfg.get(key) != value:
-                raise ValueError(f"base: the side network in {folder!r} was saved for {key}={cfg.get(key)!r}, "
-                                 f"this base has {key}={value!r}")
+        cfg = _read_config(folder, base)
         side = cfg["side_layer"]
-        model = cls(base, r=cfg["r"], downsample=cfg["downsample"], intermediate_size=side["intermediate_size"],
-                    num_heads=side["num_attention_heads"])
+        model = cls.__new__(cls)
+        nn.Module.__init__(model)
+        model._build(base, cfg.get("r"), cfg.get("downsample"), side.get("intermediate_size"), side.get("num_attention_heads"))
+        if model.side_config != side:
+            key = min(k for k in set(side) | set(model.side_config) if side.get(k) != model.side_config.get(k))
+            raise ValueError(f"folder {folder!r}: the side layers were saved with {key}={side.get(key)!r}, "
+                             f"on this base they would have {key}={model.side_config.get(key)!r}")
         tensors = load_file(os.path.join(folder, WEIGHTS_FILE))
         params = dict(model._side_named())
-        if set(tensors) != set(params):
-            diff = sorted(set(tensors) ^ set(params))
-            raise ValueError(f"folder {folder!r}: the saved side weights do not match this side network ({diff[:3]})")
+        _check_tensors(tensors, params, f"folder {folder!r}")
         with torch.no_grad():
             for n, p in params.items():
-                if tensors[n].shape != p.shape:
-                    raise ValueError(f"folder {folder!r}: {n} has shape {tuple(tensors[n].shape)}, "
-                                     f"expected {tuple(p.shape)}")
                 p.copy_(tensors[n])
+        _freeze_and_convert(base)
         return model
+
+
+def _read_config(folder: str, base: nn.Module) -> dict:
+    """side_config.json of ``folder``, checked against ``base`` (model type, hidden size, layers)."""
+    with open(os.path.join(folder, CONFIG_FILE)) as f:
+        cfg = json.load(f)
+    if not isinstance(cfg, dict) or cfg.get("format") != _FORMAT:
+        raise ValueError(f"folder {folder!r}: {CONFIG_FILE} is not a coat side-tuning config")
+    if not isinstance(cfg.get("side_layer"), dict):
+        raise ValueError(f"folder {folder!r}: {CONFIG_FILE} has no side_layer settings (a dict)")
+    _check_base(base)
+    have = {"hidden": int(base.config.hidden_size), "layers": len(base.model.layers),
+            "model_type": base.config.model_type}
+    for key, value in have.items():
+        if cfg.get(key) != value:
+            raise ValueError(f"base: the side network in {folder!r} was saved for {key}={cfg.get(key)!r}, "
+                             f"this base has {key}={value!r}")
+    return cfg
