@@ -7,6 +7,9 @@ Keys by kind:
   order; ``exp_avg_absmax`` / ``exp_avg_sq_absmax``: fp32 [ceil(n / 128)].
 - "rank1": as "block", but v's scales are ``exp_avg_sq_rowcol``: fp32 [2, rows + cols] (row maxima,
   then column maxima; two buffers that steps use alternately).
+A "block" state of a parameter that is not contiguous (channels_last, a transposed view) also holds
+``strides``: the parameter's strides (a tuple of ints, 0 for size-1 dims) when the state was made:
+the codes follow that memory order, and a state is refused for a parameter laid out otherwise.
 Every kind: ``step`` (fp32 scalar); ``master`` (fp32 like the parameter) for master_weights="fp32"
 on 16-bit parameters; ``sr_seed`` (int64 scalar, CPU) for "bf16_sr".
 """
@@ -53,6 +56,24 @@ def kind_of(p: torch.Tensor, local: torch.Tensor) -> str:
     return "rank1" if 2 * (rows + cols) <= groups(n) else "block"
 
 
+def memory_order(local: torch.Tensor, kind: str) -> tuple[int, ...] | None:
+    """What a "block" state records of its parameter's layout: None where memory order is the
+    logical order (contiguous), else the strides (0 for size-1 dims, whose stride means nothing)."""
+    if kind != "block" or local.is_contiguous():
+        return None
+    return tuple(0 if n == 1 else st for n, st in zip(local.shape, local.stride()))
+
+
+def _check_order(saved: Any, local: torch.Tensor, kind: str, where: str) -> None:
+    want = memory_order(local, kind)
+    got = None if saved is None else tuple(int(x) for x in saved)
+    if got != want:
+        raise ValueError(f"{where}: the 4-bit codes were made for a parameter laid out otherwise in memory "
+                         f"(strides {got or 'contiguous'}) than this one (shape {tuple(local.shape)}, strides "
+                         f"{want or 'contiguous'}): they follow the memory order they were made in. Change a "
+                         "parameter's memory format before its optimizer state exists")
+
+
 def new_state(local: torch.Tensor, kind: str, master: str, seed: int) -> dict[str, Any]:
     """Zero moments (every kind decodes them to 0: zero codes with zero scales), step 0, master =
     the parameter."""
@@ -71,6 +92,9 @@ def new_state(local: torch.Tensor, kind: str, master: str, seed: int) -> dict[st
             st["exp_avg_sq_rowcol"] = torch.zeros(2, rows + cols, dtype=torch.float32, device=dev)
         else:
             st["exp_avg_sq_absmax"] = torch.zeros(groups(n), dtype=torch.float32, device=dev)
+    order = memory_order(local, kind)
+    if order is not None:
+        st["strides"] = order
     if master == "fp32":
         st["master"] = torch.empty_like(local, dtype=torch.float32).copy_(local.detach())
     if master == "bf16_sr":
@@ -116,6 +140,7 @@ def check_state(st: dict[str, Any], local: torch.Tensor, want: str) -> None:
     for k in ("exp_avg", "exp_avg_sq", "master"):
         if k in st and not same_layout(st[k], local):
             raise ValueError(f"optimizer state '{k}' is laid out otherwise in memory than its parameter")
+    _check_order(st.get("strides"), local, kind, "optimizer state")
 
 
 def check_master(st: dict[str, Any], local: torch.Tensor, master: str) -> None:
@@ -161,6 +186,11 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, mast
     missing = [k for k in ("step", *_KEYS[kind]) if k not in saved]
     if missing:
         raise ValueError(f"{where}: missing {missing} (not a coat.optim.AdamW4bit state)")
+    saved_order = saved.get("strides")
+    if saved_order is not None and not (isinstance(saved_order, (tuple, list)) and
+                                        all(isinstance(x, int) for x in saved_order)):
+        raise ValueError(f"{where}: strides must be a tuple of ints, got {saved_order!r}")
+    _check_order(saved_order, local, kind, where)
     dev = local.device
     st: dict[str, Any] = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).to(dev).reshape(()).clone()}
     for k, (dtype, shape) in _expected(local, kind).items():
@@ -173,6 +203,8 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, mast
             st[k] = torch.empty_like(local, dtype=torch.float32).copy_(t.to(dev).reshape(local.shape))
         else:
             st[k] = t.to(dev).reshape(shape).clone().contiguous()
+    if saved_order is not None:
+        st["strides"] = tuple(saved_order)
     if master == "fp32":
         m = saved.get("master")
         if m is not None and m.numel() != local.numel():

@@ -95,3 +95,47 @@ def test_matches_torch_adamw_on_small_tensors_across_groups():
         b.step()
     for p, q in zip(ps, qs):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _transposed(seed: int = 0) -> torch.nn.Parameter:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(5000, 3, generator=g).t())  # (3, 5000), non-contiguous: block states
+
+
+def test_block_states_follow_the_memory_order_they_were_made_in():
+    """Block codes follow the parameter's memory order: a parameter re-laid out after its state
+    exists, or a state saved for another layout, is refused rather than stepped with another
+    element's moments."""
+    p = _transposed()
+    opt = co.AdamW4bit([p])
+    p.grad = torch.randn(3, 5000)
+    opt.step()
+    sd = opt.state_dict()
+    p.data = p.data.contiguous()  # same shape, other memory order
+    p.grad = torch.randn(3, 5000)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="memory"):
+        opt.step()
+    assert torch.equal(p, before)
+    q = torch.nn.Parameter(_transposed().detach().contiguous())
+    with pytest.raises(ValueError, match="memory"):
+        co.AdamW4bit([q]).load_state_dict(sd)
+    # the same layout loads and resumes exactly; a contiguous state refuses a transposed parameter
+    a, b = _transposed(), _transposed()
+    oa = co.AdamW4bit([a])
+    a.grad = torch.randn(3, 5000)
+    oa.step()
+    ob = co.AdamW4bit([b])
+    ob.load_state_dict(oa.state_dict())
+    b.data.copy_(a.data)
+    g = torch.randn(3, 5000)
+    a.grad, b.grad = g.clone(), g.clone()
+    oa.step()
+    ob.step()
+    assert torch.equal(a, b)
+    c = torch.nn.Parameter(torch.randn(3, 5000))
+    oc = co.AdamW4bit([c])
+    c.grad = torch.randn(3, 5000)
+    oc.step()
+    with pytest.raises(ValueError, match="memory"):
+        co.AdamW4bit([_transposed()]).load_state_dict(oc.state_dict())
