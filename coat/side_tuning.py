@@ -338,9 +338,13 @@ class SideTuned(nn.Module):
         side = cfg["side_layer"]
         model = cls.__new__(cls)
         nn.Module.__init__(model)
-        model._build(base, cfg.get("r"), cfg.get("downsample"), side.get("intermediate_size"), side.get("num_attention_heads"))
-        if model.side_config != side:
-            key = min(k for k in set(side) | set(model.side_config) if side.get(k) != model.side_config.get(k))
+        model._build(base, cfg.get("r"), cfg.get("downsample"), side.get("intermediate_size"),
+                     side.get("num_attention_heads"))
+        # What changes the side layers' arithmetic (not max_position_embeddings: default RoPE ignores it)
+        differ = [k for k in set(side) | set(model.side_config)
+                  if k != "max_position_embeddings" and side.get(k) != model.side_config.get(k)]
+        if differ:
+            key = min(differ)
             raise ValueError(f"folder {folder!r}: the side layers were saved with {key}={side.get(key)!r}, "
                              f"on this base they would have {key}={model.side_config.get(key)!r}")
         tensors = load_file(os.path.join(folder, WEIGHTS_FILE))
