@@ -87,16 +87,26 @@ def top_subspace(g: torch.Tensor, r: int) -> torch.Tensor:
     return vh[:r].contiguous() if tall(tuple(g.shape)) else u[:, :r].contiguous()
 
 
-def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-    """One step of one matrix (``state["step"]`` already counts it). Computed in fp32; the parameter is
-    written in its own dtype (round to nearest)."""
+def next_projection(grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | None:
+    """The projection the coming step (``state["step"] + 1``) refreshes to, or None: computed before
+    anything is written, so that an SVD that fails (a non-finite gradient) leaves every state as it was."""
+    if not refreshes(int(state["step"].item()) + 1, group["update_proj_gap"]):
+        return None
+    p = state["proj"]
+    return top_subspace(grad.float(), p.shape[0] if tall(tuple(grad.shape)) else p.shape[1])
+
+
+def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+           new_proj: torch.Tensor | None) -> None:
+    """One step of one matrix (``state["step"]`` already counts it; ``new_proj``: ``next_projection``'s).
+    Computed in fp32; the parameter is written in its own dtype (round to nearest)."""
     t = int(state["step"].item())
     beta1, beta2 = group["betas"]
     lr = float(group["lr"])
     g = grad.float()
     is_tall = tall(tuple(g.shape))
-    if refreshes(t, group["update_proj_gap"]):
-        state["proj"].copy_(top_subspace(g, state["proj"].shape[0 if is_tall else 1]))
+    if new_proj is not None:
+        state["proj"].copy_(new_proj)
         state["exp_avg"].zero_()  # momentum coordinates of the old subspace mean nothing in the new one
     proj = state["proj"].float()
     low = g @ proj.T if is_tall else proj.T @ g

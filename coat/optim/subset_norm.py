@@ -223,14 +223,19 @@ class SubsetNormSM(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         todo = self._matrices()
-        self._sync_adamw()
-        self._adamw.step()
+        # Every refresh's SVD before any write: a failing one (a non-finite gradient) changes nothing.
+        projs = []
         for p, g, group in todo:
             state = self.state[p]
             if not state:
                 state.update(_snsm.new_state(p, group["rank"], self.state_dtype))
+            projs.append(_snsm.next_projection(g, state, group))
+        self._sync_adamw()
+        self._adamw.step()
+        for (p, g, group), proj in zip(todo, projs):
+            state = self.state[p]
             state["step"] += 1
-            _snsm.update(p, g, state, group)
+            _snsm.update(p, g, state, group, proj)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

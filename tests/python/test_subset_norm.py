@@ -266,6 +266,7 @@ class _FakeDTensor(torch.nn.Parameter):
     (dict(betas=(1.0, 0.9)), "index 0"), (dict(betas=(0.9, 1.5)), "index 1"), (dict(eps=-1.0), "epsilon"),
     (dict(weight_decay=float("nan")), "weight_decay"), (dict(state_dtype=torch.float16), "state_dtype"),
     (dict(adamw_options={"lr": 1.0}), "adamw_options"), (dict(correct_bias=1), "correct_bias"),
+    (dict(adamw_betas=(0.9, 1.0)), "adamw_betas"),
 ])
 def test_bad_arguments_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -289,6 +290,20 @@ def test_unsupported_setups_refused():
     w.grad = torch.randn(6, 4)
     opt.step()
     sd = opt.state_dict()
+    # beta2 = 1 (AdaGrad) is for the matrices: AdamW parameters in the group need adamw_betas
+    with pytest.raises(ValueError, match="adamw_betas"):
+        co.SubsetNormSM([w, torch.nn.Parameter(torch.randn(3))], betas=(0.9, 1.0))
+    co.SubsetNormSM([w, torch.nn.Parameter(torch.randn(3))], betas=(0.9, 1.0), adamw_betas=(0.9, 0.999))
+    # a non-finite gradient at a refresh: the SVD fails before anything (the AdamW part too) is written
+    b = torch.nn.Parameter(torch.randn(3))
+    opt_nf = co.SubsetNormSM([w, b], rank=2, update_proj_gap=2)
+    w.grad, b.grad = torch.full((6, 4), float("nan")), torch.ones(3)
+    before = (w.detach().clone(), b.detach().clone())
+    with pytest.raises(RuntimeError, match="non-finite|converge"):
+        opt_nf.step()
+    assert torch.equal(w, before[0]) and torch.equal(b, before[1]) and not opt_nf.adamw.state
+    assert int(opt_nf.state[w]["step"]) == 0
+    w.grad = torch.randn(6, 4)
     wide = torch.nn.Parameter(torch.randn(4, 6))  # another orientation: other state shapes
     with pytest.raises(ValueError, match="shape"):
         co.SubsetNormSM([wide], rank=2).load_state_dict(sd)
