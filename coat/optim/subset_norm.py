@@ -263,17 +263,30 @@ class SubsetNormSM(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's layout: ``state`` keyed by each parameter's position in the groups, matrices'
         states (step, subset_norm, exp_avg, proj) and the AdamW part's (coat.optim.AdamW's keys)
-        side by side; ``param_groups`` this optimizer's."""
-        sd = super().state_dict()
-        inner = self._adamw.state_dict()
+        side by side; ``param_groups`` this optimizer's. torch's state-dict hooks see the whole of it."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        packed = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
+        sd = {"state": {index[id(p)]: st for p, st in self.state.items() if isinstance(p, torch.Tensor)},
+              "param_groups": packed}
         ids = self._adamw_ids()
-        for k, st in inner["state"].items():
+        for k, st in self._adamw.state_dict()["state"].items():
             sd["state"][ids[k]] = st
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads exactly what ``state_dict()`` returned (states are not cast to the parameters' dtypes);
-        everything is checked and built before anything is replaced."""
+        everything is checked and built before anything is replaced. torch's load hooks run around it."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
@@ -306,6 +319,8 @@ class SubsetNormSM(torch.optim.Optimizer):
         self._adamw.load_state_dict(inner_sd)  # checks its states and replaces them, or raises
         self.param_groups[:] = groups
         self.state = state
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _load_matrix_state(self, st: dict[str, Any], p: torch.Tensor, group: dict[str, Any],
                            what: str) -> dict[str, Any]:

@@ -228,6 +228,12 @@ def test_state_dict_exact_resume():
     for k in sd["state"]:
         for key, t in sd["state"][k].items():
             assert torch.equal(t, sd2["state"][k][key]), (k, key)
+    # torch's state-dict hooks see the whole state dict, both parts
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, s: seen.append(sorted(s["state"])))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("loaded"))
+    opt.load_state_dict(opt.state_dict())
+    assert seen == [list(range(7)), "loaded"]
     # deepcopy steps as the original does
     twin = copy.deepcopy((model, opt))
     _lm_steps(model, opt, 2, 3)
