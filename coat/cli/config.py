@@ -25,8 +25,9 @@ RECIPES = tuple(RECIPE_PARTS)
 DEFAULT_RECIPE = "coat"
 BASELINE_RECIPE = "bf16"
 ACTIVATIONS = ("bf16", "fp8")
-#: torch: torch.optim.AdamW; coat: coat.optim.AdamW (FP8 states); coat4bit: coat.optim.AdamW4bit (4-bit states).
-OPTIMIZERS = ("torch", "coat", "coat4bit")
+#: torch: torch.optim.AdamW; coat: coat.optim.AdamW (FP8 states); coat4bit: coat.optim.AdamW4bit (4-bit states);
+#: snsm: coat.optim.SubsetNormSM (Subset-Norm + Subspace-Momentum on the matrices, FP8 AdamW on the rest).
+OPTIMIZERS = ("torch", "coat", "coat4bit", "snsm")
 #: The optimizers of coat: --master-weights and --release-grads apply to them.
 COAT_OPTIMIZERS = ("coat", "coat4bit")
 MASTER_WEIGHTS = ("fp32", "bf16_sr")
@@ -225,7 +226,7 @@ def recipe_name(activations: str, optim: str) -> str:
     for name, parts in RECIPE_PARTS.items():
         if parts == (activations, optim):
             return name
-    return f"{activations}-activations+{optim}-adamw"
+    return f"{activations}-activations+{optim}" + ("" if optim == "snsm" else "-adamw")
 
 
 def _resolve_recipe(cfg: TrainConfig) -> TrainConfig:
@@ -383,6 +384,9 @@ def _validate_fine_tuning(cfg: TrainConfig) -> None:
     """The optimizer's weight flags and LoRA's."""
     if cfg.optim == "torch" and cfg.master_weights != "fp32":
         raise ConfigError("--master-weights", "only applies to --optim coat (torch.optim.AdamW keeps fp32 weights)")
+    if cfg.optim == "snsm" and cfg.master_weights != "fp32":
+        raise ConfigError("--master-weights", "only applies to --optim coat or coat4bit (--optim snsm keeps fp32 "
+                          "weights: it has no stochastic rounding for its matrices yet)")
     if cfg.lora < 0:
         raise ConfigError("--lora", f"must be a rank >= 1 (or 0: no LoRA), got {cfg.lora}")
     if cfg.lora and cfg.init is None:
@@ -441,6 +445,9 @@ def _validate_step_variants(cfg: TrainConfig) -> None:
                                                  "replays record no statistics)")
     if cfg.release_grads and cfg.optim not in COAT_OPTIMIZERS:
         raise ConfigError("--release-grads", "needs --optim coat or coat4bit (the step inside backward is coat.optim's)")
+    if cfg.cuda_graph and cfg.optim == "snsm":
+        raise ConfigError("--cuda-graph", "cannot be combined with --optim snsm (its projection refresh is decided on "
+                                          "the host; the step is not capturable)")
     if cfg.cuda_graph:
         for name in ("release_grads", "compile"):
             if getattr(cfg, name):

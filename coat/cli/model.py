@@ -92,8 +92,25 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
         from coat.optim import AdamW4bit
 
         return AdamW4bit(groups, master_weights=cfg.master_weights, **kwargs)
+    if cfg.optim == "snsm":
+        return _snsm_optimizer(model, params, cfg, kwargs)
     # capturable: a CUDA graph replays the step (--cuda-graph), reading its step count on the device
     return torch.optim.AdamW(groups, fused=params[0].is_cuda, capturable=cfg.cuda_graph, **kwargs)
+
+
+def _snsm_optimizer(model: torch.nn.Module, params: list, cfg: TrainConfig, kwargs: dict) -> torch.optim.Optimizer:
+    """coat.optim.SubsetNormSM: Subset-Norm + Subspace-Momentum on the 2-D weights except embeddings
+    (FP8 layers are not nn.Linear, so the split is by shape and module kind), FP8 AdamW on the rest."""
+    from coat.optim import SubsetNormSM
+
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    groups = [
+        {"params": [p for p in params if p.ndim == 2 and id(p) not in embedded], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim >= 2 and (p.ndim != 2 or id(p) in embedded)],
+         "weight_decay": cfg.weight_decay, "adamw": True},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "adamw": True},
+    ]
+    return SubsetNormSM(groups, **kwargs)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -200,6 +217,10 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         g = optimizer.param_groups[0]
         fp8.append(f"AdamW states: m {g['m_format'].upper()}, v {g['v_format'].upper()}, per 128-element group "
                    "with Dynamic Range Expansion")
+    elif cfg.optim == "snsm":
+        other.append("Subset-Norm + Subspace-Momentum states on the matrices (fp32 row/column norms, rank-"
+                     f"{optimizer.param_groups[0]['rank']} momentum and projection); FP8 AdamW states on embeddings, "
+                     "norms and biases")
     elif cfg.optim == "coat4bit":
         other.append("AdamW states in 4 bits (m: dynamic-exponent map, v: linear map without zero, rank-1 or "
                      "128-element scales; tensors of <= 4096 elements fp32)")

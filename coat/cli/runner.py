@@ -209,6 +209,9 @@ class _Training:
             if cfg.optim == "coat4bit":  # refused before any step: its checkpoint would fail at the first save
                 raise ConfigError("--optim", "coat4bit has no sharded (FSDP2) state dicts yet, so a run over several "
                                   "processes could not checkpoint; use --optim coat there")
+            if cfg.optim == "snsm":  # refused before sharding: SubsetNormSM refuses DTensor parameters
+                raise ConfigError("--optim", "snsm does not support FSDP2 (a shard's rows or columns are not the "
+                                  "matrix's: its subset norms and SVD would be the shard's); use --optim coat there")
             dt.shard(model, self.d, device)
         self.model = model
         self.optimizer = build_optimizer(model, cfg)

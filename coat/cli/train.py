@@ -40,8 +40,8 @@ RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "thread
 
 
 def _check_imports(cfg: TrainConfig) -> None:
-    if cfg.optim in COAT_OPTIMIZERS:
-        cls = "AdamW4bit" if cfg.optim == "coat4bit" else "AdamW"
+    if cfg.optim in (*COAT_OPTIMIZERS, "snsm"):
+        cls = {"coat4bit": "AdamW4bit", "snsm": "SubsetNormSM"}.get(cfg.optim, "AdamW")
         try:
             from coat.optim import AdamW, AdamW4bit  # noqa: F401
         except ImportError as e:  # the compiled extension may be missing or not built yet
@@ -442,7 +442,9 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beta2", **_X, help="AdamW beta2" + _default("beta2"))
     g.add_argument("--grad-clip", **_X, help="max gradient norm (0 disables clipping)" + _default("grad_clip"))
     g.add_argument("--optim", choices=OPTIMIZERS, help="torch: torch.optim.AdamW; coat: coat.optim.AdamW with FP8 "
-                   "states; coat4bit: coat.optim.AdamW4bit with 4-bit states (default: from --recipe)")
+                   "states; coat4bit: coat.optim.AdamW4bit with 4-bit states; snsm: coat.optim.SubsetNormSM (Subset-Norm + "
+                   "Subspace-Momentum on the matrices, rank 128, refresh every 100 steps; its paper's lr is ~10x "
+                   "Adam's) (default: from --recipe)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, help="master weight format of --optim coat or coat4bit "
                    "(bf16_sr: bf16 with stochastic rounding)" + _default("master_weights"))
     g.add_argument("--lora", type=int, metavar="RANK",

@@ -1,0 +1,349 @@
+"""Subset-Norm + Subspace-Momentum (Nguyen & Nguyen, 2024) for the matrices of a model, with
+coat.optim.AdamW (FP8 states) for everything else, in one optimizer object. Torch ops, not yet a
+fused kernel. The per-matrix math is coat/optim/_snsm.py; docs/optimizers.md."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import _snsm, _state
+from .adamw import AdamW
+
+__all__ = ["SubsetNormSM", "snsm_param_groups"]
+
+_HYPER = ("lr", "betas", "eps", "weight_decay")  # what the AdamW part takes from its group
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class SubsetNormSM(torch.optim.Optimizer):
+    """AdamSNSM: Subset-Norm step sizes with Subspace-Momentum on 2-D weights, coat.optim.AdamW on the rest.
+
+    "Efficient Adaptive Optimization via Subset-Norm and Subspace-Momentum" (Nguyen & Nguyen, 2024;
+    ICML 2025 as "Lean and Mean Adaptive Optimization ..."); reference code timmytonga/sn-sm. For a
+    matrix parameter W (m x n) with gradient G at step t (1-based), in fp32:
+
+    - every ``update_proj_gap`` steps (and at step 1): P = top-``rank`` singular vectors of G over its
+      smaller dimension (full SVD, as the reference's ``proj_type="svd"``), and the momentum is reset
+      to zero;
+    - L = P G (projected gradient, r x max(m, n)); M = beta1 M + (1 - beta1) L;
+      U = P^T M + (G - P^T L): momentum in the subspace, plain SGD on the orthogonal residual;
+    - V = beta2 V + (1 - beta2) s (beta2 = 1: V += s, AdaGrad's accumulation), s the sum of G^2 over
+      the smaller dimension: one value per row of a tall matrix, per column of a wide one;
+    - W -= lr sqrt(1 - beta2^t) / (1 - beta1^t) U / (sqrt(V) + eps) (the bias correction applies to
+      both parts, as in the reference; ``correct_bias=False`` drops it), then W -= lr weight_decay W.
+
+    The reference code resets the momentum one step late (it updates and uses the old subspace's
+    momentum with the new projection at the refresh step, then zeroes it); here it is reset before the
+    refresh step's update, as the paper describes.
+
+    Defaults of the paper's reference runs (LLaMA pre-training, ``examples.sh``): lr 0.05 (about 10x
+    Adam's: a subset norm sums many squares), betas (0.9, 0.999), eps 1e-6, weight_decay 0, rank 128,
+    update_proj_gap 100 (200 in some runs), cosine schedule with warm-up, gradient clipping 1.0, and
+    the same lr for the AdamW part. The constructor's own defaults are those, except lr (1e-3, as
+    torch's optimizers: pass the paper's explicitly).
+
+    Which parameters take which rule: a parameter of a group with ``"adamw": True``, and every
+    parameter that is not 2-D, steps with coat.optim.AdamW (FP8 states, Dynamic Range Expansion,
+    the group's lr, betas, eps and weight_decay); every other 2-D parameter takes SN-SM. Embedding
+    matrices are 2-D: mark them (``snsm_param_groups(model)`` builds the reference's split: the
+    weights of ``nn.Linear`` modules, except one tied to an ``nn.Embedding``, take SN-SM).
+
+    Args:
+        params: parameters or parameter groups (groups may override lr, betas, eps, weight_decay,
+            rank, update_proj_gap, correct_bias, adamw and adamw_betas).
+        betas: (beta1, beta2) of both parts; beta2 = 1 accumulates the subset norms (AdaGrad), which
+            the AdamW part cannot: give a group holding AdamW parameters ``adamw_betas`` then.
+        adamw_betas: betas of the AdamW part when they differ (None: ``betas``).
+        rank: the subspace's rank (capped at each matrix's smaller dimension).
+        update_proj_gap: steps between refreshes of the projection (T).
+        state_dtype: torch.float32 (default) or torch.bfloat16: dtype of the momentum and the
+            projection (the reference keeps them in the gradient's dtype); subset norms stay fp32.
+        adamw_options: keywords for the internal coat.optim.AdamW (master_weights, nonfinite, seed,
+            m_format, v_format, ...); lr, betas, eps and weight_decay come from the groups.
+
+    State per matrix: 4 max(m, n) + w r (m + n) bytes (w = 2 or 4), e.g. 0.17 B/param for
+    4096 x 11008 at rank 128 in fp32 (``_snsm.state_bytes``). Matrices step one by one in torch
+    ops on their own device (CPU or CUDA), in fp32, and are written in the parameter's dtype with
+    round-to-nearest: no fp32 master copy and no stochastic rounding for them yet. The step count
+    lives on the host (the refresh is decided there), so ``step()`` is not CUDA-graph capturable.
+
+    Refused: sharded (FSDP2 / DTensor) parameters (a shard's rows or columns are not the matrix's:
+    its subset norms and SVD would be the shard's), gradient release
+    (``coat.optim.step_in_backward`` takes a ``coat.optim.FusedOptimizer`` only), sparse or complex
+    gradients. ``torch.amp.GradScaler`` works the ordinary way (``scaler.step`` unscales first).
+    """
+
+    display_name = "coat.optim.SubsetNormSM"
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        *,
+        rank: int = 128,
+        update_proj_gap: int = 100,
+        correct_bias: bool = True,
+        adamw_betas: tuple[float, float] | None = None,
+        state_dtype: torch.dtype = torch.float32,
+        adamw_options: dict[str, Any] | None = None,
+    ) -> None:
+        if state_dtype not in _snsm.STATE_DTYPES:
+            raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype!r}")
+        opts = dict(adamw_options or {})
+        bad = sorted(set(opts) & {*_HYPER, "params"})
+        if bad:
+            raise ValueError(f"adamw_options must not set {bad}: the AdamW part takes them from the parameter groups")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank,
+                        update_proj_gap=update_proj_gap, correct_bias=correct_bias, adamw=False, adamw_betas=adamw_betas)
+        self._check_group(defaults)
+        self.state_dtype = state_dtype
+        self.adamw_options = opts
+        super().__init__(params, defaults)
+        self._adamw = self._build_adamw()
+
+    # ---- groups and routing --------------------------------------------------------------------
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            raise ValueError("lr as a Tensor is not supported by coat.optim.SubsetNormSM; pass a float")
+        if not _finite(lr) or lr < 0:
+            raise ValueError(f"Invalid learning rate: {lr} (must be finite and >= 0)")
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_finite(b) for b in betas)):
+            raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]} (must be in [0, 1))")
+        if not 0.0 <= betas[1] <= 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]} (must be in [0, 1]; 1 accumulates)")
+        if not _finite(group["eps"]) or group["eps"] < 0:
+            raise ValueError(f"Invalid epsilon value: {group['eps']} (must be finite and >= 0)")
+        if not _finite(group["weight_decay"]) or group["weight_decay"] < 0:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be finite and >= 0)")
+        for key in ("rank", "update_proj_gap"):
+            v = group[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{key} must be an int >= 1, got {v!r}")
+        ab = group["adamw_betas"]
+        if ab is not None and not (isinstance(ab, (tuple, list)) and len(ab) == 2 and all(_finite(b) for b in ab)
+                                   and 0 <= ab[0] < 1 and 0 <= ab[1] < 1):
+            raise ValueError(f"adamw_betas must be None or a pair of floats in [0, 1), got {ab!r}")
+        for key in ("correct_bias", "adamw"):
+            if not isinstance(group[key], bool):
+                raise ValueError(f"{key} must be a bool, got {group[key]!r}")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._check_group(group)
+        for p in group["params"]:
+            self._check_param(p)
+        if hasattr(self, "_adamw"):  # after construction: the AdamW part gets the group's other params
+            self._adamw.add_param_group(self._adamw_group(group))
+
+    def _check_param(self, p: torch.Tensor) -> None:
+        if _state._is_dtensor(p):
+            raise ValueError("params: coat.optim.SubsetNormSM does not support sharded (FSDP2 / DTensor) "
+                             "parameters: a shard holds only part of a matrix's rows or columns, so its subset "
+                             "norms and SVD would be the shard's, not the matrix's; use coat.optim.AdamW under FSDP2")
+        if p.is_complex() or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"params: coat.optim.SubsetNormSM supports float32, bfloat16 and float16 "
+                             f"parameters, got {p.dtype}")
+
+    @staticmethod
+    def _is_matrix(p: torch.Tensor, group: dict[str, Any]) -> bool:
+        return not group["adamw"] and p.dim() == 2
+
+    def _adamw_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        params = [p for p in group["params"] if not self._is_matrix(p, group)]
+        return {"params": params, **self._adamw_hyper(group, bool(params))}
+
+    @staticmethod
+    def _adamw_hyper(group: dict[str, Any], has_params: bool) -> dict[str, Any]:
+        """The AdamW part's hyperparameters for ``group`` (betas: ``adamw_betas`` if given)."""
+        hyper = {k: group[k] for k in _HYPER}
+        if group["adamw_betas"] is not None:
+            hyper["betas"] = group["adamw_betas"]
+        if hyper["betas"][1] >= 1.0:
+            if has_params:
+                raise ValueError("betas: beta2 = 1 (AdaGrad accumulation) applies to the Subset-Norm matrices only; "
+                                 "give this group's other parameters (AdamW) adamw_betas=(beta1, beta2 < 1)")
+            hyper["betas"] = (0.9, 0.999)  # a group without AdamW parameters: never used
+        return hyper
+
+    def _build_adamw(self) -> AdamW:
+        """The AdamW part: one group per group of this optimizer (empty where it holds only matrices)."""
+        groups = [self._adamw_group(g) for g in self.param_groups]
+        return AdamW(groups, **self._adamw_hyper(self.defaults, False), **self.adamw_options)
+
+    def _sync_adamw(self) -> None:
+        """Hyperparameters changed on this optimizer's groups (a scheduler's lr) reach the AdamW part."""
+        for group, inner in zip(self.param_groups, self._adamw.param_groups):
+            inner.update(self._adamw_hyper(group, bool(inner["params"])))
+
+    @property
+    def adamw(self) -> AdamW:
+        """The internal coat.optim.AdamW that steps the non-matrix parameters."""
+        return self._adamw
+
+    # ---- step ----------------------------------------------------------------------------------
+
+    def _matrices(self) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        """(param, grad, group) of every SN-SM matrix holding a gradient, checked before any write."""
+        out = []
+        for group in self.param_groups:
+            self._check_group(group)
+            for p in group["params"]:
+                if p.grad is None or not self._is_matrix(p, group):
+                    continue
+                self._check_param(p)
+                g = p.grad
+                if g.is_sparse or g.layout != torch.strided or g.is_complex():
+                    raise ValueError("coat.optim.SubsetNormSM does not support sparse or complex gradients")
+                if g.shape != p.shape or g.device != p.device:
+                    raise ValueError(f"gradient of shape {tuple(g.shape)} on {g.device} does not match the "
+                                     f"parameter's {tuple(p.shape)} on {p.device}")
+                out.append((p, g, group))
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo = self._matrices()
+        # Every refresh's SVD before any write: a failing one (a non-finite gradient) changes nothing.
+        projs = []
+        for p, g, group in todo:
+            state = self.state[p]
+            if not state:
+                state.update(_snsm.new_state(p, group["rank"], self.state_dtype))
+            projs.append(_snsm.next_projection(g, state, group))
+        self._sync_adamw()
+        self._adamw.step()
+        for (p, g, group), proj in zip(todo, projs):
+            state = self.state[p]
+            state["step"] += 1
+            _snsm.update(p, g, state, group, proj)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_bytes(self) -> int:
+        """Bytes held by all states: the matrices' (step counts included) and the AdamW part's."""
+        own = sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor))
+        return own + self._adamw.state_bytes()
+
+    # ---- state dicts -----------------------------------------------------------------------------
+
+    def _adamw_ids(self) -> list[int]:
+        """The state-dict id (position in the whole parameter list) of each AdamW-part parameter,
+        in the AdamW part's own order."""
+        ids, i = [], 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                if not self._is_matrix(p, g):
+                    ids.append(i)
+                i += 1
+        return ids
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: ``state`` keyed by each parameter's position in the groups, matrices'
+        states (step, subset_norm, exp_avg, proj) and the AdamW part's (coat.optim.AdamW's keys)
+        side by side; ``param_groups`` this optimizer's. torch's state-dict hooks see the whole of it."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        packed = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
+        sd = {"state": {index[id(p)]: st for p, st in self.state.items() if isinstance(p, torch.Tensor)},
+              "param_groups": packed}
+        ids = self._adamw_ids()
+        for k, st in self._adamw.state_dict()["state"].items():
+            sd["state"][ids[k]] = st
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads exactly what ``state_dict()`` returned (states are not cast to the parameters' dtypes);
+        everything is checked and built before anything is replaced. torch's load hooks run around it."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError("loaded state dict's parameter groups do not match this optimizer's (their number "
+                             "or sizes differ)")
+        groups = []
+        for s, g in zip(saved_groups, self.param_groups):
+            new = {**{k: v for k, v in g.items() if k != "params"}, **{k: v for k, v in s.items() if k != "params"},
+                   "params": g["params"]}
+            self._check_group(new)
+            if new["adamw"] != g["adamw"]:
+                raise ValueError("loaded state dict routes a parameter group differently (its 'adamw' flag)")
+            groups.append(new)
+        params = [(p, g) for g in groups for p in g["params"]]
+        saved_ids = [i for s in saved_groups for i in s["params"]]
+        raw = state_dict["state"]
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        inner_state, inner_pos = {}, 0
+        for sid, (p, g) in zip(saved_ids, params):
+            st = raw.get(sid)
+            if not self._is_matrix(p, g):
+                if st:
+                    inner_state[inner_pos] = st
+                inner_pos += 1
+            elif st:
+                state[p] = self._load_matrix_state(st, p, g, f"state[{sid}]")
+        inner_sd = {"state": inner_state, "param_groups": self._adamw.state_dict()["param_groups"]}
+        for ig, g in zip(inner_sd["param_groups"], groups):
+            ig.update(self._adamw_hyper(g, bool(ig["params"])))
+        self._adamw.load_state_dict(inner_sd)  # checks its states and replaces them, or raises
+        self.param_groups[:] = groups
+        self.state = state
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_matrix_state(self, st: dict[str, Any], p: torch.Tensor, group: dict[str, Any],
+                           what: str) -> dict[str, Any]:
+        _snsm.check_state(st, p, group["rank"], self.state_dtype, what)
+        out = {k: st[k].detach().to(device=p.device, copy=True) for k in _snsm.STATE_KEYS}
+        out["step"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().clone().reshape(())
+        return out
+
+    # ---- pickling --------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        st = super().__getstate__()
+        st.update(state_dtype=self.state_dtype, adamw_options=self.adamw_options, _adamw=self._adamw)
+        return st
+
+
+def snsm_param_groups(model: torch.nn.Module, **matrix_options: Any) -> list[dict[str, Any]]:
+    """The reference's split of ``model``'s trainable parameters: the weights of ``nn.Linear`` modules
+    take Subset-Norm + Subspace-Momentum (``matrix_options``: per-group overrides such as rank or lr),
+    everything else (embeddings, norms, biases, a head tied to an embedding) ``{"adamw": True}``."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    linear = {id(m.weight) for m in model.modules()
+              if isinstance(m, torch.nn.Linear) and id(m.weight) not in embedded}
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if id(p) in linear], **matrix_options},
+            {"params": [p for p in params if id(p) not in linear], "adamw": True}]

@@ -1,0 +1,58 @@
+"""coat train --optim snsm (coat.optim.SubsetNormSM): the optimizer it builds and how it describes it,
+a run resumed from its checkpoint continues bit for bit, and the flags it refuses."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from test_cli_train_checkpoint import assert_same_state, records, tiny
+
+from coat.cli import checkpoint as ckpt
+from coat.cli.config import ConfigError, TrainConfig, resolve_config, setup_name, validate
+from coat.cli.model import build_model, build_optimizer, describe_precision
+from coat.cli.train import train
+
+
+def test_builds_snsm_and_describes_its_states() -> None:
+    import coat.optim as co
+    import torch
+
+    cfg = resolve_config(TrainConfig(model="tiny", activations="bf16", optim="snsm", compare=False, lr=1e-2,
+                                     device="cpu"))
+    assert setup_name(cfg) == "bf16-activations+snsm"
+    model = build_model(cfg)
+    opt = build_optimizer(model, cfg)
+    assert isinstance(opt, co.SubsetNormSM)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    assert embedded and embedded <= {id(p) for p in opt.param_groups[1]["params"]}
+    assert all(p.ndim == 2 and id(p) not in embedded for p in opt.param_groups[0]["params"])
+    assert any("Subset-Norm" in line for line in describe_precision(model, opt, cfg)["not_fp8"])
+
+
+def test_n_steps_resume_n_steps_equals_2n_steps(tmp_path: Path) -> None:
+    run = dict(recipe=None, activations="bf16", optim="snsm", lr=1e-2, compare=False)
+    straight = train(tiny(tmp_path, "straight", **run))
+    assert straight["finished"] and [s for s, _ in ckpt.checkpoints(tmp_path / "straight")] == [6, 12]
+    half = tmp_path / "half"
+    shutil.copytree(tmp_path / "straight", half, ignore=shutil.ignore_patterns("step_00000012", ".lock"))
+    (half / "summary.json").unlink()
+    resumed = train(TrainConfig(resume=str(half), quiet=True, cache_dir=str(tmp_path / "cache")))
+    assert resumed["finished"] and resumed["steps"] == 12
+    assert records(half) == records(tmp_path / "straight")
+    assert_same_state(half / "checkpoints" / "step_00000012", tmp_path / "straight" / "checkpoints" / "step_00000012")
+    losses = [r["loss"] for r in records(tmp_path / "straight") if "loss" in r]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("flags,flag", [({"master_weights": "bf16_sr"}, "--master-weights"),
+                                        ({"release_grads": True}, "--release-grads"),
+                                        ({"cuda_graph": True}, "--cuda-graph")])
+def test_refused_flags(flags: dict, flag: str) -> None:
+    cfg = resolve_config(TrainConfig(model="tiny", activations="bf16", optim="snsm", compare=False, device="cpu",
+                                     **flags))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert flag in str(e.value)
