@@ -207,8 +207,11 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, mast
         st["strides"] = tuple(saved_order)
     if master == "fp32":
         m = saved.get("master")
-        if m is not None and m.numel() != local.numel():
-            raise ValueError(f"{where}: master has {m.numel()} elements, the parameter {local.numel()}")
+        if m is not None and (not isinstance(m, torch.Tensor) or not m.is_floating_point()
+                              or m.numel() != local.numel()):
+            raise ValueError(f"{where}: master must be a floating-point tensor of {local.numel()} elements, got "
+                             f"{getattr(m, 'dtype', type(m).__name__)} with {getattr(m, 'numel', lambda: '?')()} "
+                             "elements")
         src = m if m is not None else local.detach()
         st["master"] = torch.empty_like(local, dtype=torch.float32).copy_(src.to(dev).reshape(local.shape))
     if master == "bf16_sr":

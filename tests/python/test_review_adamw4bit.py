@@ -169,3 +169,17 @@ def test_fp8_adamw_master_mismatch_is_refused_before_any_write():
     with pytest.raises(ValueError, match="master"):
         opt.step()
     assert torch.equal(a, before)
+
+
+def test_corrupt_master_in_a_state_dict_is_refused_with_value_error():
+    p = torch.nn.Parameter(torch.randn(600, 700, dtype=torch.bfloat16))
+    opt = co.AdamW4bit([p])
+    p.grad = torch.randn(600, 700, dtype=torch.bfloat16)
+    opt.step()
+    sd = opt.state_dict()
+    for bad in ([1.0, 2.0], torch.zeros(600 * 700, dtype=torch.int32), torch.zeros(7)):
+        st = dict(sd["state"][0], master=bad)
+        fresh = co.AdamW4bit([torch.nn.Parameter(p.detach().clone())])
+        with pytest.raises(ValueError, match="master"):
+            fresh.load_state_dict({"state": {0: st}, "param_groups": sd["param_groups"]})
+        assert not fresh.state
