@@ -23,7 +23,8 @@ import torch
 from .._ops import adamw4 as _ops
 from ._state import _is_dtensor, same_layout, shard_seed
 
-__all__ = ["kind_of", "new_state", "check_state", "check_master", "descriptor_row", "load_param_state", "groups", "state_kind"]
+__all__ = ["kind_of", "new_state", "check_state", "check_master", "descriptor_row", "load_param_state", "groups",
+           "state_kind", "memory_order"]
 
 _KEYS = {
     "full": ("exp_avg", "exp_avg_sq"),
@@ -192,7 +193,15 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, mast
         raise ValueError(f"{where}: strides must be a tuple of ints, got {saved_order!r}")
     _check_order(saved_order, local, kind, where)
     dev = local.device
-    st: dict[str, Any] = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).to(dev).reshape(()).clone()}
+    step = saved["step"]
+    if isinstance(step, torch.Tensor) and (step.numel() != 1 or step.is_complex()):
+        raise ValueError(f"{where}: step must be a single number, got a tensor of shape {tuple(step.shape)}")
+    if not isinstance(step, (torch.Tensor, int, float)) or isinstance(step, bool):
+        raise ValueError(f"{where}: step must be a number, got {type(step).__name__}")
+    value = float(step)  # a host read, once per tensor, on loading only
+    if not (value >= 0 and value == int(value)):
+        raise ValueError(f"{where}: step must be a non-negative whole number, got {value}")
+    st: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).to(dev).reshape(()).clone()}
     for k, (dtype, shape) in _expected(local, kind).items():
         t = saved[k]
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != int(torch.Size(shape).numel()):

@@ -183,3 +183,17 @@ def test_corrupt_master_in_a_state_dict_is_refused_with_value_error():
         with pytest.raises(ValueError, match="master"):
             fresh.load_state_dict({"state": {0: st}, "param_groups": sd["param_groups"]})
         assert not fresh.state
+
+
+def test_corrupt_step_in_a_state_dict_is_refused_with_value_error():
+    p = torch.nn.Parameter(torch.randn(600, 700))
+    opt = co.AdamW4bit([p])
+    p.grad = torch.randn(600, 700)
+    opt.step()
+    sd = opt.state_dict()
+    for bad in (torch.tensor(float("nan")), torch.tensor(-1.0), torch.tensor([1.0, 2.0]), "3", 1.5):
+        st = dict(sd["state"][0], step=bad)
+        fresh = co.AdamW4bit([torch.nn.Parameter(p.detach().clone())])
+        with pytest.raises(ValueError, match="step"):
+            fresh.load_state_dict({"state": {0: st}, "param_groups": sd["param_groups"]})
+    fresh.load_state_dict({"state": {0: dict(sd["state"][0], step=1)}, "param_groups": sd["param_groups"]})
