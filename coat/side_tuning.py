@@ -32,6 +32,7 @@ from torch import nn
 
 from . import models
 from .convert import convert
+from .memory_side import side_heads  # the side layers' head rule, shared with their memory plan
 from .nn import adapters
 from .nn.lm_head_loss import fused_lm_head_loss
 from .nn.norm import norm_eps
@@ -47,15 +48,6 @@ def _positive_int(value, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
-
-
-def _side_heads(width: int) -> int:
-    """Attention heads of the side layers: one per 64 channels (at least one), lowered until the
-    heads divide the width into an even head dimension (RoPE rotates pairs)."""
-    heads = max(1, width // 64)
-    while width % heads or (width // heads) % 2:
-        heads -= 1
-    return heads
 
 
 def _check_base(base) -> models.Family:
@@ -94,7 +86,7 @@ def _freeze_and_convert(base: nn.Module) -> None:
 
 def _side_layer_config(base, width: int, intermediate: int | None, heads: int | None) -> dict:
     cfg = base.config
-    heads = _side_heads(width) if heads is None else _positive_int(heads, "num_heads")
+    heads = side_heads(width) if heads is None else _positive_int(heads, "num_heads")
     if width % heads or (width // heads) % 2:
         raise ValueError(f"num_heads={heads} must divide the side width {width} into an even head dimension")
     if intermediate is None:

@@ -142,6 +142,21 @@ def check_state(state: dict[str, Any], local: torch.Tensor) -> None:
                              "through coat.optim.to_torch_adamw_state / from_torch_adamw_state")
 
 
+def check_master(st: dict[str, Any], local: torch.Tensor, master: str) -> None:
+    """The state holds what the step writes for ``master`` (the parameter's master kind now): an
+    fp32 master exactly for "fp32", a seed for "bf16_sr". A parameter cast after its state was made
+    (``p.data = p.data.bfloat16()``) is refused here, while the launches are planned, before any
+    launch writes (the kernel's own check would come after other launches have stepped)."""
+    if ("master" in st) != (master == "fp32"):
+        raise ValueError(f"optimizer state of a {local.dtype} parameter of shape {tuple(local.shape)} "
+                         f"{'has' if 'master' in st else 'lacks'} an fp32 master, but a {local.dtype} parameter "
+                         f"steps with master={master!r}: the parameter's dtype changed after its state was "
+                         "made; cast the model before creating the optimizer (or its state)")
+    if master == "bf16_sr" and "sr_seed" not in st:
+        raise ValueError(f"optimizer state of a parameter of shape {tuple(local.shape)} has no sr_seed, needed "
+                         "by master_weights='bf16_sr'")
+
+
 def tensor_ptrs(state: dict[str, Any]) -> list[int]:
     """The data pointers of a parameter's state tensors (the descriptor cache's key)."""
     return [t.data_ptr() for t in state.values() if isinstance(t, torch.Tensor)]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._ops import adamw4 as _ops
-from ._state import _is_dtensor, same_layout, shard_seed
+from ._state import _is_dtensor, check_master, same_layout, shard_seed
 
 __all__ = ["kind_of", "new_state", "check_state", "check_master", "descriptor_row", "load_param_state", "groups",
            "state_kind", "memory_order"]
@@ -142,21 +142,6 @@ def check_state(st: dict[str, Any], local: torch.Tensor, want: str) -> None:
         if k in st and not same_layout(st[k], local):
             raise ValueError(f"optimizer state '{k}' is laid out otherwise in memory than its parameter")
     _check_order(st.get("strides"), local, kind, "optimizer state")
-
-
-def check_master(st: dict[str, Any], local: torch.Tensor, master: str) -> None:
-    """The state holds what the step writes for ``master`` (the parameter's master kind now): an
-    fp32 master exactly for "fp32", a seed for "bf16_sr". A parameter cast after its state was made
-    (``p.data = p.data.bfloat16()``) is refused here, while the launches are planned, before any
-    launch writes (the kernel's own check would come after other launches have stepped)."""
-    if ("master" in st) != (master == "fp32"):
-        raise ValueError(f"optimizer state of a {local.dtype} parameter of shape {tuple(local.shape)} "
-                         f"{'has' if 'master' in st else 'lacks'} an fp32 master, but a {local.dtype} parameter "
-                         f"steps with master={master!r}: the parameter's dtype changed after its state was "
-                         "made; cast the model before creating the optimizer (or its state)")
-    if master == "bf16_sr" and "sr_seed" not in st:
-        raise ValueError(f"optimizer state of a parameter of shape {tuple(local.shape)} has no sr_seed, needed "
-                         "by master_weights='bf16_sr'")
 
 
 def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int, shard: int,

@@ -173,6 +173,7 @@ class AdamW(FusedOptimizer):
 
     def _check_state(self, state: dict[str, Any], local: torch.Tensor) -> None:
         _state.check_state(state, local)
+        _state.check_master(state, local, self._master_kind(local.dtype))
 
     # ---- launch ------------------------------------------------------------------------------
 

@@ -166,11 +166,17 @@ class FusedOptimizer(torch.optim.Optimizer):
     # ---- parameter groups and state dicts -----------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # torch fills in the defaults and appends; a group refused after that is taken out again,
+        # so a refused group never steps (nor makes later steps fail).
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._check_group(group)
-        for p in group["params"]:
-            self._check_param(p)
+        try:
+            self._check_group(group)
+            for p in group["params"]:
+                self._check_param(p)
+        except Exception:
+            self.param_groups.pop()
+            raise
         self._desc_cache.clear()
 
     def _init_state(self, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any], index: int) -> dict[str, Any]:
@@ -412,7 +418,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         if group.get("maximize", False):
             gs = self._negated(gs, device, on_device)
         if n_groups > 0:  # else only empty shards: their steps count, nothing to compute
-            self._run_kernel(key, items, table, n_groups, group, lr_t, gs, fi)
+            try:  # the kernel reads the counted step; a call refused before it launched takes it back
+                self._run_kernel(key, items, table, n_groups, group, lr_t, gs, fi)
+            except Exception:
+                torch._foreach_sub_(steps, 1)
+                raise
         if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
             torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
         _compat.bump_versions([p for p, _, _, _ in items] + [st["master"] for *_, st in items if "master" in st])
