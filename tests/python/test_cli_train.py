@@ -305,7 +305,7 @@ def test_help_runs_as_module(module: str) -> None:
                           text=True, env=_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "usage: coat train" in proc.stdout or "usage: __main__.py train" in proc.stdout
-    for text in ("--optim {torch,coat,coat4bit}", "--recipe NAME", "--activations {bf16,fp8}", "(default: cosine)",
+    for text in ("--optim {torch,coat,coat4bit,snsm}", "--recipe NAME", "--activations {bf16,fp8}", "(default: cosine)",
                  "on CPU", "--eval-every", "--compare, --no-compare", "--init PATH", "--resume DIR",
                  "--save-every N", "--keep-last N"):
         assert text in proc.stdout
