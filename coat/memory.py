@@ -114,7 +114,7 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     loss_tr = _loss_transient(s, rec, table, t, head_bytes, device)
     # Written before the first layer's backward; LoRA: the LM head is frozen.
     head_grad = 0.0 if rec.lora else head_bytes * head
-    layer_tr, weight_tr = _layer_transients(s, rec, table, t, device)
+    layer_tr, weight_tr = _layer_transients(s, rec, table, t)
     copies = 2.0 * (s.layers * s.layer_linear_params + head) if rec.weight_copies and not fsdp else 0.0
     fsdp_tr, fsdp_end = _fsdp_transients(s, rec) if fsdp else (0.0, 0.0)
     work = CUDA_WORKSPACE if device == "cuda" else 0.0
@@ -129,10 +129,6 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     else:
         last_layer, live_grads = head_grad + layer_tr + weight_tr, grads
     start_tr = max(outside + loss_tr, last_layer)
-    if table == "coat-lora" and device == "cpu":
-        # The CPU GEMM path's fp32 copies of FP8-frozen weights: 4 bytes per linear parameter of one
-        # layer beside the start of backward, whatever the token count (docs/memory.md).
-        start_tr += 4.0 * s.layer_linear_params
     start = resident + copies + layers_saved + adapter_copies + start_tr + fsdp_tr + work
     end = resident + live_grads + fsdp_end + work
     common = {"weights": weights, "master weights": master, "optimizer states": states}
@@ -214,7 +210,7 @@ def _loss_transient(s: ModelShape, rec: Recipe, table: str, t: int, head_bytes: 
     return 8.0 * s.vocab * t  # cross-entropy backward: gradient of the log-probabilities and of the logits (fp32)
 
 
-def _layer_transients(s: ModelShape, rec: Recipe, table: str, t: int, device: str) -> tuple[float, float]:
+def _layer_transients(s: ModelShape, rec: Recipe, table: str, t: int) -> tuple[float, float]:
     """The largest transient of one layer's backward, and the FP8 weight codes beside it."""
     h, i = s.hidden, s.intermediate
     if table in ("coat", "coat-lora"):
@@ -230,14 +226,6 @@ def _layer_transients(s: ModelShape, rec: Recipe, table: str, t: int, device: st
         weight_tr = 1.0 * s.largest_fused_weight
     elif table == "hf-amp":
         weight_tr = 2.0 * s.intermediate * s.hidden  # a bf16 weight gradient before its cast to fp32
-    if table == "coat" and device == "cpu":
-        # _fp8mm's CPU path multiplies fp32 copies of its FP8 operands ((a.float() * sa) @ (b.float() * sb).T).
-        # The gate/up input-gradient GEMM holds d(gate/up), its E5M2 codes (and transpose), an fp32 copy of
-        # them and two fp32 copies of the transposed weight; its weight-gradient GEMM two fp32 copies of
-        # the transposed E5M2 codes and of the recomputed input.
-        dgrad = 16.0 * i * t + 20.0 * i * h
-        wgrad = (14.0 * i + 9 * h) * t
-        layer_tr, weight_tr = max(layer_tr + weight_tr, dgrad, wgrad), 0.0
     return layer_tr, weight_tr
 
 

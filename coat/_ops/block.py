@@ -1,73 +1,181 @@
-"""One call per FP8 layer block (csrc/bindings/block.cpp): the forward or backward of
-[RMSNorm | SwiGLU ->] per-tensor quantize -> FP8 GEMM, with the weights quantized afresh from their
-separate parts. It runs exactly the kernels of the single ops, in their order (bit-identical
-results), for one host call instead of four to seven: on the 7B step that is ~900 fewer Python op
-calls.
+"""The FP8 layer block as two custom ops, ``coat::block_fwd`` and ``coat::block_bwd``
+(csrc/bindings/block.cpp): the forward or backward of [RMSNorm | SwiGLU ->] per-tensor quantize ->
+FP8 GEMM in one core call, on CPU and CUDA tensors of every shape. They are coat's layers' only
+path (``coat.nn.block``); eager calls on plain tensors skip the dispatcher (``_util.custom_op``),
+everything else (torch.compile, FakeTensor) sees the schemas and the fake implementations below.
 
-Not torch custom ops: ``coat.nn``'s autograd Functions call them only where the single ops' eager
-fast path would run anyway (``usable``: plain CUDA tensors, nothing tracing, shapes the FP8 GEMM
-takes as they are); everywhere else (CPU, torch.compile, FakeTensor, odd shapes) they run the
-single ops, which carry the schemas and fake implementations.
+The weight is either its separate row blocks (``weights``, quantized inside the call) or FP8 codes
+the caller holds (``w_codes`` + ``w_scale`` forward, ``w_codes_t`` backward). The kinds of the
+pre-ops are trailing arguments, the Llama kinds by default: ``unit_offset`` (the norm's weight
+applies as Gemma's 1 + w, as in ``norm.rmsnorm_fwd``) and ``act`` (the gate's activation,
+``swiglu.SILU`` or ``swiglu.GELU_TANH``). A backward takes the kinds of its forward.
 
-The kinds of the pre-ops are trailing keyword arguments of ``forward`` and ``backward``, the
-Llama kinds by default: ``unit_offset`` (the norm's weight applies as Gemma's 1 + w, as in
-``norm.rmsnorm_fwd``) and ``act`` (the gate's activation, ``swiglu.SILU`` or ``swiglu.GELU_TANH``).
-A backward takes the kinds of its forward; each is read only by the pre-op it belongs to.
+Outputs a call does not make come back from the ops as empty [0] tensors (a custom op returns
+tensors only); ``forward`` and ``backward`` below turn them into None from the arguments, never
+from shapes. Their eager calls on plain tensors call the binding directly (no placeholders made).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from .. import _C
 from . import gemm as _gemm
-from ._util import dtype_id, eager_plain
+from ._util import custom_op, dev_ctx, eager_plain
 from ._util import stream as _stream
-from .enums import BLOCK_PRE, GEMM_OUT_IDS
-from .norm import kind_id as _norm_kind
+from .enums import BLOCK_PRE, DTYPE_IDS, FP8_DTYPE_IDS as _FMT, NORM_KINDS
+from .norm import GROUP
 from .swiglu import SILU
 
 NONE, NORM, SWIGLU = BLOCK_PRE["none"], BLOCK_PRE["norm"], BLOCK_PRE["swiglu"]  # the pre-op of a block
-_OUT = (torch.float32, torch.bfloat16)  # GEMM output dtypes a block writes itself
+_U8, _F32, _E4M3 = torch.uint8, torch.float32, torch.float8_e4m3fn
+_FP8 = {i: dt for dt, i in _FMT.items()}  # the core's format id -> torch FP8 dtype
 
 
-def usable(t: torch.Tensor, w: torch.Tensor, dims: Sequence[int], *dtypes: torch.dtype) -> bool:
-    """Whether a block call on CUDA tensor ``t`` (weights like ``w``) may run as one call: eager,
-    plain tensors, GEMM dimensions ``dims`` all non-zero multiples of 16 (cuBLASLt FP8 without
-    padding) and GEMM output dtypes fp32/bf16."""
-    if not (t.is_cuda and eager_plain(t)) or (type(w) is not torch.Tensor and type(w) is not torch.nn.Parameter):
-        return False
-    for d in dims:  # loops, not all(...): this runs twice per block call
-        if d <= 0 or d % 16:
-            return False
-    for dt in dtypes:
-        if dt not in _OUT:
-            return False
-    return True
+def _ws(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """cuBLASLt's workspace of t's device and stream (the CPU reference reads none)."""
+    return _gemm._workspace(t.get_device(), _stream(t)) if t.is_cuda else None
 
 
-def _ws(t: torch.Tensor, st: int) -> torch.Tensor:
-    return _gemm._workspace(t.get_device(), st)
+def _dtype_id(dtype: torch.dtype, arg: str) -> int:
+    i = DTYPE_IDS.get(dtype)
+    if i is None:  # torch's short names, as the core's messages write them
+        raise ValueError(f"{arg} must be float32, bfloat16 or float16, got {str(dtype).removeprefix('torch.')}")
+    return i
+
+
+def _or_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def _group_scales(shape, e8m0: bool, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((*shape[:-1], shape[-1] // GROUP), dtype=_U8 if e8m0 else _F32)
+
+
+@custom_op("coat::block_fwd", mutates_args=())
+def block_fwd(x: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps: float, e8m0: bool,
+              weights: list[torch.Tensor], w_codes: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
+              save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool, norm_kind: int, act: int,
+              want_stats: bool, act_fmt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, w_scale or empty, s0, s1, s2, stat_in, stat_scale), block.cpp's block_fwd."""
+    r = _fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
+             act, want_stats, act_fmt)
+    return tuple(_or_empty(t, x) for t in r)
+
+
+def _fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
+         act, want_stats, act_fmt):
+    """The binding's call: None where block_fwd returns an empty tensor."""
+    with dev_ctx(x):
+        return _C.block_fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t,
+                            _dtype_id(out_dtype, "out_dtype"), fast_accum, _ws(x), _gemm.forced_bf16(), _stream(x),
+                            norm_kind, act, want_stats, act_fmt)
+
+
+@block_fwd.register_fake
+def _(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
+      act, want_stats, act_fmt):
+    m, k = x.shape
+    gk = k // 2 if pre == SWIGLU else k  # the GEMM's K
+    n = w_codes.shape[0] if w_codes is not None else sum(w.shape[0] for w in weights)
+    stats = want_stats and pre != NONE
+    ws = x.new_empty(0) if w_codes is not None else x.new_empty(1, dtype=_F32)
+    stat_in = x.new_empty((m, gk)) if stats else x.new_empty(0)
+    stat_scale = x.new_empty(1, dtype=_F32) if stats else x.new_empty(0)
+    if pre == NONE:
+        s = (x.new_empty((k, m) if save_input_t else 0, dtype=_U8), x.new_empty(1, dtype=_F32), x.new_empty(0))
+    else:
+        s = (x.new_empty((m, k), dtype=_FP8[act_fmt]), _group_scales((m, k), e8m0, x),
+             x.new_empty(m, dtype=_F32) if pre == NORM else x.new_empty(0))
+    return (x.new_empty((m, n), dtype=out_dtype), ws, *s, stat_in, stat_scale)
+
+
+@custom_op("coat::block_bwd", mutates_args=())
+def block_bwd(dout: torch.Tensor, pre: int, need_w: bool, weights: list[torch.Tensor], w_scale: torch.Tensor,
+              w_codes_t: Optional[torch.Tensor], s0: Optional[torch.Tensor], s1: Optional[torch.Tensor],
+              s2: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], wgrad_input: Optional[torch.Tensor],
+              y_dtype: torch.dtype, wgrad_dtype: torch.dtype, norm_kind: int, act: int, want_stats: bool,
+              act_fmt: int, grad_fmt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, torch.Tensor]:
+    """(dx, dnorm or empty, dw or empty, d_scale, stat_in, stat_scale), block.cpp's block_bwd."""
+    r = _bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype,
+             wgrad_dtype, norm_kind, act, want_stats, act_fmt, grad_fmt)
+    return tuple(_or_empty(t, dout) for t in r)
+
+
+def _bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype, wgrad_dtype,
+         norm_kind, act, want_stats, act_fmt, grad_fmt):
+    """The binding's call: None where block_bwd returns an empty tensor."""
+    with dev_ctx(dout):
+        return _C.block_bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input,
+                            _dtype_id(y_dtype, "y_dtype"), _dtype_id(wgrad_dtype, "wgrad_dtype"), _ws(dout),
+                            _gemm.forced_bf16(), _stream(dout), norm_kind, act, want_stats, act_fmt, grad_fmt)
+
+
+@block_bwd.register_fake
+def _(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype, wgrad_dtype,
+      norm_kind, act, want_stats, act_fmt, grad_fmt):
+    m, n = dout.shape
+    k = w_codes_t.shape[0] if w_codes_t is not None else weights[0].shape[1]  # the GEMM's K
+    dx = dout.new_empty((m, 2 * k) if pre == SWIGLU else (m, k))
+    dnorm = dout.new_empty(k if pre == NORM else 0, dtype=_F32)
+    dw = dout.new_empty((n, k) if need_w else 0, dtype=wgrad_dtype)
+    stats = want_stats and need_w
+    # the recomputed GEMM input: the norm's in y_dtype, SwiGLU's in the gradient's dtype
+    stat_in = dout.new_empty((m, k) if stats and pre != NONE else 0, dtype=y_dtype if pre == NORM else dout.dtype)
+    stat_scale = dout.new_empty(1 if stats and (pre != NONE or wgrad_input is not None) else 0, dtype=_F32)
+    return dx, dnorm, dw, dout.new_empty(1, dtype=_F32), stat_in, stat_scale
+
+
+class Fwd(NamedTuple):
+    out: torch.Tensor
+    w_scale: Optional[torch.Tensor]  # the scale of the codes made inside (None with the caller's codes)
+    saved: tuple  # what backward reads: (s0, s1, s2), None where nothing is saved
+    stat_in: Optional[torch.Tensor]  # with stats and a pre-op: the GEMM input and its scale
+    stat_scale: Optional[torch.Tensor]
 
 
 def forward(x2: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps: float, e8m0: bool,
-            weights: Sequence[torch.Tensor], save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool,
-            unit_offset: bool = False, act: int = SILU):
-    """(out [M, N], weight scale, saved): ``saved`` is what the backward reads (see block.cpp)."""
-    st = _stream(x2)
-    out, w_scale, s0, s1, s2 = _C.block_fwd(x2, pre, norm_weight, eps, e8m0, list(weights), save_input_t,
-                                            GEMM_OUT_IDS[out_dtype], fast_accum, _ws(x2, st), _gemm.forced_bf16(), st,
-                                            _norm_kind(unit_offset), act)
-    return out, w_scale, (s0, s1, s2)
+            weights: Sequence[torch.Tensor], w_codes: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
+            save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool, unit_offset: bool = False,
+            act: int = SILU, want_stats: bool = False, act_dtype: torch.dtype = _E4M3) -> Fwd:
+    """The forward of a block; ``act_dtype``: the FP8 format of its activations and weight."""
+    kind = NORM_KINDS["unit_offset" if unit_offset else "scaled"]
+    op = _fwd if eager_plain(x2) else block_fwd  # eager: no dispatcher, no empty placeholders
+    out, ws, s0, s1, s2, st_in, st_scale = op(x2, pre, norm_weight, eps, e8m0, list(weights), w_codes, w_scale,
+                                              save_input_t, out_dtype, fast_accum, kind, act, want_stats,
+                                              _FMT[act_dtype])
+    stats = want_stats and pre != NONE
+    saved = (s0 if pre != NONE or save_input_t else None, s1, s2 if pre == NORM else None)
+    return Fwd(out, None if w_codes is not None else ws, saved, st_in if stats else None, st_scale if stats else None)
+
+
+class Bwd(NamedTuple):
+    dx: torch.Tensor
+    dnorm: Optional[torch.Tensor]  # fp32, with a norm
+    dw: Optional[torch.Tensor]
+    d_scale: torch.Tensor  # the output gradient's E5M2 scale
+    stat_in: Optional[torch.Tensor]  # with stats and dW: the recomputed GEMM input (pre-ops only)
+    stat_scale: Optional[torch.Tensor]  # ... and its scale
 
 
 def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.Tensor], w_scale: torch.Tensor,
-             saved: Sequence[Optional[torch.Tensor]], norm_weight: Optional[torch.Tensor], y_dtype: torch.dtype,
-             wgrad_dtype: torch.dtype, unit_offset: bool = False, act: int = SILU):
-    """(dx, dnorm_weight fp32 or None, dw or None) of a block."""
-    st = _stream(d2)
+             w_codes_t: Optional[torch.Tensor], saved: Sequence[Optional[torch.Tensor]],
+             norm_weight: Optional[torch.Tensor], wgrad_input: Optional[torch.Tensor], y_dtype: torch.dtype,
+             wgrad_dtype: torch.dtype, unit_offset: bool = False, act: int = SILU, want_stats: bool = False,
+             act_dtype: torch.dtype = _E4M3, grad_dtype: torch.dtype = torch.float8_e5m2) -> Bwd:
+    """The backward of a block; ``act_dtype``, ``grad_dtype``: the FP8 formats of its forward's
+    activations and weight, and of its output gradient."""
+    kind = NORM_KINDS["unit_offset" if unit_offset else "scaled"]
     s0, s1, s2 = saved
-    return _C.block_bwd(d2, pre, need_w, list(weights), w_scale, s0, s1, s2, norm_weight, dtype_id(y_dtype),
-                        GEMM_OUT_IDS[wgrad_dtype], _ws(d2, st), _gemm.forced_bf16(), st, _norm_kind(unit_offset), act)
+    op = _bwd if eager_plain(d2) else block_bwd
+    dx, dnorm, dw, ds, st_in, st_scale = op(d2, pre, need_w, list(weights), w_scale, w_codes_t, s0, s1, s2,
+                                            norm_weight, wgrad_input, y_dtype, wgrad_dtype, kind, act, want_stats,
+                                            _FMT[act_dtype], _FMT[grad_dtype])
+    stats = want_stats and need_w
+    return Bwd(dx, dnorm if pre == NORM else None, dw if need_w else None, ds,
+               st_in if stats and pre != NONE else None,
+               st_scale if stats and (pre != NONE or wgrad_input is not None) else None)

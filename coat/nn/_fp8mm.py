@@ -1,6 +1,6 @@
-"""The GEMM layer under the fused FP8 blocks: per-tensor quantization of activations and gradients
-and an FP8 "NT" matrix product (a @ b.T with both operands row-major FP8). Weights take their own
-path (``weights.py``).
+"""The GEMM layer under the fused LM head (``lm_head_loss.py``): per-tensor quantization of
+activations and gradients and an FP8 "NT" matrix product (a @ b.T with both operands row-major FP8).
+The layer blocks do not come here: their GEMMs run inside the block op (``block.py``).
 
 On CUDA the product runs on coat's own FP8 GEMM (``coat::fp8_gemm``, cuBLASLt with cached plans;
 its bf16 path on GPUs without FP8 tensor cores), or on ``torch._scaled_mm`` with
@@ -17,11 +17,9 @@ import os
 
 import torch
 
-from .._ops import block as blk
 from .._ops import gemm as gops
 from .._ops import quantize as qops
 from .._ops.enums import FP8_DTYPE_IDS as _FMT
-from . import stats as S
 
 _BACKEND = os.environ.get("COAT_LAYER_GEMM", "coat")
 _SCALED_MM = _BACKEND == "scaled_mm"
@@ -32,14 +30,6 @@ def quantize(x2d: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool):
     """Per-tensor FP8 with an amax computed on the device: (q, q_t or None, scale)."""
     q, q_t, scale, _ = qops.quantize_per_tensor_amax(x2d, _FMT[fp8_dtype], transpose)
     return q.view(fp8_dtype), (q_t.view(fp8_dtype) if transpose else None), scale
-
-
-def one_call(t: torch.Tensor, w: torch.Tensor, dims, *dtypes: torch.dtype) -> bool:
-    """Whether a fused block's forward or backward runs as one core call (``coat._ops.block``:
-    the same kernels as the step-by-step path below, bit-identical, for a fraction of the host
-    time). ``dims``: its GEMM dimensions; ``dtypes``: its GEMM output dtypes. Not while an
-    ``Fp8Stats`` records: its statistics read GEMM inputs that exist only on the op-by-op path."""
-    return not _SCALED_MM and S.active is None and blk.usable(t, w, dims, *dtypes)
 
 
 def _use_scaled_mm(t: torch.Tensor) -> bool:

@@ -10,130 +10,23 @@ computes dg and du, and feeds the down projection's weight gradient. Parameter n
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .._ops import block as blk
 from .._ops import swiglu as sops
-from . import _fp8mm as mm
 from . import adapters as A
-from . import stats as S
-from . import weights as W
-from .fused import compute_dtype, norm_linear, wgrad_dtype
+from . import block as B
+from .block import ACT_IDS, fp8_swiglu_ok, gated
+from .fused import norm_linear
 from .norm import norm_eps, rms_norm
-from .recipe import ACT_DTYPE, GRAD_DTYPE, Fp8Recipe, resolve
+from .recipe import ACT_DTYPE, Fp8Recipe, resolve
 
-
-def fp8_swiglu_ok(inter: int) -> bool:
-    return inter > 0 and inter % sops.GROUP == 0
-
-
-#: The gated activations (``coat.models.family.ACTIVATIONS``' values) -> the kernels' ids.
-ACT_IDS = {"silu": sops.SILU, "gelu_tanh": sops.GELU_TANH}
+__all__ = ["ACT_IDS", "fp8_swiglu_ok", "swiglu_down", "swiglu", "Fp8SwiGLUMixin", "Fp8SwiGLUMLP"]
 
 
 def _act_id(act: str) -> int:
     if act not in ACT_IDS:
         raise ValueError(f"act must be one of {tuple(ACT_IDS)}, got {act!r}")
     return ACT_IDS[act]
-
-
-def _gated(gu: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) * up in gu's dtype, as Hugging Face's MLPs compute it (the reference and the fallback)."""
-    g, u = gu.chunk(2, -1)
-    return (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
-
-
-class _SwiGLUDownFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, meta, gu, w_down, b_down):
-        recipe, cdt, cache, w_scale, act = meta
-        i2 = gu.shape[-1]
-        gu2 = gu.reshape(-1, i2)
-        if not gu2.is_contiguous():
-            gu2 = gu2.contiguous()
-        ctx.fp8 = fp8_swiglu_ok(i2 // 2)
-        if (ctx.fp8 and not cache and w_scale is None and gu2.shape[0]
-                and mm.one_call(gu2, w_down, (i2 // 2, w_down.shape[0]), cdt)):
-            out, scale, (q, s, _) = blk.forward(gu2, blk.SWIGLU, None, 0.0, recipe.e8m0, (w_down,), False, cdt,
-                                                recipe.fast_accum_fwd, act=ACT_IDS[act])
-            W.count("forward")
-            saved = (q, s)
-        else:
-            if ctx.fp8:
-                h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, recipe.e8m0, ACT_IDS[act])
-                saved = (q, s)
-            else:  # intermediate size not a multiple of 16: keep gate/up in its own dtype
-                h = _gated(gu2, act)
-                saved = (gu2,)
-            hq, _, hs = mm.quantize(h, ACT_DTYPE, False)
-            w8 = W.forward_weight((w_down,), cache, None if w_scale is None else (w_scale,))
-            if S.active is not None:
-                S.active.record((w_down,), "x", h, hs, ACT_DTYPE)
-                if w_scale is None:  # FP8-frozen weights are codes already
-                    S.active.record((w_down,), "w", w_down, w8.scale, ACT_DTYPE)
-            del h
-            out = mm.fp8_mm(hq, hs, w8.data, w8.scale, cdt, recipe.fast_accum_fwd)
-            scale = w8.scale
-        if b_down is not None:
-            out = out + b_down.to(cdt)
-        ctx.save_for_backward(*saved, scale, w_down)
-        ctx.meta = meta
-        ctx.b_dtype = None if b_down is None else b_down.dtype
-        ctx.gu_shape, ctx.gu_dtype = gu.shape, gu.dtype
-        return out.reshape(*gu.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, dout):
-        recipe, cdt, cache, _, act = ctx.meta
-        *saved, w_scale, w_down = ctx.saved_tensors
-        d2 = dout.reshape(-1, dout.shape[-1])
-        if d2.dtype != cdt:
-            d2 = d2.to(cdt)
-        if not d2.is_contiguous():
-            d2 = d2.contiguous()
-        need_w = ctx.needs_input_grad[2]
-        m, inter, wdt = d2.shape[0], w_down.shape[1], wgrad_dtype(w_down)
-        if (ctx.fp8 and not cache and w_down.dtype != ACT_DTYPE and m
-                and mm.one_call(d2, w_down, (d2.shape[1], inter, m) if need_w else (d2.shape[1], inter), cdt,
-                                wdt if need_w else cdt)):
-            dgu, _, dw = blk.backward(d2, blk.SWIGLU, need_w, (w_down,), w_scale, (*saved, None), None, ctx.gu_dtype,
-                                      wdt, act=ACT_IDS[act])
-            W.count("backward")
-        else:
-            dgu, dw = _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, (cache, act), cdt, wdt)
-        db = d2.float().sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[3] else None
-        return None, dgu.to(ctx.gu_dtype).reshape(ctx.gu_shape), dw, db
-
-
-def _swiglu_down_backward_steps(ctx, d2, need_w, saved, w_scale, w_down, cache_act, cdt, wdt):
-    """_SwiGLUDownFn's backward op by op (every case the one-call path does not take): (dgu, dw)."""
-    cache, act = cache_act
-    dq, dq_t, ds = mm.quantize(d2, GRAD_DTYPE, need_w)
-    if S.active is not None:
-        S.active.record((w_down,), "dy", d2, ds, GRAD_DTYPE)
-    w8_t = W.backward_weight((w_down,), w_scale, cache)
-    dh = mm.fp8_mm(dq, ds, w8_t, w_scale, cdt)  # [M, I]
-    del w8_t, dq
-    if ctx.fp8:
-        q, s = saved
-        dgu, h = sops.swiglu_bwd(q, s, dh, need_w, ACT_IDS[act])
-    else:
-        with torch.enable_grad():
-            gr = saved[0].detach().requires_grad_()
-            hr = _gated(gr, act)
-        (dgu,) = torch.autograd.grad(hr, gr, dh.to(hr.dtype))
-        h = hr.detach()
-    del dh
-    dw = None
-    if need_w:
-        h = h.contiguous()
-        _, h_t, hs = mm.quantize(h, ACT_DTYPE, True)
-        if S.active is not None:
-            S.active.record((w_down,), "x_wgrad", h, hs, ACT_DTYPE)
-        del h
-        dw = mm.fp8_mm(dq_t, ds, h_t, hs, wdt)
-    return dgu, dw
 
 
 def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor | None, recipe: Fp8Recipe,
@@ -143,9 +36,9 @@ def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tenso
     if gate_up.shape[-1] % 2 or w_down.dim() != 2 or w_down.shape[1] * 2 != gate_up.shape[-1]:
         raise ValueError(f"gate_up of width {gate_up.shape[-1]} does not match down_proj {tuple(w_down.shape)}")
     _act_id(act)
-    meta = (recipe, compute_dtype(gate_up), w_scale is None and W.use_cache(recipe.weight_cache, (w_down,)), w_scale,
-            act)
-    return _SwiGLUDownFn.apply(meta, gate_up, w_down, b_down)
+    spec = B.make_spec(B.SWIGLU, recipe, gate_up, (w_down,), act=act,
+                       frozen_scales=None if w_scale is None else (w_scale,))
+    return B.block(gate_up, spec, None, (w_down,), () if b_down is None else (b_down,))
 
 
 def _bias_list(*linears: nn.Linear) -> list[torch.Tensor]:
@@ -182,7 +75,7 @@ def swiglu(gate_up: torch.Tensor, recipe: Fp8Recipe, act: str = "silu") -> torch
     act_id = _act_id(act)
     if fp8_swiglu_ok(gate_up.shape[-1] // 2):
         return _SwiGLUFn.apply(gate_up, recipe.e8m0, act_id)
-    return _gated(gate_up, act)
+    return gated(gate_up, act)
 
 
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")

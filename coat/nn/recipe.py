@@ -40,6 +40,16 @@ class Fp8Recipe:
     def e8m0(self) -> bool:
         return self.act_scale == "e8m0"
 
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The FP8 format of activations, weights and saved non-linear inputs (the block op's)."""
+        return ACT_DTYPE
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The FP8 format of output gradients."""
+        return GRAD_DTYPE
+
 
 ACT_DTYPE = torch.float8_e4m3fn
 GRAD_DTYPE = torch.float8_e5m2

@@ -16,9 +16,9 @@ role, an ``Fp8Stats`` collector accumulates on the operand's device, with no hos
 Computed with torch ops from the unquantized operand and the scale the quantizer used, exactly as
 the quantizer rounds (``|x| * fp32(1/s)``). Several full passes over each operand: this is a
 diagnostic, not free (``benchmarks/bench_fp8_stats.py`` measures it); sample a step now and then.
-While a collector records, the fused blocks run op by op instead of as one core call
-(``coat._ops.block``): that path computes bit-identical results and is the one where the normed
-and SwiGLU GEMM inputs exist as tensors. Not recorded: FP8-frozen weights (already codes), calls
+While a collector records, each block op (``coat._ops.block``) also returns the GEMM inputs it
+makes inside (the normed and SwiGLU activations, the recomputed weight-gradient inputs) and their
+scales; they live until recorded, and the results are unchanged. Not recorded: FP8-frozen weights (already codes), calls
 inside ``torch.compile`` or a CUDA graph capture, the fused LM head's ``fp8_backward``.
 """
 

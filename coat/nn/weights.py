@@ -1,15 +1,17 @@
 """The one FP8 weight path of coat's layers: E4M3 codes of a weight, or of the separate weights of a
 fused projection ([W_q; W_k; W_v], [W_gate; W_up]) read where they lie, with one per-tensor scale.
+A layer block (``block.py``) takes its weight from a *source* (``source``): the live parameters,
+the cache below, or FP8-frozen codes.
 
-Lifetime, by default (``Fp8Recipe(weight_cache=False)``): no FP8 copy of a weight outlives the op
-that needs it.
+Lifetime, by default (``Fp8Recipe(weight_cache=False)``, the live source): no FP8 copy of a weight
+outlives the op that needs it. The block op (csrc/bindings/block.cpp) makes the codes itself:
 
-- Forward: ``forward_weight`` makes the row-major codes [N, K] (an amax pass, then one quantize
-  pass over the separate parameters: no bf16 concatenation). They die with the forward GEMM; the
-  layer saves only the 4-byte scale.
-- Backward: ``backward_weight`` makes the transposed codes [K, N] that the input-gradient GEMM
-  needs, from the same parameters with the forward's scale, in one pass (the kernel transposes
-  through shared memory: no FP8 transpose copy). They die with that GEMM.
+- Forward: the row-major codes [N, K] (an amax pass, then one quantize pass over the separate
+  parameters: no bf16 concatenation). They die with the forward GEMM; the layer saves only the
+  4-byte scale.
+- Backward: the transposed codes [K, N] that the input-gradient GEMM needs, from the same
+  parameters with the forward's scale, in one pass (the kernel transposes through shared memory:
+  no FP8 transpose copy). They die with that GEMM.
 
 So between steps a converted model holds exactly what the unconverted model holds, and inside a
 step at most the FP8 weight of the op running is alive. The price is that the bf16 weights are read
@@ -40,8 +42,8 @@ from .._ops import quantize as qops
 from . import frozen
 from .recipe import ACT_DTYPE
 
-__all__ = ["Fp8Weight", "forward_weight", "backward_weight", "use_cache", "invalidate_weight_cache", "cached_bytes",
-           "stats"]
+__all__ = ["Fp8Weight", "source", "forward_codes", "backward_codes", "use_cache", "invalidate_weight_cache",
+           "cached_bytes", "stats"]
 
 _E4M3 = 0  # the core's format id of ACT_DTYPE (e4m3)
 
@@ -103,8 +105,7 @@ def use_cache(enabled: bool, weights: Sequence[torch.Tensor]) -> bool:
 
 
 def count(kind: str) -> None:
-    """Counts a weight quantization pass in ``stats`` (the one-call blocks quantize their weights
-    themselves and count here)."""
+    """Counts a weight quantization pass in ``stats``."""
     if not torch.compiler.is_compiling():  # a side effect Dynamo must not trace
         stats[kind] += 1
 
@@ -134,35 +135,45 @@ def _cached(weights: Sequence[torch.Tensor]) -> Fp8Weight:
     return entry
 
 
-# ---- the two passes ------------------------------------------------------------------------------
+# ---- the sources a block takes its weight from ------------------------------------------------------
+
+#: Where a layer block's FP8 weight comes from (``source``): "live" (the parameters, quantized by the
+#: block op itself in each direction: the default lifetime above), "cached" (``weight_cache=True``),
+#: "frozen" (FP8-frozen codes, ``frozen.py``). Gathered weights (FSDP2 all-gathers a sharded
+#: parameter before the forward) reach the block as live parameters.
+LIVE, CACHED, FROZEN = "live", "cached", "frozen"
 
 
-def forward_weight(weights: Sequence[torch.Tensor], cache: bool = False,
-                   frozen_scales: Optional[Sequence[torch.Tensor]] = None) -> Fp8Weight:
-    """Row-major E4M3 codes of cat(weights, 0) and their per-tensor scale (``data_t`` is None
-    unless the cache made it too). ``cache``: ``use_cache(...)`` as the layer's caller decided.
-    ``frozen_scales``: the weights are FP8-frozen codes with these (shared) scales (``frozen.py``)."""
-    if frozen_scales is not None:
-        codes, scale = frozen.group_codes(weights, frozen_scales)
-        return Fp8Weight(codes, None, scale)
-    if cache:
-        return _cached(weights)
-    q, _, scale = qops.quantize_stacked_amax(list(weights), _E4M3, True, False)
+def source(cache: bool, frozen_scales: Optional[Sequence[torch.Tensor]]) -> str:
+    """The source of a layer call's weight: ``cache`` as ``use_cache`` decided, ``frozen_scales``
+    the scales of FP8-frozen codes (or None)."""
+    return FROZEN if frozen_scales is not None else CACHED if cache else LIVE
+
+
+def forward_codes(src: str, weights: Sequence[torch.Tensor], frozen_scales: Optional[Sequence[torch.Tensor]] = None
+                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(row-major E4M3 codes [N, K] of cat(weights, 0), their scale) for the forward GEMM, or None
+    where the block op quantizes the live parameters itself (counted here as a "forward" pass)."""
+    if src == FROZEN:
+        return frozen.group_codes(weights, frozen_scales)
+    if src == CACHED:
+        w = _cached(weights)
+        return w.data, w.scale
     count("forward")
-    return Fp8Weight(q.view(ACT_DTYPE), None, scale)
+    return None
 
 
-def backward_weight(weights: Sequence[torch.Tensor], scale: torch.Tensor, cache: bool = False) -> torch.Tensor:
-    """Transposed E4M3 codes [K, N] of cat(weights, 0) with the forward's ``scale``: the cached
-    copy when the forward used the cache and the weights have not changed since, else one pass
-    (for FP8-frozen weights, the codes themselves transposed)."""
-    if weights[0].dtype == ACT_DTYPE:
+def backward_codes(src: str, weights: Sequence[torch.Tensor], scale: torch.Tensor) -> Optional[torch.Tensor]:
+    """Transposed E4M3 codes [K, N] of cat(weights, 0) with the forward's ``scale`` for the
+    input-gradient GEMM: the FP8-frozen codes transposed, the cached copy when the forward used the
+    cache and the weights have not changed since, else None: the block op quantizes the live
+    parameters with ``scale`` itself (counted here as a "backward" pass)."""
+    if src == FROZEN:
         return frozen.group_codes_t(weights)
-    if cache:
+    if src == CACHED:
         entry = _lookup(weights)
         if entry is not None and entry.scale is scale:
             count("hits")
             return entry.data_t
-    _, q_t = qops.quantize_stacked(list(weights), scale, _E4M3, False, True)
     count("backward")
-    return q_t.view(ACT_DTYPE)
+    return None

@@ -1,20 +1,31 @@
-// One binding call per FP8 layer block (coat/nn/fused.py, coat/nn/mlp.py): the forward or the
-// backward of [pre-op ->] per-tensor quantize -> FP8 GEMM, chained here so that a block costs the
-// host one Python call instead of four (forward) to seven (backward). Each step is the single op's
-// own body (ops.h), in the single-op path's order, and every intermediate dies no later than it
-// does there: the results are bit-identical to that path (tests/python/test_block.py) and the
-// memory plan is unchanged.
+// One binding call per FP8 layer block, the only path of coat's layers (coat/nn/block.py) on the
+// CPU and the GPU alike: the forward or the backward of [pre-op ->] per-tensor quantize -> FP8 GEMM,
+// chained here so that a block costs the host one Python call instead of four to seven. Each step
+// is the single op's own body (ops.h), in the single ops' order, and every intermediate dies as
+// early as it can (tests/python/test_block.py holds the block bit for bit against the single ops).
 //
 // The pre-op of a block (`pre`):
 //   0 none:   the GEMM input is x itself; forward saves its transposed FP8 codes and scale for dW.
+//             A pre-op without an FP8 kernel (widths that are not multiples of 16) runs in torch
+//             before the block; its backward recomputes the GEMM input and hands it over
+//             (`wgrad_input`), so nothing is saved for dW then (save_input_t false).
 //   1 norm:   RMSNorm of x (FP8 saved input, 1 x 16 groups, and rstd), recomputed in backward;
 //             `norm_kind` (coat::NormKind) says how its weight applies.
 //   2 swiglu: act(gate) * up of a fused gate/up x (FP8 saved input, 1 x 16 groups); `act`
 //             (coat::GatedAct) is the gate's activation.
 // norm_kind and act default to the Llama kinds (scaled weight, SiLU); each is checked on every call
 // and read only by the pre-op it belongs to.
-// The weights are the separate row blocks of the projection (q/k/v, gate/up, or one), quantized
-// afresh in each direction (coat/nn/weights.py's default lifetime).
+//
+// The weight comes from a source the caller picks (coat/nn/weights.py): the separate row blocks
+// of the projection (q/k/v, gate/up, or one), quantized here afresh in each direction, or FP8
+// codes the caller holds (a cache, FP8-frozen weights): forward's w_codes [N, K] with w_scale,
+// backward's w_codes_t [K, N]. GEMMs take every shape (gemm_fp8_any) and write fp32, bf16 or fp16.
+//
+// The quantizers come from the caller's recipe: act_fmt for activations, weights and the saved
+// pre-op inputs (E4M3 by default), grad_fmt for output gradients (E5M2); e8m0 picks the saved
+// inputs' group scale kind.
+// want_stats: also return what coat.Fp8Stats reads that the block would otherwise free (the GEMM
+// inputs made here and their scales); it changes no result.
 #include <nanobind/stl/vector.h>
 
 #include "enums.h"
@@ -28,9 +39,6 @@ namespace {
 
 using nb::arg;
 
-constexpr Fp8Format kAct = Fp8Format::kE4M3;   // activations and weights (coat.nn.recipe.ACT_DTYPE)
-constexpr Fp8Format kGrad = Fp8Format::kE5M2;  // output gradients (GRAD_DTYPE)
-
 enum class Pre : int { kNone = 0, kNorm = 1, kSwiglu = 2 };
 
 Pre pre_arg(int p) {
@@ -40,130 +48,201 @@ Pre pre_arg(int p) {
 
 nb::object or_none(const Created& c) { return c.tensor.is_valid() ? c.tensor : nb::none(); }
 
-// (out [M, N], w_scale, s0, s1, s2): s = (x's FP8 codes, their group scales, rstd) with a norm,
-// (codes, scales, None) with swiglu, (x's transposed codes or None, x's scale, None) without.
-// save_input_t: without a pre-op, whether dW will need x (a weight trains).
+GemmOptions gemm_options(const std::optional<Array>& workspace, View& ws, bool force_bf16) {
+  GemmOptions opt;
+  if (workspace) opt.workspace = &(ws = view_of(*workspace, "workspace"));
+  opt.force_bf16 = force_bf16;
+  return opt;
+}
+
+// The weight of a block: the caller's codes (and scale), or codes made here from `weights`.
+struct BlockWeight {
+  std::vector<View> parts;  // empty when the caller's codes are used
+  View codes, scale;
+  StackedFp8 made;
+};
+
+BlockWeight weight_arg(const std::vector<Array>& weights, const std::optional<Array>& codes, const Array* scale,
+                       const char* codes_name) {
+  BlockWeight w;
+  if (codes) {
+    w.codes = view_of(*codes, codes_name);
+    expect_2d(w.codes);
+    expect_kind(w.codes, Kind::kUInt8);
+  } else {
+    w.parts = views_of_parts(weights);
+  }
+  if (scale != nullptr) w.scale = view_of(*scale, "w_scale");
+  return w;
+}
+
+// (out [M, N], w_scale or None, s0, s1, s2, stat_in or None, stat_scale or None):
+// s = (x's FP8 codes, their group scales, rstd) with a norm, (codes, scales, None) with swiglu,
+// (x's transposed codes or None, x's scale, None) without. w_scale: the scale of the codes made
+// here (None with the caller's codes). stat_*: with want_stats and a pre-op, its output (the GEMM
+// input) and that input's per-tensor scale.
+// save_input_t: without a pre-op, whether dW will read x's codes (a weight trains, x not recomputed).
 nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, float eps, bool e8m0,
-                       const std::vector<Array>& weights_, bool save_input_t, int out_type, bool fast_accum,
-                       const Array& workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_) {
+                       const std::vector<Array>& weights_, std::optional<Array> w_codes_,
+                       std::optional<Array> w_scale_, bool save_input_t, int out_dtype, bool fast_accum,
+                       std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
+                       bool want_stats, int act_fmt) {
   const Pre pre = pre_arg(pre_);
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
+  const DType out_type = dtype_arg(out_dtype);
+  const Fp8Format fa = fp8_format(act_fmt);
   const View x = view_of(x_, "x");
   expect_2d(x);
-  const View ws = view_of(workspace_, "workspace");
-  const std::vector<View> weights = views_of_parts(weights_);
+  COAT_CHECK_ARG(w_codes_.has_value() == w_scale_.has_value(), "w_codes and w_scale are given together or not at all");
+  BlockWeight w = weight_arg(weights_, w_codes_, w_scale_ ? &*w_scale_ : nullptr, "w_codes");
   const cudaStream_t stream = stream_of(stream_);
   const int64_t k = pre == Pre::kSwiglu ? x.last_dim() / 2 : x.last_dim();  // the GEMM's K
-  COAT_CHECK_ARG(weights[0].shape.size() == 2 && weights[0].shape[1] == k,
-                 "weights[0] has shape " + shape_str(weights[0].shape) + " but the GEMM input has K = " +
-                     std::to_string(k) + " columns");
-  GemmOptions opt;
-  opt.workspace = &ws;
-  opt.force_bf16 = force_bf16;
+  const View& w0 = w_codes_ ? w.codes : w.parts[0];
+  COAT_CHECK_ARG(w0.shape.size() == 2 && w0.shape[1] == k,
+                 std::string(w_codes_ ? "w_codes" : "weights[0]") + " has shape " + shape_str(w0.shape) +
+                     " but the GEMM input has K = " + std::to_string(k) + " columns");
+  View ws;
+  GemmOptions opt = gemm_options(workspace_, ws, force_bf16);
   opt.fast_accum = fast_accum;
 
   Created y, s0, s1, s2;  // the GEMM input in x's dtype (with a pre-op) and what is saved
   if (pre == Pre::kNorm) {
     COAT_CHECK_ARG(norm_w_.has_value(), "norm_weight is required with pre=1 (norm)");
-    NormFwd n = rmsnorm_fwd(x, view_of(*norm_w_, "norm_weight"), norm_kind, eps, true, kAct, e8m0, stream);
+    NormFwd n = rmsnorm_fwd(x, view_of(*norm_w_, "norm_weight"), norm_kind, eps, true, fa, e8m0, stream);
     y = std::move(n.y);
     s0 = std::move(n.saved.q), s1 = std::move(n.saved.scales), s2 = std::move(n.rstd);
   } else if (pre == Pre::kSwiglu) {
-    SwigluFwd sw = swiglu_fwd(x, act, true, kAct, e8m0, stream);
+    SwigluFwd sw = swiglu_fwd(x, act, true, fa, e8m0, stream);
     y = std::move(sw.h);
     s0 = std::move(sw.saved.q), s1 = std::move(sw.saved.scales);
   }
   const View& in = pre == Pre::kNone ? x : y.view;
-  PerTensorFp8 q = quantize_amax(in, kAct, pre == Pre::kNone && save_input_t, stream);
-  y = Created();  // not needed after its quantization: freed before the weights' codes are made
+  PerTensorFp8 q = quantize_amax(in, fa, pre == Pre::kNone && save_input_t, stream);
+  // Not needed after its quantization: freed before the weight's codes are made (unless read by stats).
+  Created stat_in = want_stats ? std::move(y) : Created();
+  y = Created();
   if (pre == Pre::kNone) s0 = std::move(q.q_t), s1 = q.scale;
-  StackedFp8 w = quantize_stacked(weights, nullptr, kAct, true, false, stream);
-  GemmResult out = gemm_fp8(q.q.view, kAct, q.scale.view, w.q.view, kAct, w.scale.view, gemm_out_type(out_type), opt,
-                            stream);
-  return nb::make_tuple(out.out.tensor, w.scale.tensor, or_none(s0), s1.tensor, or_none(s2));
+  if (!w_codes_) {
+    w.made = quantize_stacked(w.parts, nullptr, fa, true, false, stream);
+    w.codes = w.made.q.view, w.scale = w.made.scale.view;
+  }
+  Created out = gemm_fp8_any(q.q.view, fa, q.scale.view, w.codes, fa, w.scale, out_type, opt, stream);
+  const bool stat_scale = want_stats && pre != Pre::kNone;
+  return nb::make_tuple(out.tensor, or_none(w.made.scale), or_none(s0), s1.tensor, or_none(s2), or_none(stat_in),
+                        stat_scale ? q.scale.tensor : nb::none());
 }
 
-// (dx, dnorm_weight or None, dw or None) of a block from the output gradient d [M, N] (in the
-// forward's output dtype), what the forward saved (s0, s1, s2) and the weights' forward scale.
-// y_dtype: the dtype of the recomputed GEMM input (x's); wgrad_type: dw's GEMM output type.
+// What block_bwd reads that the forward saved.
+struct Saved {
+  View s0, s1, s2, norm_w;
+};
+
+Saved saved_args(Pre pre, bool need_saved, const std::optional<Array>& s0, const std::optional<Array>& s1,
+                 const std::optional<Array>& s2, const std::optional<Array>& norm_w) {
+  Saved s;
+  if (need_saved) {
+    COAT_CHECK_ARG(s0.has_value() && s1.has_value(), "saved[0] and saved[1] are required here");
+    s.s0 = view_of(*s0, "saved[0]");
+    s.s1 = view_of(*s1, "saved[1]");
+  }
+  if (pre == Pre::kNorm) {
+    COAT_CHECK_ARG(s2.has_value() && norm_w.has_value(), "pre=1 (norm) needs saved[2] (rstd) and norm_weight");
+    s.s2 = view_of(*s2, "saved[2]");
+    s.norm_w = view_of(*norm_w, "norm_weight");
+  }
+  return s;
+}
+
+// (dx, dnorm_weight or None, dw or None, d_scale, stat_in or None, stat_scale or None) of a block
+// from the output gradient d [M, N] (in the forward's output dtype), what the forward saved
+// (s0, s1, s2) and the weight's forward scale. d_scale: d's per-tensor E5M2 scale. stat_*: with
+// want_stats and need_w, the GEMM input recomputed for dW (None when it is `wgrad_input`, which
+// the caller holds) and its scale. y_dtype: the dtype of the recomputed GEMM input (x's);
+// wgrad_dtype: dw's dtype. wgrad_input (pre 0 only): the GEMM input, recomputed by the caller.
 nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector<Array>& weights_,
-                       const Array& w_scale_, std::optional<Array> s0_, std::optional<Array> s1_,
-                       std::optional<Array> s2_,
-                       std::optional<Array> norm_w_, int y_dtype, int wgrad_type, const Array& workspace_,
-                       bool force_bf16, uintptr_t stream_, int norm_kind_, int act_) {
+                       const Array& w_scale_, std::optional<Array> w_codes_t_, std::optional<Array> s0_,
+                       std::optional<Array> s1_, std::optional<Array> s2_, std::optional<Array> norm_w_,
+                       std::optional<Array> wgrad_input_, int y_dtype, int wgrad_dtype,
+                       std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
+                       bool want_stats, int act_fmt, int grad_fmt) {
   const Pre pre = pre_arg(pre_);
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
+  const DType wgrad_type = dtype_arg(wgrad_dtype);
+  const Fp8Format fa = fp8_format(act_fmt), fg = fp8_format(grad_fmt);
   const View d = view_of(d_, "dout");
   expect_2d(d);
   const DType dt = float_dtype(d);
-  COAT_CHECK_ARG(dt != DType::kFloat16, "dout must be float32 or bfloat16, got float16");
-  const View ws = view_of(workspace_, "workspace");
-  const View w_scale = view_of(w_scale_, "w_scale");
-  // What the forward saved; without a pre-op only dW reads it (nothing is saved when no weight trains).
-  View s0, s1, s2, norm_w;
-  if (pre != Pre::kNone || need_w) {
-    COAT_CHECK_ARG(s0_.has_value() && s1_.has_value(), "saved[0] and saved[1] are required here");
-    s0 = view_of(*s0_, "saved[0]");
-    s1 = view_of(*s1_, "saved[1]");
-  }
-  if (pre == Pre::kNorm) {
-    COAT_CHECK_ARG(s2_.has_value() && norm_w_.has_value(), "pre=1 (norm) needs saved[2] (rstd) and norm_weight");
-    s2 = view_of(*s2_, "saved[2]");
-    norm_w = view_of(*norm_w_, "norm_weight");
-  }
-  const std::vector<View> weights = views_of_parts(weights_);
+  COAT_CHECK_ARG(!wgrad_input_ || pre == Pre::kNone, "wgrad_input is only taken with pre=0 (none)");
+  // Without a pre-op only dW reads what was saved (nothing is saved when no weight trains).
+  const bool recomputed = wgrad_input_.has_value();
+  const Saved s = saved_args(pre, pre != Pre::kNone || (need_w && !recomputed), s0_, s1_, s2_, norm_w_);
+  BlockWeight w = weight_arg(weights_, w_codes_t_, &w_scale_, "w_codes_t");
   const cudaStream_t stream = stream_of(stream_);
-  GemmOptions opt;
-  opt.workspace = &ws;
-  opt.force_bf16 = force_bf16;
-  const GemmOut d_type = dt == DType::kFloat32 ? GemmOut::kFloat32 : GemmOut::kBFloat16;
+  View ws;
+  const GemmOptions opt = gemm_options(workspace_, ws, force_bf16);
 
-  PerTensorFp8 dq = quantize_amax(d, kGrad, need_w, stream);
+  PerTensorFp8 dq = quantize_amax(d, fg, need_w, stream);
   Created dy;  // dX of the GEMM: [M, K]
   {
-    StackedFp8 w_t = quantize_stacked(weights, &w_scale, kAct, false, true, stream);
-    dy = gemm_fp8(dq.q.view, kGrad, dq.scale.view, w_t.q_t.view, kAct, w_scale, d_type, opt, stream).out;
+    if (!w_codes_t_) w.made = quantize_stacked(w.parts, &w.scale, fa, false, true, stream);
+    dy = gemm_fp8_any(dq.q.view, fg, dq.scale.view, w_codes_t_ ? w.codes : w.made.q_t.view, fa, w.scale, dt,
+                      opt, stream);
+    w.made = StackedFp8();
   }  // the transposed weight codes die with their GEMM
   dq.q = Created();
 
   // dW = dq^T @ (the GEMM input), its FP8 transpose made from what was saved (or saved as is).
+  Created stat_in, stat_scale;
   auto wgrad = [&](const View& in_t, const View& in_scale) {
-    return gemm_fp8(dq.q_t.view, kGrad, dq.scale.view, in_t, kAct, in_scale, gemm_out_type(wgrad_type), opt, stream)
-        .out;
+    return gemm_fp8_any(dq.q_t.view, fg, dq.scale.view, in_t, fa, in_scale, wgrad_type, opt, stream);
   };
   auto wgrad_of = [&](Created in) {
-    PerTensorFp8 t = quantize_amax(in.view, kAct, true, stream);
+    PerTensorFp8 t = quantize_amax(in.view, fa, true, stream);
+    if (want_stats) stat_in = std::move(in), stat_scale = t.scale;
     in = Created(), t.q = Created();  // only the transposed codes are read
     return wgrad(t.q_t.view, t.scale.view);
   };
   Created dw, dx, dnorm;
   if (pre == Pre::kNorm) {
-    if (need_w) dw = wgrad_of(rmsnorm_fwd_fp8(s0, s1, s2, norm_w, norm_kind, dtype_arg(y_dtype), kAct, stream));
-    NormBwd nb_ = rmsnorm_bwd(s0, s1, s2, norm_w, norm_kind, dy.view, kAct, stream);
+    if (need_w) dw = wgrad_of(rmsnorm_fwd_fp8(s.s0, s.s1, s.s2, s.norm_w, norm_kind, dtype_arg(y_dtype), fa, stream));
+    NormBwd nb_ = rmsnorm_bwd(s.s0, s.s1, s.s2, s.norm_w, norm_kind, dy.view, fa, stream);
     dx = std::move(nb_.dx), dnorm = std::move(nb_.dw);
   } else if (pre == Pre::kSwiglu) {
-    SwigluBwd sb = swiglu_bwd(s0, s1, dy.view, act, need_w, kAct, stream);
+    SwigluBwd sb = swiglu_bwd(s.s0, s.s1, dy.view, act, need_w, fa, stream);
     dy = Created();
     dx = std::move(sb.dgu);
     if (need_w) dw = wgrad_of(std::move(sb.h));
   } else {
-    if (need_w) dw = wgrad(s0, s1);
+    if (need_w && recomputed) {
+      const View in = view_of(*wgrad_input_, "wgrad_input");
+      PerTensorFp8 t = quantize_amax(in, fa, true, stream);
+      if (want_stats) stat_scale = t.scale;
+      t.q = Created();
+      dw = wgrad(t.q_t.view, t.scale.view);
+    } else if (need_w) {
+      dw = wgrad(s.s0, s.s1);
+    }
     dx = std::move(dy);
   }
-  return nb::make_tuple(dx.tensor, or_none(dnorm), or_none(dw));
+  return nb::make_tuple(dx.tensor, or_none(dnorm), or_none(dw), dq.scale.tensor, or_none(stat_in),
+                        or_none(stat_scale));
 }
 
 void register_block(nb::module_& m) {
   m.attr("BLOCK_PRE") = enum_dict<Pre>({{"none", Pre::kNone}, {"norm", Pre::kNorm}, {"swiglu", Pre::kSwiglu}});
   const int scaled = static_cast<int>(NormKind::kScaled), silu = static_cast<int>(GatedAct::kSilu);
-  m.def("block_fwd", &block_fwd_py, restore_device(), arg("x"), arg("pre"), arg("norm_weight").none(), arg("eps"), arg("e8m0"),
-        arg("weights"), arg("save_input_t"), arg("out_type"), arg("fast_accum"), arg("workspace"), arg("force_bf16"),
-        arg("stream"), arg("norm_kind") = scaled, arg("act") = silu);
-  m.def("block_bwd", &block_bwd_py, restore_device(), arg("dout"), arg("pre"), arg("need_w"), arg("weights"), arg("w_scale"),
-        arg("s0").none(), arg("s1").none(), arg("s2").none(), arg("norm_weight").none(), arg("y_dtype"), arg("wgrad_type"),
-        arg("workspace"), arg("force_bf16"), arg("stream"), arg("norm_kind") = scaled, arg("act") = silu);
+  const int e4m3 = static_cast<int>(Fp8Format::kE4M3), e5m2 = static_cast<int>(Fp8Format::kE5M2);
+  m.def("block_fwd", &block_fwd_py, restore_device(), arg("x"), arg("pre"), arg("norm_weight").none(), arg("eps"),
+        arg("e8m0"), arg("weights"), arg("w_codes").none(), arg("w_scale").none(), arg("save_input_t"),
+        arg("out_dtype"), arg("fast_accum"), arg("workspace").none(), arg("force_bf16"), arg("stream"),
+        arg("norm_kind") = scaled, arg("act") = silu, arg("want_stats") = false, arg("act_fmt") = e4m3);
+  m.def("block_bwd", &block_bwd_py, restore_device(), arg("dout"), arg("pre"), arg("need_w"), arg("weights"),
+        arg("w_scale"), arg("w_codes_t").none(), arg("s0").none(), arg("s1").none(), arg("s2").none(),
+        arg("norm_weight").none(), arg("wgrad_input").none(), arg("y_dtype"), arg("wgrad_dtype"),
+        arg("workspace").none(), arg("force_bf16"), arg("stream"), arg("norm_kind") = scaled, arg("act") = silu,
+        arg("want_stats") = false, arg("act_fmt") = e4m3, arg("grad_fmt") = e5m2);
 }
 
 }  // namespace

@@ -125,6 +125,28 @@ GemmResult gemm_fp8(const View& a, Fp8Format a_fmt, const View& sa, const View& 
   return r;
 }
 
+// Zero pad, GEMM, contiguous slice, cast: the steps coat.nn._fp8mm.fp8_mm takes for such shapes (the
+// LM head's GEMMs), so that a block gives on the GPU what its single ops give there, bit for bit.
+// The at:: ops run on torch's current stream, which is `stream` (the caller passes torch's).
+Created gemm_fp8_any(const View& a, Fp8Format a_fmt, const View& sa, const View& b, Fp8Format b_fmt, const View& sb,
+                     DType out, const GemmOptions& opt, cudaStream_t stream) {
+  const GemmOut t = out == DType::kBFloat16 ? GemmOut::kBFloat16 : GemmOut::kFloat32;
+  expect_2d(a);
+  expect_2d(b);
+  const int64_t m = a.shape[0], n = b.shape[0], k = a.shape[1];
+  const int64_t kp = (k + 15) / 16 * 16, np = (n + 15) / 16 * 16;
+  auto aligned = [](const View& v) { return reinterpret_cast<uintptr_t>(v.data) % 16 == 0; };
+  Created r;
+  if (!a.cuda || (kp == k && np == n && aligned(a) && aligned(b))) {
+    r = gemm_fp8(a, a_fmt, sa, b, b_fmt, sb, t, opt, stream).out;
+  } else {
+    Created ap = pad_2d(a, m, kp, a.name), bp = pad_2d(b, np, kp, b.name);
+    r = gemm_fp8(ap.view, a_fmt, sa, bp.view, b_fmt, sb, t, opt, stream).out;
+    if (np != n) r = narrow_cols(r.view, n, "out");
+  }
+  return out == DType::kFloat16 ? cast_to(r.view, NewDtype::kFloat16, "out") : r;
+}
+
 COAT_REGISTER_BINDINGS(gemm, register_gemm);
 
 }  // namespace bind

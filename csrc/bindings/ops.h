@@ -54,6 +54,12 @@ struct GemmResult {
 GemmResult gemm_fp8(const View& a, Fp8Format a_fmt, const View& scale_a, const View& b, Fp8Format b_fmt,
                     const View& scale_b, GemmOut out_type, const GemmOptions& opt, cudaStream_t stream);
 GemmOut gemm_out_type(int t);
+// The GEMM of a layer block, for every shape and float output dtype: on CUDA, K and N are
+// zero-padded to multiples of 16 where cuBLASLt FP8 needs it (zero codes add nothing to the sums)
+// and the result sliced back; a float16 result is the fp32 one rounded once (coat's GEMM writes
+// fp32 and bf16). On the CPU the reference takes every shape as it is.
+Created gemm_fp8_any(const View& a, Fp8Format a_fmt, const View& scale_a, const View& b, Fp8Format b_fmt,
+                     const View& scale_b, DType out, const GemmOptions& opt, cudaStream_t stream);
 
 // ---- norm ----------------------------------------------------------------------------------------
 

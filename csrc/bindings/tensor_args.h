@@ -72,6 +72,12 @@ struct Created {
   View view;
 };
 Created new_tensor(const std::vector<int64_t>& shape, NewDtype dtype, const View& like, const char* name);
+// Torch ops a layer block runs around coat's GEMM (csrc/bindings/block.cpp), on v's device and
+// torch's current stream: a zero-padded copy of 2-D v as [rows, cols] (rows, cols >= v's), a
+// contiguous copy of v[:, :cols], v converted to `dtype` (float or uint8 views only).
+Created pad_2d(const View& v, int64_t rows, int64_t cols, const char* name);
+Created narrow_cols(const View& v, int64_t cols, const char* name);
+Created cast_to(const View& v, NewDtype dtype, const char* name);
 // Scratch for one call: torch's caching allocator takes it back when the call returns, and hands
 // it out again only to work queued after this call's kernels on the same stream.
 inline void* new_scratch(int64_t bytes, const View& like, nb::object& keep) {

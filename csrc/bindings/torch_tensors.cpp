@@ -5,6 +5,8 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
 
 #include "registry.h"
@@ -92,6 +94,9 @@ View view_of(const TensorArg& a, const char* name) {
   return v;
 }
 
+// A binding's output made by torch (new_tensor, the helpers below): the tensor and its view.
+Created created_of(at::Tensor t, const char* name);
+
 // torch's CUDA caching allocator as torch registers it (null if this torch has none).
 c10::Allocator* cuda_allocator() {
   static c10::Allocator* const a = []() -> c10::Allocator* {
@@ -119,11 +124,58 @@ Created new_tensor(const std::vector<int64_t>& shape, NewDtype dtype, const View
     t = at::empty(shape, at::TensorOptions().dtype(scalar_type(dtype)).device(
                              at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(like.device))));
   }
+  return created_of(std::move(t), name);
+}
+
+// ---- the few torch ops a layer block needs around coat's GEMM (see tensor_args.h) ----------------
+
+namespace {
+
+at::ScalarType at_type(const View& v) {
+  switch (v.kind) {
+    case Kind::kFloat32: return at::kFloat;
+    case Kind::kBFloat16: return at::kBFloat16;
+    case Kind::kFloat16: return at::kHalf;
+    case Kind::kUInt8: return at::kByte;
+    default: throw_invalid(std::string(v.name) + ": no torch view of dtype " + v.dtype_name);
+  }
+  return at::kByte;
+}
+
+// v as an at::Tensor over its memory (no copy); ops on it run on torch's current stream, the one
+// the block's kernels use.
+at::Tensor tensor_of(const View& v) {
+  at::TensorOptions o = at::TensorOptions().dtype(at_type(v));
+  if (v.cuda) {
+    set_current_device(v.device);
+    o = o.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(v.device)));
+  }
+  return at::from_blob(v.data, v.shape, o);
+}
+
+}  // namespace
+
+Created created_of(at::Tensor t, const char* name) {
   Created c;
   fill(c.view, t, name);
   c.tensor = nb::steal(THPVariable_Wrap(std::move(t)));
   if (!c.tensor.is_valid()) throw nb::python_error();
   return c;
+}
+
+Created pad_2d(const View& v, int64_t rows, int64_t cols, const char* name) {
+  at::Tensor src = tensor_of(v);
+  at::Tensor out = at::zeros({rows, cols}, src.options());
+  out.narrow(0, 0, v.shape[0]).narrow(1, 0, v.shape[1]).copy_(src);
+  return created_of(std::move(out), name);
+}
+
+Created narrow_cols(const View& v, int64_t cols, const char* name) {
+  return created_of(tensor_of(v).narrow(1, 0, cols).contiguous(), name);
+}
+
+Created cast_to(const View& v, NewDtype dtype, const char* name) {
+  return created_of(tensor_of(v).to(scalar_type(dtype)), name);
 }
 
 namespace {
