@@ -149,7 +149,9 @@ def forward(x2: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps
                                               save_input_t, out_dtype, fast_accum, kind, act, want_stats,
                                               _FMT[act_dtype])
     stats = want_stats and pre != NONE
-    saved = (s0 if pre != NONE or save_input_t else None, s1, s2 if pre == NORM else None)
+    if pre == NONE:  # the transposed input codes come as bytes: saved as what they are
+        s0 = s0.view(act_dtype) if save_input_t else None
+    saved = (s0, s1, s2 if pre == NORM else None)
     return Fwd(out, None if w_codes is not None else ws, saved, st_in if stats else None, st_scale if stats else None)
 
 

@@ -216,7 +216,7 @@ def block(x: torch.Tensor, spec: Spec, norm_weight: Optional[torch.Tensor], weig
 
 
 def make_spec(pre: int, recipe: Fp8Recipe, x: torch.Tensor, weights, *, eps: float = 0.0, unit_offset: bool = False,
-         act: str = "silu", frozen_scales=None, flat: bool = False) -> Spec:
+              act: str = "silu", frozen_scales=None, flat: bool = False) -> Spec:
     """The Spec of a call over x with these weights: its compute dtype and weight source decided
     here, where grad mode is the caller's (an autograd Function's forward runs without it)."""
     if act not in ACT_IDS:
