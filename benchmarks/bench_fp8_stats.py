@@ -2,10 +2,9 @@
 Llama-2-7B-shaped decoder layers with FP8 operand statistics off and on, in the same run.
 
 Variants (same layers, inputs and output gradient):
-- ``off``: the default path (on CUDA each fused block forward/backward is one core call);
-- ``op-by-op, no stats``: the path a recording step takes, without the statistics (separates the
-  cost of leaving the one-call blocks from the cost of the statistics themselves);
-- ``stats on``: recording every step (the statistics' device passes plus the op-by-op path);
+- ``off``: the default path (each block forward/backward is one core call);
+- ``stats on``: recording every step (the statistics' device passes; the blocks stay one call each
+  and also return the GEMM inputs they make, which live until recorded);
 - ``read()``: one read of everything recorded (the one host sync), timed on its own.
 The cost when one step in k records (``coat train --fp8-stats`` records one step per log
 interval) is (on - off) / k per step.
@@ -32,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import _median_events, environment  # noqa: E402
 
 import coat  # noqa: E402
-from coat.nn import _fp8mm  # noqa: E402
 
 _CPU_SHAPES = dict(hidden=64, intermediate=160, heads=4, batch=1, seq=32, reps=3)
 
@@ -104,18 +102,8 @@ def main() -> None:
         with stats:
             step()
 
-    one_call = _fp8mm.one_call
-
-    def op_by_op_step() -> None:
-        _fp8mm.one_call = lambda *a, **k: False
-        try:
-            step()
-        finally:
-            _fp8mm.one_call = one_call
-
     rows = {}
-    for name, fn in (("off", step), ("op-by-op, no stats", op_by_op_step), ("stats on", recorded_step),
-                     ("off (again)", step)):
+    for name, fn in (("off", step), ("stats on", recorded_step), ("off (again)", step)):
         for _ in range(3):  # warm-up: cuBLASLt plans, allocator, the collector's buffers
             fn()
         rows[name] = median_ms(fn, args.reps, device)
@@ -124,8 +112,7 @@ def main() -> None:
     off = min(rows["off"], rows["off (again)"])
     env = environment() | dict(layers=args.layers, batch=args.batch, seq=args.seq, hidden=args.hidden,
                                intermediate=args.intermediate, heads=args.heads, reps=args.reps)
-    result = dict(env=env, ms=rows, overhead_on=rows["stats on"] / off - 1,
-                  overhead_path=rows["op-by-op, no stats"] / off - 1, recorded=sum(len(r) for r in data.values()))
+    result = dict(env=env, ms=rows, overhead_on=rows["stats on"] / off - 1, recorded=sum(len(r) for r in data.values()))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\n{env['device']}, torch {env['torch']}, commit {env['commit']}; {args.layers} Llama layers, hidden "
@@ -135,8 +122,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, ms in rows.items():
         print(f"| {name} | {ms:.3f} | {'' if name == 'read()' else f'{ms / off - 1:+.1%}'} |")
-    print(f"\nstats on every step: {result['overhead_on']:+.1%} (of which leaving the one-call blocks "
-          f"{result['overhead_path']:+.1%}); one step in 10: {result['overhead_on'] / 10:+.1%}; "
+    print(f"\nstats on every step: {result['overhead_on']:+.1%}; one step in 10: {result['overhead_on'] / 10:+.1%}; "
           f"{result['recorded']} (projection, role) entries recorded\n")
     print(stats.table({k: data[k] for k in list(data)[:4]}))
 
