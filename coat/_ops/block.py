@@ -130,6 +130,17 @@ def _(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, w
     return dx, dnorm, dw, dout.new_empty(1, dtype=_F32), stat_in, stat_scale
 
 
+def _plain(t: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether a call may skip the dispatcher: eager, and the weights plain tensors too (a tensor
+    subclass gets its say through the op)."""
+    if not eager_plain(t):
+        return False
+    for w in weights:  # a loop, not all(...): this runs twice per block call
+        if type(w) is not torch.Tensor and type(w) is not torch.nn.Parameter:
+            return False
+    return True
+
+
 class Fwd(NamedTuple):
     out: torch.Tensor
     w_scale: Optional[torch.Tensor]  # the scale of the codes made inside (None with the caller's codes)
@@ -144,7 +155,7 @@ def forward(x2: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps
             act: int = SILU, want_stats: bool = False, act_dtype: torch.dtype = _E4M3) -> Fwd:
     """The forward of a block; ``act_dtype``: the FP8 format of its activations and weight."""
     kind = NORM_KINDS["unit_offset" if unit_offset else "scaled"]
-    op = _fwd if eager_plain(x2) else block_fwd  # eager: no dispatcher, no empty placeholders
+    op = _fwd if _plain(x2, weights) else block_fwd  # eager: no dispatcher, no empty placeholders
     out, ws, s0, s1, s2, st_in, st_scale = op(x2, pre, norm_weight, eps, e8m0, list(weights), w_codes, w_scale,
                                               save_input_t, out_dtype, fast_accum, kind, act, want_stats,
                                               _FMT[act_dtype])
@@ -173,7 +184,7 @@ def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.T
     activations and weight, and of its output gradient."""
     kind = NORM_KINDS["unit_offset" if unit_offset else "scaled"]
     s0, s1, s2 = saved
-    op = _bwd if eager_plain(d2) else block_bwd
+    op = _bwd if _plain(d2, weights) else block_bwd
     dx, dnorm, dw, ds, st_in, st_scale = op(d2, pre, need_w, list(weights), w_scale, w_codes_t, s0, s1, s2,
                                             norm_weight, wgrad_input, y_dtype, wgrad_dtype, kind, act, want_stats,
                                             _FMT[act_dtype], _FMT[grad_dtype])
