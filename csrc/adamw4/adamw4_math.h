@@ -72,6 +72,30 @@ COAT_HD int encode_v(float v, float s) {
   return c;
 }
 
+// The encoders the step runs (CPU reference and kernel alike), equal to encode_m / encode_v above
+// for every input (tests/cpp/test_adamw4_ref.cpp checks them against each other):
+// - m: a binary search over the 15 sorted midpoints in `mids` (m_mid(0..14); the kernel keeps
+//   them in shared memory): the count of midpoints <= x, in 4 comparisons instead of 15.
+// - v: the midpoints (2k + 3) / 32 are found arithmetically: with y = 32 x (exact), x >= v_mid(k)
+//   iff y >= 2k + 3, so the code is floor((y - 3) / 2) + 1 clamped to [0, 15]; y - 3 is exact for
+//   y in [3, 31) (both operands are multiples of y's ulp and the result has fewer bits than y).
+COAT_HD int encode_m_table(float m, float s, const float* mids) {
+  if (!usable_scale(s)) return kZeroCodeM;
+  const float x = m / s;
+  int c = x >= mids[7] ? 8 : 0;  // NaN compares false everywhere: code 0, as encode_m gives
+  c += x >= mids[c + 3] ? 4 : 0;
+  c += x >= mids[c + 1] ? 2 : 0;
+  return c + (x >= mids[c] ? 1 : 0);
+}
+
+COAT_HD int encode_v_fast(float v, float s) {
+  if (!usable_scale(s)) return 0;
+  const float y = (v / s) * 32.0f;
+  if (!(y >= 3.0f)) return 0;  // below the first midpoint, or NaN
+  if (y >= 31.0f) return kCodes - 1;
+  return static_cast<int>((y - 3.0f) * 0.5f) + 1;
+}
+
 COAT_HD float decode_m(int c, float s) { return m_level(c) * s; }
 COAT_HD float decode_v(int c, float s) { return v_level(c) * s; }
 

@@ -79,6 +79,39 @@ TEST(Adamw4Maps, EncodeIsNearestAndMonotone) {
   EXPECT_EQ(adamw4::encode_v(0.0f, 1.0f), 0);    // v = 0 under a non-zero scale: 1/16 of it
 }
 
+// The encoders the step runs (a binary search for m, arithmetic for v) against the definitions:
+// every midpoint and its neighbouring floats, every code's value, random values, scales of all
+// magnitudes, unusable scales and NaN.
+TEST(Adamw4Maps, FastEncodersEqualTheDefinitions) {
+  float mids[16] = {};
+  for (int k = 0; k + 1 < adamw4::kCodes; ++k) mids[k] = adamw4::m_mid(k);
+  std::vector<float> xs = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, 1e30f, -1e30f, std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  for (int k = 0; k + 1 < adamw4::kCodes; ++k) {
+    for (float b : {adamw4::m_mid(k), adamw4::v_mid(k), adamw4::m_level(k), adamw4::v_level(k)}) {
+      float lo = b, hi = b;
+      for (int u = 0; u < 3; ++u) {
+        xs.push_back(lo), xs.push_back(hi);
+        lo = std::nextafter(lo, -1e30f), hi = std::nextafter(hi, 1e30f);
+      }
+    }
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int i = 0; i < 20000; ++i) xs.push_back(u(rng));
+  for (float s : {1.0f, 3.7f, 0.1f, 1e-30f, 2e30f, 1e-40f, 0.0f, -1.0f, std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN()}) {
+    for (float x : xs) {
+      const float m = x * (std::isfinite(s) && s > 0.0f ? s : 1.0f);
+      EXPECT_EQ(adamw4::encode_m_table(m, s, mids), adamw4::encode_m(m, s)) << "m " << m << " scale " << s;
+      const float v = std::fabs(m);
+      EXPECT_EQ(adamw4::encode_v_fast(v, s), adamw4::encode_v(v, s)) << "v " << v << " scale " << s;
+      EXPECT_EQ(adamw4::encode_m_table(x, s, mids), adamw4::encode_m(x, s)) << "m " << x << " scale " << s;
+      EXPECT_EQ(adamw4::encode_v_fast(std::fabs(x), s), adamw4::encode_v(std::fabs(x), s)) << x << " " << s;
+    }
+  }
+}
+
 TEST(Adamw4Maps, UnusableScales) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   for (float s : {0.0f, nan, inf}) {
