@@ -101,28 +101,47 @@ __device__ __forceinline__ bool vectorizable(const Adamw4Tensor& d) {
   return ok;
 }
 
-// The descriptor of group g and its step's scalars, kept across a warp's groups: a warp's next
-// group is usually in the same tensor, and the scalars cost ~20 fp64 operations (beta^t).
-template <typename P, typename Gr, MasterKind M>
+// The descriptor of a warp's current group and its step's scalars, in shared memory (a slot per
+// warp): in registers they would take ~40 of them and halve the occupancy. A warp's next group is
+// usually in the same tensor, and the scalars cost ~20 fp64 operations (beta^t).
 struct Current {
-  Adamw4Tensor d{};
-  uint64_t t;
+  Adamw4Tensor d;
   adamw::Scalars s;
-  int64_t end = -1;  // one past the tensor's last group; -1: none yet
+  uint64_t t;
+  int64_t end;       // one past the tensor's last group; -1: none yet
   int64_t full_end;  // one past the last group with all 128 elements
   bool vec;
-
-  __device__ __forceinline__ void seek(const Adamw4Tensor* tensors, int64_t n, int64_t g, double lr,
-                                       const AdamwConfig& c) {
-    if (g >= d.group_begin && g < end) return;
-    d = tensors[find_tensor(tensors, n, g)];
-    end = d.group_begin + groups_of(d.numel);
-    full_end = d.group_begin + d.numel / G;
-    vec = vectorizable<P, Gr, M>(d);
-    t = adamw::step_count(*d.step);
-    s = adamw::make_scalars(lr, c, t);
-  }
 };
+
+__device__ __forceinline__ void init(Current& cur) {
+  if ((threadIdx.x & 31) == 0) {
+    cur.d.group_begin = 0;
+    cur.end = -1;
+  }
+  __syncwarp();
+}
+
+// Make `cur` describe group g's tensor (warp-wide: every lane calls it with the same g).
+template <typename P, typename Gr, MasterKind M>
+__device__ __forceinline__ void seek(Current& cur, const Adamw4Tensor* tensors, int64_t n, int64_t g, double lr,
+                                     const AdamwConfig& c) {
+  if (g >= cur.d.group_begin && g < cur.end) return;
+  const int64_t ti = find_tensor(tensors, n, g);
+  const int lane = threadIdx.x & 31;
+  __syncwarp();  // every lane is done with the previous tensor
+  constexpr int kWords = sizeof(Adamw4Tensor) / 8;
+  if (lane < kWords) reinterpret_cast<int64_t*>(&cur.d)[lane] = reinterpret_cast<const int64_t*>(tensors + ti)[lane];
+  __syncwarp();
+  if (lane == 0) {
+    const Adamw4Tensor& d = cur.d;
+    cur.end = d.group_begin + groups_of(d.numel);
+    cur.full_end = d.group_begin + d.numel / G;
+    cur.vec = vectorizable<P, Gr, M>(d);
+    cur.t = adamw::step_count(*d.step);
+    cur.s = adamw::make_scalars(lr, c, cur.t);
+  }
+  __syncwarp();
+}
 
 // Row and column of a lane's first element (rank-1 tensors); the next ones follow by stepping.
 struct RowCol {
@@ -257,7 +276,7 @@ __device__ __forceinline__ void stats_group(const Adamw4Tensor& d, const Rank1& 
 // all rank-1 tensors form one sequence dealt round-robin to the warps, as one grid-stride loop
 // would: every warp walks the descriptors and counts the units before each tensor.
 template <typename Gr>
-__global__ void __launch_bounds__(kThreads) stats_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
+__global__ void __launch_bounds__(kThreads, 4) stats_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
                                                          AdamwConfig c) {
   if (skipped(c)) return;
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
@@ -308,8 +327,8 @@ __device__ __forceinline__ void store_codes(const Adamw4Tensor& d, int64_t lg, i
   for (int k = 0; k < kPer; ++k, rc.next(d.cols)) {
     if (e0 + k >= n) break;
     const float vs = d.kind == Adamw4Kind::kBlock ? vb : adamw4::v_scale_of(d, lg, rc.i, rc.j, adamw4::new_buffer(t));
-    mc[k] = adamw4::encode_m_table(m[k], ms, tb.mid);
-    vc[k] = adamw4::encode_v_fast(v[k], vs);
+    mc[k] = adamw4::encode_m_table(m[k], ms, 1.0f / ms, tb.mid);
+    vc[k] = adamw4::encode_v_fast(v[k], vs, 1.0f / vs);
   }
   auto* mq = static_cast<uint8_t*>(d.m);
   auto* vq = static_cast<uint8_t*>(d.v);
@@ -427,9 +446,10 @@ __device__ __forceinline__ void step_group_vec(const Adamw4Tensor& d, int64_t lg
       vk = adamw4::umax(vk, adamw4::max_key(v[k]));
     }
     const float ms = float_of(__reduce_max_sync(0xFFFFFFFFu, mk));
-    float vs[kPer];
+    float vs[kPer], rv[kPer];  // v's scales and their reciprocals
     if (d.kind == Adamw4Kind::kBlock) {
       vs[0] = vs[1] = vs[2] = vs[3] = float_of(__reduce_max_sync(0xFFFFFFFFu, vk));
+      rv[0] = rv[1] = rv[2] = rv[3] = 1.0f / vs[0];
       if ((threadIdx.x & 31) == 0) d.v_scale[lg] = vs[0];
     } else {
       const float* new_r = d.v_scale + adamw4::new_buffer(t) * (d.rows + d.cols);
@@ -437,13 +457,16 @@ __device__ __forceinline__ void step_group_vec(const Adamw4Tensor& d, int64_t lg
       const float4 cs = *reinterpret_cast<const float4*>(new_r + d.rows + j);
       vs[0] = adamw4::rank1_scale(r, cs.x), vs[1] = adamw4::rank1_scale(r, cs.y);
       vs[2] = adamw4::rank1_scale(r, cs.z), vs[3] = adamw4::rank1_scale(r, cs.w);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) rv[k] = 1.0f / vs[k];
     }
     if ((threadIdx.x & 31) == 0) d.m_scale[lg] = ms;
+    const float rm = 1.0f / ms;
     uint32_t mc = 0, vc = 0;
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
-      mc |= static_cast<uint32_t>(adamw4::encode_m_table(m[k], ms, tb.mid)) << (4 * k);
-      vc |= static_cast<uint32_t>(adamw4::encode_v_fast(v[k], vs[k])) << (4 * k);
+      mc |= static_cast<uint32_t>(adamw4::encode_m_table(m[k], ms, rm, tb.mid)) << (4 * k);
+      vc |= static_cast<uint32_t>(adamw4::encode_v_fast(v[k], vs[k], rv[k])) << (4 * k);
     }
     *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.m) + e0 / 2) = static_cast<uint16_t>(mc);
     *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.v) + e0 / 2) = static_cast<uint16_t>(vc);
@@ -455,19 +478,22 @@ __device__ __forceinline__ void step_group_vec(const Adamw4Tensor& d, int64_t lg
 // and writes the parameter (and master). Per element: param and grad (2-4 B each), master (8 B if
 // any), codes 2 x 0.5 B read and written (kFull: 16 B of fp32).
 template <typename P, typename Gr, MasterKind M>
-__global__ void __launch_bounds__(kThreads) step_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
+__global__ void __launch_bounds__(kThreads, 4) step_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
                                                         int64_t n_groups, AdamwConfig c) {
   __shared__ Tables tb;
+  __shared__ Current slots[kWarps];
   fill_tables(tb);
   if (skipped(c)) return;
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
   const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  Current<P, Gr, M> cur;
+  Current& cur = slots[threadIdx.x >> 5];
+  init(cur);
   for (int64_t g = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); g < n_groups; g += n_warps) {
-    cur.seek(tensors, n_tensors, g, lr, c);
-    if (cur.vec && g < cur.full_end) step_group_vec<P, Gr, M>(cur.d, g - cur.d.group_begin, cur.t, cur.s, inv_gs, tb);
-    else step_group<P, Gr, M>(cur.d, g - cur.d.group_begin, cur.t, cur.s, inv_gs, tb);
+    seek<P, Gr, M>(cur, tensors, n_tensors, g, lr, c);
+    const int64_t lg = g - cur.d.group_begin;
+    if (cur.vec && g < cur.full_end) step_group_vec<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb);
+    else step_group<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb);
   }
 }
 

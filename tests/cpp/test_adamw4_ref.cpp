@@ -40,7 +40,7 @@ TEST(Adamw4Maps, MonotoneAndZeroOnlyInM) {
 }
 
 TEST(Adamw4Maps, EncodeDecodeRoundTripsEveryCode) {
-  for (float s : {1.0f, 3.7f, 1e-30f, 2e30f, 1e-40f /* subnormal */}) {
+  for (float s : {1.0f, 3.7f, 1e-30f, 2e30f, 1.2e-38f /* the smallest normals */}) {
     for (int c = 0; c < adamw4::kCodes; ++c) {
       EXPECT_EQ(adamw4::encode_m(adamw4::decode_m(c, s), s), c) << "m code " << c << " scale " << s;
       EXPECT_EQ(adamw4::encode_v(adamw4::decode_v(c, s), s), c) << "v code " << c << " scale " << s;
@@ -99,22 +99,23 @@ TEST(Adamw4Maps, FastEncodersEqualTheDefinitions) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (int i = 0; i < 20000; ++i) xs.push_back(u(rng));
-  for (float s : {1.0f, 3.7f, 0.1f, 1e-30f, 2e30f, 1e-40f, 0.0f, -1.0f, std::numeric_limits<float>::infinity(),
+  for (float s : {1.0f, 3.7f, 0.1f, 1e-30f, 2e30f, 1.2e-38f, 1e-40f, 0.0f, -1.0f, std::numeric_limits<float>::infinity(),
                   std::numeric_limits<float>::quiet_NaN()}) {
     for (float x : xs) {
       const float m = x * (std::isfinite(s) && s > 0.0f ? s : 1.0f);
-      EXPECT_EQ(adamw4::encode_m_table(m, s, mids), adamw4::encode_m(m, s)) << "m " << m << " scale " << s;
+      const float r = 1.0f / s;
+      EXPECT_EQ(adamw4::encode_m_table(m, s, r, mids), adamw4::encode_m(m, s)) << "m " << m << " scale " << s;
       const float v = std::fabs(m);
-      EXPECT_EQ(adamw4::encode_v_fast(v, s), adamw4::encode_v(v, s)) << "v " << v << " scale " << s;
-      EXPECT_EQ(adamw4::encode_m_table(x, s, mids), adamw4::encode_m(x, s)) << "m " << x << " scale " << s;
-      EXPECT_EQ(adamw4::encode_v_fast(std::fabs(x), s), adamw4::encode_v(std::fabs(x), s)) << x << " " << s;
+      EXPECT_EQ(adamw4::encode_v_fast(v, s, r), adamw4::encode_v(v, s)) << "v " << v << " scale " << s;
+      EXPECT_EQ(adamw4::encode_m_table(x, s, r, mids), adamw4::encode_m(x, s)) << "m " << x << " scale " << s;
+      EXPECT_EQ(adamw4::encode_v_fast(std::fabs(x), s, r), adamw4::encode_v(std::fabs(x), s)) << x << " " << s;
     }
   }
 }
 
 TEST(Adamw4Maps, UnusableScales) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-  for (float s : {0.0f, nan, inf}) {
+  for (float s : {0.0f, nan, inf, 1e-40f /* subnormal: its reciprocal overflows */}) {
     EXPECT_EQ(adamw4::encode_m(0.5f, s), adamw4::kZeroCodeM);
     EXPECT_EQ(adamw4::encode_v(0.5f, s), 0);
   }
