@@ -111,6 +111,8 @@ struct Current {
   int64_t end;       // one past the tensor's last group; -1: none yet
   int64_t full_end;  // one past the last group with all 128 elements
   bool vec;
+  uint32_t cols_magic;  // rank-1 with vec: row = div_cols(element), no division instruction
+  int cols_shift;
 };
 
 __device__ __forceinline__ void init(Current& cur) {
@@ -137,6 +139,7 @@ __device__ __forceinline__ void seek(Current& cur, const Adamw4Tensor* tensors, 
     cur.end = d.group_begin + groups_of(d.numel);
     cur.full_end = d.group_begin + d.numel / G;
     cur.vec = vectorizable<P, Gr, M>(d);
+    if (cur.vec && d.kind == Adamw4Kind::kRank1) adamw4::make_magic(static_cast<uint32_t>(d.cols), cur.cols_magic, cur.cols_shift);
     cur.t = adamw::step_count(*d.step);
     cur.s = adamw::make_scalars(lr, c, cur.t);
   }
@@ -398,8 +401,10 @@ __device__ __noinline__ void step_group(const Adamw4Tensor& d, int64_t lg, uint6
 
 // The vector path: a whole group of a vectorizable tensor.
 template <typename P, typename Gr, MasterKind M>
-__device__ __forceinline__ void step_group_vec(const Adamw4Tensor& d, int64_t lg, uint64_t t,
-                                               const adamw::Scalars& s, float inv_gs, const Tables& tb) {
+__device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, float inv_gs, const Tables& tb) {
+  const Adamw4Tensor& d = cur.d;
+  const uint64_t t = cur.t;
+  const adamw::Scalars& s = cur.s;
   const int64_t e0 = lg * G + (threadIdx.x & 31) * kPer;
   float p[kPer], g[kPer], m[kPer], v[kPer];
   if constexpr (M == MasterKind::kFp32) load4(d.master + e0, p);
@@ -407,8 +412,9 @@ __device__ __forceinline__ void step_group_vec(const Adamw4Tensor& d, int64_t lg
   load4(static_cast<const Gr*>(d.grad) + e0, g);
   uint32_t i = 0, j = 0;  // rank-1: the lane's row and first column (all 4 in that row)
   if (d.kind == Adamw4Kind::kRank1) {
-    i = static_cast<uint32_t>(e0) / static_cast<uint32_t>(d.cols);
-    j = static_cast<uint32_t>(e0) - i * static_cast<uint32_t>(d.cols);
+    const uint32_t cols = static_cast<uint32_t>(d.cols);
+    i = adamw4::div_magic(static_cast<uint32_t>(e0), cols, cur.cols_magic, cur.cols_shift);
+    j = static_cast<uint32_t>(e0) - i * cols;
   }
   if (d.kind == Adamw4Kind::kFull) {
     load4(static_cast<const float*>(d.m) + e0, m);
@@ -492,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 4) step_kernel(const Adamw4Tensor* _
   for (int64_t g = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); g < n_groups; g += n_warps) {
     seek<P, Gr, M>(cur, tensors, n_tensors, g, lr, c);
     const int64_t lg = g - cur.d.group_begin;
-    if (cur.vec && g < cur.full_end) step_group_vec<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb);
+    if (cur.vec && g < cur.full_end) step_group_vec<P, Gr, M>(cur, lg, inv_gs, tb);
     else step_group<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb);
   }
 }
@@ -503,7 +509,9 @@ void launch(const Adamw4Tensor* tensors, int64_t n_tensors, int64_t n_groups, co
   const unsigned clear_grid = static_cast<unsigned>(n_tensors < 1024 ? n_tensors : 1024);
   clear_kernel<<<clear_grid, 256, 0, stream>>>(tensors, n_tensors, c);
   COAT_CHECK_LAUNCH();
-  const unsigned grid = cuda::grid_for(n_groups, kWarps, 8);  // a warp per group (or strip)
+  // A warp per group (or strip); as many blocks as fit at once (4 per SM at 64 registers), so the
+  // grid-stride loops end together instead of in a second, partial wave.
+  const unsigned grid = cuda::grid_for(n_groups, kWarps, 4);
   stats_kernel<Gr><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, c);
   COAT_CHECK_LAUNCH();
   step_kernel<P, Gr, M><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);

@@ -113,6 +113,26 @@ TEST(Adamw4Maps, FastEncodersEqualTheDefinitions) {
   }
 }
 
+// The kernel's row of an element: a multiply-high and one correction, exact for every n < 2^31.
+TEST(Adamw4Maps, DivisionByMagicIsExact) {
+  std::mt19937 rng(5);
+  std::vector<uint32_t> ds = {1, 2, 3, 4, 5, 7, 100, 128, 4096, 11008, 32000, 65536, (1u << 30) + 7, (1u << 31) - 1};
+  for (int k = 0; k < 2000; ++k) ds.push_back(k % 2 ? (rng() % 100000) + 1 : (rng() & 0x7FFFFFFFu) | 1u);
+  for (uint32_t d : ds) {
+    uint32_t magic;
+    int shift;
+    adamw4::make_magic(d, magic, shift);
+    std::vector<int64_t> ns = {0, 1, d - 1, d, int64_t{d} + 1, (int64_t{1} << 31) - 1};
+    for (int k = 0; k < 200; ++k) ns.push_back(rng() & 0x7FFFFFFFu);
+    for (int64_t q = 1; q < 50; ++q) ns.push_back(q * d - 1), ns.push_back(q * d);
+    for (int64_t n : ns) {
+      if (n < 0 || n >= (int64_t{1} << 31)) continue;
+      ASSERT_EQ(adamw4::div_magic(static_cast<uint32_t>(n), d, magic, shift), static_cast<uint32_t>(n / d))
+          << n << " / " << d;
+    }
+  }
+}
+
 TEST(Adamw4Maps, UnusableScales) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   for (float s : {0.0f, nan, inf, 1e-40f /* subnormal: its reciprocal overflows */}) {
