@@ -49,20 +49,42 @@ def state_bytes(shape: tuple[int, ...], rank: int, state_dtype: torch.dtype = to
     return 4 * sizes["subset_norm"] + width * (sizes["exp_avg"] + sizes["proj"])
 
 
-def new_state(local: torch.Tensor, rank: int, state_dtype: torch.dtype) -> dict[str, Any]:
+#: How a matrix's weights are kept (the ``master_weights`` of coat.optim.AdamW): "fp32" keeps an fp32
+#: master copy of a 16-bit matrix in its state ("master") and writes the parameter from it (round
+#: to nearest); "bf16_sr" keeps none and writes a bf16 parameter with stochastic rounding.
+MASTER_WEIGHTS = ("fp32", "bf16_sr")
+
+
+def has_master(local: torch.Tensor, master_weights: str) -> bool:
+    return master_weights == "fp32" and local.dtype != torch.float32
+
+
+def new_state(local: torch.Tensor, rank: int, state_dtype: torch.dtype, master_weights: str = "fp32") -> dict[str, Any]:
     shapes = state_shapes(tuple(local.shape), rank)
     dev = local.device
-    return {
+    st = {
         # On the host: the refresh (an SVD every T steps) is decided there, without a device sync.
         "step": torch.zeros((), dtype=torch.float32),
         "subset_norm": torch.zeros(shapes["subset_norm"], dtype=torch.float32, device=dev),
         "exp_avg": torch.zeros(shapes["exp_avg"], dtype=state_dtype, device=dev),
         "proj": torch.zeros(shapes["proj"], dtype=state_dtype, device=dev),
     }
+    if has_master(local, master_weights):
+        st["master"] = local.detach().float().clone()
+    return st
 
 
-def check_state(state: dict[str, Any], local: torch.Tensor, rank: int, state_dtype: torch.dtype, what: str) -> None:
+def check_state(state: dict[str, Any], local: torch.Tensor, rank: int, state_dtype: torch.dtype, what: str,
+                master_weights: str = "fp32") -> None:
     """A saved or live state this matrix can use (else ValueError naming ``what``)."""
+    want_master = has_master(local, master_weights)
+    if ("master" in state) != want_master:
+        raise ValueError(f"{what} {'lacks' if want_master else 'holds'} an fp32 master copy, but this optimizer's "
+                         f"master_weights={master_weights!r} for a {local.dtype} parameter "
+                         f"{'needs' if want_master else 'keeps'} {'one' if want_master else 'none'}")
+    if want_master and not (isinstance(state["master"], torch.Tensor) and state["master"].dtype == torch.float32
+                            and tuple(state["master"].shape) == tuple(local.shape)):
+        raise ValueError(f"{what}['master'] must be a float32 tensor of shape {tuple(local.shape)}")
     missing = [k for k in ("step", *STATE_KEYS) if k not in state]
     if missing:
         raise ValueError(f"{what} is not a coat.optim.SubsetNormSM matrix state: missing {missing} "
@@ -97,13 +119,19 @@ def next_projection(grad: torch.Tensor, state: dict[str, Any], group: dict[str, 
 
 
 def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-           new_proj: torch.Tensor | None) -> None:
+           new_proj: torch.Tensor | None, *, grad_scale: torch.Tensor | None = None,
+           sr_seed: int | None = None) -> None:
     """One step of one matrix (``state["step"]`` already counts it; ``new_proj``: ``next_projection``'s).
-    Computed in fp32; the parameter is written in its own dtype (round to nearest)."""
+    Computed in fp32 on the fp32 master (``state["master"]``) or the parameter itself; the gradient
+    is multiplied by ``1 / grad_scale`` when given (gradient release's clipping scale). The
+    parameter is written in its own dtype: from the master, or with stochastic rounding seeded by
+    ``sr_seed`` for bf16 parameters without one (``master_weights="bf16_sr"``), else round to nearest."""
     t = int(state["step"].item())
     beta1, beta2 = group["betas"]
     lr = float(group["lr"])
     g = grad.float()
+    if grad_scale is not None:
+        g = g * torch.reciprocal(grad_scale.to(g.device, torch.float32).reshape(()))
     is_tall = tall(tuple(g.shape))
     if new_proj is not None:
         state["proj"].copy_(new_proj)
@@ -128,7 +156,34 @@ def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: di
     if group["correct_bias"]:
         bc2 = 1.0 - beta2 ** t if beta2 < 1.0 else 1.0
         step_size = lr * math.sqrt(bc2) / (1.0 - beta1 ** t)
-    new = p.float().sub_(num.div_(v.sqrt().add_(group["eps"])), alpha=step_size)
+    master = state.get("master")
+    new = (master if master is not None else p.float()).sub_(num.div_(v.sqrt().add_(group["eps"])), alpha=step_size)
     if group["weight_decay"] > 0:  # after the update, as the reference does
         new.mul_(1.0 - lr * group["weight_decay"])
-    p.copy_(new)
+    if sr_seed is not None and master is None and p.dtype == torch.bfloat16:
+        p.copy_(bf16_stochastic(new, _generator(p.device, sr_seed, t)))
+    else:
+        p.copy_(new)
+
+
+#: The largest finite bfloat16.
+_BF16_MAX = 3.3895313892515355e38
+
+
+def _generator(device: torch.device, seed: int, step: int) -> torch.Generator:
+    """A generator for (seed, step): the same bits for the same matrix and step, so a resumed run
+    rounds as the uninterrupted one did."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77) % (1 << 63))
+    return gen
+
+
+def bf16_stochastic(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """bf16 of fp32 ``x`` with stochastic rounding: 16 random bits added below the bf16 mantissa,
+    then truncated (coat.optim.AdamW's rule: the magnitude rounds up with probability equal to the
+    dropped fraction; NaN and +-Inf stay; a finite value never becomes Inf)."""
+    r = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen)
+    out = ((x.view(torch.int32) + r) & -65536).view(torch.float32)
+    finite = torch.isfinite(x)
+    out = torch.where(finite & torch.isinf(out), torch.full_like(x, _BF16_MAX).copysign(x), out)
+    return torch.where(finite, out, x).to(torch.bfloat16)
