@@ -118,6 +118,12 @@ def next_projection(grad: torch.Tensor, state: dict[str, Any], group: dict[str, 
     return top_subspace(grad.float(), p.shape[0] if tall(tuple(grad.shape)) else p.shape[1])
 
 
+#: Elements of a matrix updated at once: the update runs in slices of whole rows (tall) or columns
+#: (wide), so its fp32 temporaries stay near 24 bytes x CHUNK whatever the matrix (an LM head
+#: of 1.3e8 parameters would otherwise need ~3 GB of them).
+CHUNK = 1 << 24
+
+
 def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
            new_proj: torch.Tensor | None, *, grad_scale: torch.Tensor | None = None,
            sr_seed: int | None = None) -> None:
@@ -125,45 +131,53 @@ def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: di
     Computed in fp32 on the fp32 master (``state["master"]``) or the parameter itself; the gradient
     is multiplied by ``1 / grad_scale`` when given (gradient release's clipping scale). The
     parameter is written in its own dtype: from the master, or with stochastic rounding seeded by
-    ``sr_seed`` for bf16 parameters without one (``master_weights="bf16_sr"``), else round to nearest."""
+    ``sr_seed`` for bf16 parameters without one (``master_weights="bf16_sr"``), else round to nearest.
+    Every quantity of the update is per row (tall) or per column (wide) once the projection is
+    fixed, so it runs in slices of the long dimension (``CHUNK``)."""
     t = int(state["step"].item())
     beta1, beta2 = group["betas"]
     lr = float(group["lr"])
-    g = grad.float()
-    if grad_scale is not None:
-        g = g * torch.reciprocal(grad_scale.to(g.device, torch.float32).reshape(()))
-    is_tall = tall(tuple(g.shape))
+    is_tall = tall(tuple(p.shape))
     if new_proj is not None:
         state["proj"].copy_(new_proj)
         state["exp_avg"].zero_()  # momentum coordinates of the old subspace mean nothing in the new one
     proj = state["proj"].float()
-    low = g @ proj.T if is_tall else proj.T @ g
-    m = state["exp_avg"].float().mul_(beta1).add_(low, alpha=1.0 - beta1)
-    state["exp_avg"].copy_(m)
-
-    def back(x: torch.Tensor) -> torch.Tensor:
-        return x @ proj if is_tall else proj @ x
-
-    # momentum in the subspace, plain SGD on the orthogonal residual g - back(low)
-    num = back(m - low).add_(g)
-    sq = g.square().sum(dim=1 if is_tall else 0, keepdim=True)
-    v = state["subset_norm"]
-    if beta2 < 1.0:
-        v.mul_(beta2).add_(sq, alpha=1.0 - beta2)
-    else:  # beta2 == 1: AdaGrad's accumulation
-        v.add_(sq)
     step_size = lr
     if group["correct_bias"]:
         bc2 = 1.0 - beta2 ** t if beta2 < 1.0 else 1.0
         step_size = lr * math.sqrt(bc2) / (1.0 - beta1 ** t)
+    inv = None if grad_scale is None else torch.reciprocal(grad_scale.to(p.device, torch.float32).reshape(()))
     master = state.get("master")
-    new = (master if master is not None else p.float()).sub_(num.div_(v.sqrt().add_(group["eps"])), alpha=step_size)
-    if group["weight_decay"] > 0:  # after the update, as the reference does
-        new.mul_(1.0 - lr * group["weight_decay"])
-    if sr_seed is not None and master is None and p.dtype == torch.bfloat16:
-        p.copy_(bf16_stochastic(new, _generator(p.device, sr_seed, t)))
-    else:
-        p.copy_(new)
+    gen = _generator(p.device, sr_seed, t) if sr_seed is not None and master is None and p.dtype == torch.bfloat16 \
+        else None
+    long, short = (p.shape[0], p.shape[1]) if is_tall else (p.shape[1], p.shape[0])
+    per = max(1, CHUNK // max(short, 1))
+    for a in range(0, long, per):
+        def pick(x: torch.Tensor, a: int = a) -> torch.Tensor:
+            return x[a:a + per] if is_tall else x[:, a:a + per]
+
+        g = pick(grad).float()
+        if inv is not None:
+            g = g * inv
+        low = g @ proj.T if is_tall else proj.T @ g
+        exp_avg = pick(state["exp_avg"])
+        m = exp_avg.float().mul_(beta1).add_(low, alpha=1.0 - beta1)
+        exp_avg.copy_(m)
+        # momentum in the subspace, plain SGD on the orthogonal residual g - back(low)
+        num = ((m - low) @ proj if is_tall else proj @ (m - low)).add_(g)
+        sq = g.square().sum(dim=1 if is_tall else 0, keepdim=True)
+        del g, low, m
+        v = pick(state["subset_norm"])
+        if beta2 < 1.0:
+            v.mul_(beta2).add_(sq, alpha=1.0 - beta2)
+        else:  # beta2 == 1: AdaGrad's accumulation
+            v.add_(sq)
+        w = pick(master) if master is not None else pick(p).float()  # a view when fp32: updated in place
+        new = w.sub_(num.div_(v.sqrt().add_(group["eps"])), alpha=step_size)
+        del num
+        if group["weight_decay"] > 0:  # after the update, as the reference does
+            new.mul_(1.0 - lr * group["weight_decay"])
+        pick(p).copy_(bf16_stochastic(new, gen) if gen is not None else new)
 
 
 #: The largest finite bfloat16.

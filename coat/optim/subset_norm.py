@@ -435,12 +435,13 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
 
 
 def snsm_param_groups(model: torch.nn.Module, **matrix_options: Any) -> list[dict[str, Any]]:
-    """The reference's split of ``model``'s trainable parameters: the weights of ``nn.Linear`` modules
-    take Subset-Norm + Subspace-Momentum (``matrix_options``: per-group overrides such as rank or lr),
-    everything else (embeddings, norms, biases, a head tied to an embedding) ``{"adamw": True}``."""
+    """The reference's split of ``model``'s trainable parameters: the projection matrices take
+    Subset-Norm + Subspace-Momentum (``matrix_options``: per-group overrides such as rank or lr),
+    everything else ``{"adamw": True}``. Matrices are the 2-D parameters other than embedding
+    tables (an ``nn.Embedding``'s weight, and a head tied to it): ``nn.Linear`` weights, and those of
+    coat.convert's FP8 layers, which are not ``nn.Linear``."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    linear = {id(m.weight) for m in model.modules()
-              if isinstance(m, torch.nn.Linear) and id(m.weight) not in embedded}
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if id(p) in linear], **matrix_options},
-            {"params": [p for p in params if id(p) not in linear], "adamw": True}]
+    matrix = {id(p) for p in params if p.dim() == 2 and id(p) not in embedded}
+    return [{"params": [p for p in params if id(p) in matrix], **matrix_options},
+            {"params": [p for p in params if id(p) not in matrix], "adamw": True}]
