@@ -47,7 +47,7 @@ def test_builds_adamw4bit_and_describes_its_states() -> None:
 def test_release_needs_a_coat_optimizer() -> None:
     cfg = resolve_config(TrainConfig(model="tiny", activations="bf16", optim="torch", compare=False,
                                      release_grads=True, device="cpu"))
-    with pytest.raises(ConfigError, match="coat or coat4bit"):
+    with pytest.raises(ConfigError, match="coat, coat4bit or snsm"):
         validate(cfg)
 
 
