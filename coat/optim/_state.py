@@ -191,6 +191,13 @@ def _is_dtensor(t: Any) -> bool:
     return callable(getattr(t, "to_local", None)) and hasattr(t, "device_mesh")
 
 
+def is_sharded(p: Any) -> bool:
+    """Whether DTensor p is sharded along some mesh dimension (not only replicated)."""
+    from torch.distributed.tensor import Shard
+
+    return any(isinstance(pl, Shard) for pl in p.placements)
+
+
 def _shard0_layout(p: torch.Tensor) -> tuple[Any, int, int]:
     """(mesh, shard count, group count of the largest shard) of a parameter sharded on dim 0 along one
     mesh dimension and replicated along any others (FSDP2, HSDP)."""
