@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._ops import adamw4 as _ops
-from ._state import _is_dtensor, _shard0_layout, check_master, same_layout, shard_seed
+from ._state import _is_dtensor, _shard0_layout, check_master, is_sharded, like_param, per_rank, same_layout, shard_seed
 
 __all__ = ["kind_of", "new_state", "check_state", "check_master", "descriptor_row", "load_param_state", "groups",
            "to_dtensor_state", "shard_layout",
@@ -173,34 +173,22 @@ def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     per rank (padded to the largest shard's), since a shard's blocks of 128 are its own. The layout
     (shard count, largest shard) travels as ``shard_layout``: blocks cannot be resharded, so a load
     at another layout is refused."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not any(isinstance(pl, Shard) for pl in p.placements):
+    if not is_sharded(p):
         return st  # replicated everywhere: every rank holds the same state, plain tensors say so
     world, n_full = shard_layout(p)
-    mesh = p.device_mesh
-
-    def like_param(t: torch.Tensor) -> Any:
-        return DTensor.from_local(t, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-
-    def per_rank(t: torch.Tensor, n: int) -> Any:
-        block = torch.zeros(n, dtype=t.dtype, device=t.device)
-        block[: t.numel()] = t.reshape(-1)
-        return DTensor.from_local(block, mesh, p.placements, run_check=False, shape=(world * n,), stride=(1,))
-
     kind = state_kind(st)
     if kind == "rank1":  # kind_of never gives a sharded parameter rank-1 statistics
         raise ValueError("a sharded parameter holds rank-1 states: they span shards and cannot be saved per shard")
     out = dict(st)
     if kind == "full":
-        out["exp_avg"], out["exp_avg_sq"] = like_param(st["exp_avg"]), like_param(st["exp_avg_sq"])
+        out["exp_avg"], out["exp_avg_sq"] = like_param(st["exp_avg"], p), like_param(st["exp_avg_sq"], p)
     else:
         for k in ("exp_avg_q4", "exp_avg_sq_q4"):
-            out[k] = per_rank(st[k], (n_full + 1) // 2)
+            out[k] = per_rank(st[k], (n_full + 1) // 2, p, world)
         for k in ("exp_avg_absmax", "exp_avg_sq_absmax"):
-            out[k] = per_rank(st[k], groups(n_full))
+            out[k] = per_rank(st[k], groups(n_full), p, world)
     if "master" in st:
-        out["master"] = like_param(st["master"])
+        out["master"] = like_param(st["master"], p)
     out["shard_layout"] = torch.tensor([world, n_full], dtype=torch.int64)
     return out
 

@@ -30,9 +30,9 @@ def _batches():
     return [(torch.randn(16, 128, generator=g), torch.randn(16, 64, generator=g)) for _ in range(3)]
 
 
-def _run(model, opt):
-    for x, y in _batches():
-        ((model(x) - y) ** 2).mean().backward()
+def _run(model, opt, batches=None, dtype=torch.float32):
+    for x, y in _batches() if batches is None else batches:
+        ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
 
@@ -104,22 +104,13 @@ def _dcp_worker(rank: int, world: int, port: int, ckpt: str, out: str, dtype: to
     try:
         batches = _batches() * 2
         model, opt = _sharded(world, dtype, master)
-        for x, y in batches[:3]:
-            ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _run(model, opt, batches[:3], dtype)
         _dcp(model, opt, ckpt, save=True)
-        for x, y in batches[3:]:
-            ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _run(model, opt, batches[3:], dtype)
         straight = [p.full_tensor().detach() for p in model.parameters()]
         model, opt = _sharded(world, dtype, master)
         _dcp(model, opt, ckpt, save=False)
-        for x, y in batches[3:]:
-            ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _run(model, opt, batches[3:], dtype)
         resumed = [p.full_tensor().detach() for p in model.parameters()]
         if rank == 0:
             torch.save({"straight": straight, "resumed": resumed}, out)
