@@ -254,10 +254,13 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         return out
 
     def _run_matrices(self, items: list[tuple], grad_scale: torch.Tensor | None) -> None:
+        index = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
         for p, g, group, proj in items:
             state = self.state[p]
             state["step"] += 1
-            _snsm.update(p, g, state, group, proj, grad_scale=grad_scale, sr_seed=self._sr_seed(p))
+            # bf16_sr: the rounding bits of a matrix come from the seed and its position in the list
+            seed = self.seed * 1_000_003 + index[id(p)] if self.master_weights == "bf16_sr" else None
+            _snsm.update(p, g, state, group, proj, grad_scale=grad_scale, sr_seed=seed)
 
     def _inner_positions(self) -> dict[int, int]:
         """Position in the whole parameter list -> position in the AdamW part's list."""
@@ -299,13 +302,6 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
                     raise ValueError("found_inf: the Subset-Norm matrices cannot skip a step on the device; "
                                      "let torch.amp.GradScaler unscale before step()")
                 self._run_matrices(launch.items, grad_scale)
-
-    def _sr_seed(self, p: torch.Tensor) -> int | None:
-        """The stochastic-rounding seed of matrix p (its position in the parameter list), or None."""
-        if self.master_weights != "bf16_sr":
-            return None
-        index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
-        return self.seed * 1_000_003 + index
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
