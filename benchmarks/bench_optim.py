@@ -1,5 +1,5 @@
-"""Benchmark coat.optim.AdamW (fused FP8-state step) and coat.optim.AdamW4bit (4-bit states) against
-torch.optim.AdamW(fused=True) on the
+"""Benchmark coat.optim.AdamW (fused FP8-state step), coat.optim.AdamW4bit (4-bit states) and
+coat.optim.SubsetNormSM against torch.optim.AdamW(fused=True) on the
 Llama-2-7B parameter set (6.74e9 parameters: embed_tokens and lm_head 32000 x 4096; per layer
 q/k/v/o 4096 x 4096, gate/up/down 11008 x 4096, two 4096 norms; a final 4096 norm).
 
@@ -10,6 +10,8 @@ Configurations, run one after another with memory freed in between:
   4bit  bf16 params + fp32 master + bf16 grads  (coat.optim.AdamW4bit)
   4bit  bf16 params, bf16_sr (no master) + bf16 grads
   torch AdamW(fused=True), fp32 params + fp32 grads   (the baseline; needs ~108 GB at full size)
+  snsm  bf16 params, bf16_sr + bf16 grads  (coat.optim.SubsetNormSM: rank 128 on the matrices, FP8 AdamW
+        on the embedding and norms; its first step, every projection's SVD, reported apart)
 For each: the step time of `--iters` steps run back to back (CUDA events around them all; the host
 queues ahead as in training, so this is the GPU's time), also the median of steps timed one at a
 time from an idle GPU (which adds the host's work in step()) and that host time; bytes moved per parameter
@@ -50,6 +52,10 @@ BYTES = {
     "4bit bf16+fp32 master, bf16 grads": 2 + 8 + 2 + STATE4_B,
     "4bit bf16_sr, bf16 grads": 4 + 2 + STATE4_B,
     "torch fused AdamW fp32": 8 + 4 + 16,                      # param r/w, grad read, fp32 m and v r/w
+    # SubsetNormSM (torch ops, not a fused kernel): param r/w, grad read, its ~0.2 B/param of states
+    # r/w; it moves several times more (fp32 temporaries). Its first step refreshes every projection
+    # (an SVD per matrix): timed apart as first_step_s.
+    "snsm bf16_sr, bf16 grads": 4 + 2 + 0.5,
 }
 
 
@@ -100,6 +106,12 @@ def bench(name: str, shapes, warmup: int, iters: int) -> dict:
         params = make_params(shapes, torch.bfloat16, torch.bfloat16)
         master = "bf16_sr" if "bf16_sr" in name else "fp32"
         opt = co.AdamW4bit(params, lr=1e-4, weight_decay=0.01, master_weights=master)
+    elif name.startswith("snsm"):
+        params = make_params(shapes, torch.bfloat16, torch.bfloat16)
+        matrices = [p for p in params[1:] if p.dim() == 2]  # params[0]: the embedding (AdamW, FP8 states)
+        rest = [params[0]] + [p for p in params[1:] if p.dim() != 2]
+        opt = co.SubsetNormSM([{"params": matrices}, {"params": rest, "adamw": True}], lr=1e-4, weight_decay=0.01,
+                              master_weights="bf16_sr")
     elif name.startswith("coat fp32"):
         params = make_params(shapes, torch.float32, torch.float32)
         opt = co.AdamW(params, lr=1e-4, weight_decay=0.01)
@@ -107,7 +119,12 @@ def bench(name: str, shapes, warmup: int, iters: int) -> dict:
         params = make_params(shapes, torch.float32, torch.float32)
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     n = sum(p.numel() for p in params)
-    for _ in range(warmup):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    opt.step()  # creates the states (SubsetNormSM: and refreshes every projection)
+    torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - t0
+    for _ in range(warmup - 1):
         opt.step()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -137,7 +154,11 @@ def bench(name: str, shapes, warmup: int, iters: int) -> dict:
     state = [t for s in opt.state.values() for k, t in s.items() if isinstance(t, torch.Tensor) and k != "step"]
     moments = sum(t.numel() * t.element_size() for t, k in
                   ((t, k) for s in opt.state.values() for k, t in s.items()) if k.startswith("exp_avg"))
-    res = {"config": name, "params": n, "step_s": step_s, "step_s_synced": statistics.median(times),
+    if name.startswith("snsm"):  # the AdamW part's states live in the inner optimizer
+        inner = [t for s in opt.adamw.state.values() for k, t in s.items() if isinstance(t, torch.Tensor) and k != "step"]
+        state += inner
+    res = {"config": name, "params": n, "step_s": step_s, "first_step_s": first_step_s,
+           "step_s_synced": statistics.median(times),
            "step_s_synced_min": min(times), "host_s": statistics.median(host),
            "bytes_per_param": BYTES[name], "state_bytes_per_param": sum(t.numel() * t.element_size() for t in state) / n,
            "moment_bytes_per_param": moments / n, "step_peak_extra_bytes": peak_extra,
@@ -154,12 +175,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-torch", action="store_true", help="skip the torch baseline (it needs 16 B/param)")
+    ap.add_argument("--skip-snsm", action="store_true", help="skip SubsetNormSM (its first step runs an SVD per "
+                    "matrix: minutes at 32 layers)")
     ap.add_argument("--out", default="bench_optim.json")
     args = ap.parse_args()
 
     shapes = llama7b_shapes(args.layers)
     bw = copy_bandwidth()
-    names = [k for k in BYTES if not (args.skip_torch and k.startswith("torch"))]
+    names = [k for k in BYTES if not (args.skip_torch and k.startswith("torch"))
+             and not (args.skip_snsm and k.startswith("snsm"))]
     rows = []
     for name in names:
         r = bench(name, shapes, args.warmup, args.iters)
@@ -168,7 +192,8 @@ def main() -> None:
         r["vs_floor"] = r["step_s"] / r["floor_s"]
         rows.append(r)
         print(f"{name}: {r['step_s'] * 1e3:.2f} ms ({r['vs_floor']:.2f}x floor); one at a time "
-              f"{r['step_s_synced'] * 1e3:.2f} ms, host {r['host_s'] * 1e3:.2f} ms", flush=True)
+              f"{r['step_s_synced'] * 1e3:.2f} ms, host {r['host_s'] * 1e3:.2f} ms; first step "
+              f"{r['first_step_s']:.2f} s", flush=True)
     torch_row = next((r for r in rows if r["config"].startswith("torch")), None)
     for r in rows:
         r["speedup_vs_torch_fused"] = torch_row["step_s"] / r["step_s"] if torch_row else None

@@ -31,7 +31,8 @@ from typing import Any
 
 from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, NotModeled, fused_loss_transient,
                                      layer_saved, outside_saved, saved_constants)
-from coat.memory_recipes import ADAMW4_STATE_BYTES, COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe
+from coat.memory_recipes import (ADAMW4_STATE_BYTES, COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe,
+                                 snsm_state_bytes, snsm_step_transient)
 from coat.memory_shapes import MODEL_TYPES, PRESETS, ModelShape, load_shape
 from coat.memory_side import side_plan_parts
 
@@ -101,6 +102,9 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     table = rec.fsdp_activations if fsdp else rec.activations
     if rec.lora and fsdp:
         raise ValueError(f"--recipe {rec.name}: LoRA is modeled on one GPU (coat bench runs it without --fsdp)")
+    if rec.snsm_rank and fsdp:
+        raise ValueError(f"--recipe {rec.name}: coat.optim.SubsetNormSM does not support FSDP2 (a shard holds "
+                         "only part of a matrix's rows or columns); use --gpus 1")
     adapters = s.lora_params(LORA_RANK) if rec.lora else 0
     weights, master, states, grads = _persistent(s, rec, gpus, adapters)
     layer_ops = layer_saved(s, table)
@@ -124,10 +128,15 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     # LM head's gradient written and what was saved outside the layers already freed.
     layers_saved = per_layer * s.layers
     adapter_copies = 2.0 * adapters if table == "coat-lora" else 0.0  # bf16, kept for the adapters' backward
+    # SubsetNormSM's step (its largest matrix's refresh or update slice): under release beside the
+    # gradients of the bucket it steps (the LM head's, or a layer's), else after backward.
+    step_tr = snsm_step_transient(s, rec.snsm_rank) if rec.snsm_rank else 0.0
     if rec.grad_release:
         last_layer, live_grads = _released(s, rec, gpus, head_grad, layer_tr, weight_tr)
+        if step_tr:
+            last_layer = max(last_layer, max(head_grad, rec.grad_bytes * s.layer_params) + step_tr)
     else:
-        last_layer, live_grads = head_grad + layer_tr + weight_tr, grads
+        last_layer, live_grads = head_grad + layer_tr + weight_tr, grads + step_tr
     start_tr = max(outside + loss_tr, last_layer)
     start = resident + copies + layers_saved + adapter_copies + start_tr + fsdp_tr + work
     end = resident + live_grads + fsdp_end + work
@@ -199,7 +208,8 @@ def _persistent(s: ModelShape, rec: Recipe, gpus: int, adapters: int) -> tuple[f
     master = rec.master_bytes * n / gpus
     if rec.lora:  # fp32 adapters, torch AdamW's fp32 states and fp32 gradients; the base frozen
         return weights, master, 8.0 * adapters, 4.0 * adapters
-    return weights, master, rec.state_bytes * n / gpus, rec.grad_bytes * n / gpus
+    states = snsm_state_bytes(s, rec.snsm_rank) if rec.snsm_rank else rec.state_bytes * n
+    return weights, master, states / gpus, rec.grad_bytes * n / gpus
 
 
 def _loss_transient(s: ModelShape, rec: Recipe, table: str, t: int, head_bytes: int, device: str) -> float:

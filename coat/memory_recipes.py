@@ -18,6 +18,46 @@ COAT_STATE_BYTES = 2 * (1 + 5 / 128)
 #: rank-1 (row and column) maxima on the matrices, two buffers of them: ~8 (rows + cols) / (rows cols)
 #: B/param, 0.002-0.004 on Llama-2-7B's matrices; the few small tensors (norms) keep fp32 states.
 ADAMW4_STATE_BYTES = 1 + 4 / 128 + 0.004
+#: coat.optim.SubsetNormSM's rank in the snsm setups (its default, and coat train's).
+SNSM_RANK = 128
+
+
+def snsm_matrix_bytes(rows: int, cols: int, rank: int) -> int:
+    """State bytes of one SN-SM matrix in fp32: the subset norm (one value per row of a tall matrix,
+    per column of a wide one) and the rank-r momentum and projection (coat.optim._snsm.state_bytes;
+    tests/python/test_memory_snsm.py checks that the two agree)."""
+    r = min(rank, rows, cols)
+    return 4 * max(rows, cols) + 4 * r * (rows + cols)
+
+
+def _snsm_matrices(s) -> list[tuple[int, int, int]]:
+    """(rows, cols, how many) of the matrices SubsetNormSM steps in a decoder model: each layer's
+    projections and an untied LM head (snsm_param_groups' split)."""
+    h, q, kv, i = s.hidden, s.q_width, s.kv_width, s.intermediate
+    mats = [(q, h, s.layers), (kv, h, 2 * s.layers), (h, q, s.layers), (i, h, 2 * s.layers), (h, i, s.layers)]
+    return mats + ([] if s.tied else [(s.vocab, h, 1)])
+
+
+def snsm_state_bytes(s, rank: int) -> float:
+    """Optimizer-state bytes of SubsetNormSM on model shape ``s``: SN-SM on the matrices, FP8 AdamW
+    (COAT_STATE_BYTES per parameter) on the embedding, norms and biases."""
+    mats = _snsm_matrices(s)
+    matrix_params = sum(r * c * k for r, c, k in mats)
+    return sum(snsm_matrix_bytes(r, c, rank) * k for r, c, k in mats) + COAT_STATE_BYTES * (s.n_params - matrix_params)
+
+
+#: coat.optim._snsm.CHUNK: elements of a matrix one slice of the update touches.
+SNSM_CHUNK = 1 << 24
+
+
+def snsm_step_transient(s, rank: int) -> float:
+    """The largest transient of SubsetNormSM's step over the matrices: a refresh (the fp32 gradient
+    and the thin SVD's factors) or an update slice (~24 bytes per element of at most SNSM_CHUNK)."""
+    def worst(r: int, c: int) -> int:
+        k = min(r, c)
+        return max(4 * (r * c + r * k + k * c + k), 24 * min(r * c, SNSM_CHUNK))
+
+    return float(max(worst(r, c) for r, c, _ in _snsm_matrices(s)))
 
 
 @dataclass(frozen=True)
@@ -51,6 +91,9 @@ class Recipe:
     # Side tuning (coat.SideTuned, r=16, coat bench's ``+side`` setups): the base frozen in FP8 and run
     # without autograd; the side network trains with this recipe's optimizer (coat.memory_side).
     side: bool = False
+    # coat.optim.SubsetNormSM (the snsm setups): its rank; the states are then snsm_state_bytes, not
+    # state_bytes per parameter, and its step adds snsm_step_transient. One GPU only (no FSDP2).
+    snsm_rank: int = 0
 
     def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None,
                    graph: bool | None = None, lora: bool | None = None, side: bool | None = None) -> "Recipe":
@@ -100,6 +143,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            ADAMW4_STATE_BYTES, 2, "coat", "coat", fp8_weights=True, fused_loss=True),
     Recipe("coat4bit-lean", "bf16 weights, coat.convert, coat.optim.AdamW4bit(master_weights='bf16_sr')", 2, 0,
            ADAMW4_STATE_BYTES, 2, "coat", "coat", fp8_weights=True, fused_loss=True),
+    Recipe("snsm", "bf16 weights, coat.convert, coat.optim.SubsetNormSM (rank 128, fp32 master)", 2, 4, 0.0, 2,
+           "coat", "coat", fp8_weights=True, fused_loss=True, snsm_rank=SNSM_RANK),
+    Recipe("snsm-lean", "bf16 weights, coat.convert, coat.optim.SubsetNormSM(master_weights='bf16_sr')", 2, 0, 0.0,
+           2, "coat", "coat", fp8_weights=True, fused_loss=True, snsm_rank=SNSM_RANK),
 )}
 
 

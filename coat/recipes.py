@@ -22,6 +22,9 @@ RECIPES: dict[str, str] = {
     "coat-lean": "coat with master_weights='bf16_sr': bf16 weights and no fp32 copy",
     "coat4bit": "FP8 layers (coat.convert), coat.optim.AdamW4bit (4-bit states) with fp32 master weights",
     "coat4bit-lean": "coat4bit with master_weights='bf16_sr': bf16 weights and no fp32 copy",
+    "snsm": "FP8 layers (coat.convert), coat.optim.SubsetNormSM (Subset-Norm + Subspace-Momentum on the matrices, "
+            "FP8 AdamW on the rest) with fp32 master weights",
+    "snsm-lean": "snsm with master_weights='bf16_sr': bf16 weights and no fp32 copy",
 }
 
 #: The modes, in the order they are written; each a one-line description.

@@ -134,7 +134,7 @@ def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, grap
     # coat.convert's defaults (FP8 layers, fused LM head + loss); ``release``: the optimizer steps
     # inside backward (coat.optim.step_in_backward); ``fused_loss=False``: Hugging Face's loss path;
     # ``graphed``: the step replayed from CUDA graphs (coat.CudaGraphStep); ``optim``: the class in
-    # coat.optim (AdamW: FP8 states, AdamW4bit: 4-bit states).
+    # coat.optim (AdamW: FP8 states, AdamW4bit: 4-bit states, SubsetNormSM).
     def prepare(model, ctx):
         import coat
         import coat.optim
@@ -142,7 +142,9 @@ def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, grap
         coat.convert(model, recipe="coat", fused_loss=fused_loss)
         if ctx.mesh is not None:
             _shard(model, ctx)
-        opt = getattr(coat.optim, optim)(model.parameters(), lr=ctx.lr, master_weights=master)
+        # SubsetNormSM: Subset-Norm + Subspace-Momentum on the projection matrices, FP8 AdamW on the rest
+        params = coat.optim.snsm_param_groups(model) if optim == "SubsetNormSM" else model.parameters()
+        opt = getattr(coat.optim, optim)(params, lr=ctx.lr, master_weights=master)
         if release:
             coat.optim.step_in_backward(opt, model)
         return _train_step(model, opt, nullcontext(), graphed)
@@ -265,6 +267,12 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           torch.bfloat16, _prep_coat("bf16_sr", optim="AdamW4bit")),
     Setup("coat4bit-lean+release", "coat4bit-lean with the optimizer step inside backward", torch.bfloat16,
           _prep_coat("bf16_sr", release=True, optim="AdamW4bit")),
+    Setup("snsm", "bf16 weights, coat.convert, coat.optim.SubsetNormSM (SN-SM rank 128 on the matrices, FP8 AdamW "
+          "on the rest, fp32 master)", torch.bfloat16, _prep_coat("fp32", optim="SubsetNormSM"), fsdp=False),
+    Setup("snsm-lean", "bf16 weights, coat.convert, coat.optim.SubsetNormSM(master_weights='bf16_sr')", torch.bfloat16,
+          _prep_coat("bf16_sr", optim="SubsetNormSM"), fsdp=False),
+    Setup("snsm-lean+release", "snsm-lean with the optimizer step inside backward", torch.bfloat16,
+          _prep_coat("bf16_sr", release=True, optim="SubsetNormSM"), fsdp=False),
     Setup("coat+graph", "coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,
           _prep_coat("fp32", graphed=True), cuda_only=True, fsdp=False, graphed=True),
     Setup("coat-lean+graph", "coat-lean, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,

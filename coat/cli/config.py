@@ -20,7 +20,7 @@ DTYPES = ("auto", "fp32", "bf16")
 # setup names of coat.recipes, which ``expand_setup`` turns into one of these plus flags, and a
 # run is recorded under its setup name (``setup_name``).
 RECIPE_PARTS = {"bf16": ("bf16", "torch"), "fp8": ("fp8", "torch"), "coat": ("fp8", "coat"),
-                "coat4bit": ("fp8", "coat4bit")}
+                "coat4bit": ("fp8", "coat4bit"), "snsm": ("fp8", "snsm")}
 RECIPES = tuple(RECIPE_PARTS)
 DEFAULT_RECIPE = "coat"
 BASELINE_RECIPE = "bf16"
@@ -29,7 +29,7 @@ ACTIVATIONS = ("bf16", "fp8")
 #: snsm: coat.optim.SubsetNormSM (Subset-Norm + Subspace-Momentum on the matrices, FP8 AdamW on the rest).
 OPTIMIZERS = ("torch", "coat", "coat4bit", "snsm")
 #: The optimizers of coat: --master-weights and --release-grads apply to them.
-COAT_OPTIMIZERS = ("coat", "coat4bit")
+COAT_OPTIMIZERS = ("coat", "coat4bit", "snsm")
 MASTER_WEIGHTS = ("fp32", "bf16_sr")
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_SEED = 2**32 - 1
@@ -196,7 +196,8 @@ def expand_setup(cfg: TrainConfig) -> tuple[TrainConfig, set[str]]:
 TRAIN_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16": ("bf16", {}), "amp": ("bf16", {"dtype": "bf16"}), "fp32": ("bf16", {"dtype": "fp32"}), "fp8": ("fp8", {}),
     "coat": ("coat", {}), "coat-lean": ("coat", {"master_weights": "bf16_sr"}),
-    "coat4bit": ("coat4bit", {}), "coat4bit-lean": ("coat4bit", {"master_weights": "bf16_sr"})}
+    "coat4bit": ("coat4bit", {}), "coat4bit-lean": ("coat4bit", {"master_weights": "bf16_sr"}),
+    "snsm": ("snsm", {}), "snsm-lean": ("snsm", {"master_weights": "bf16_sr"})}
 #: coat.recipes' modes that coat train runs, and the flags they set (+lora: with --lora RANK, and
 #: on the FP8 layers --frozen-fp8).
 TRAIN_MODES: dict[str, dict[str, Any]] = {"lora": {}, "side": {}, "release": {"release_grads": True},
@@ -212,9 +213,8 @@ def setup_name(cfg: TrainConfig) -> str:
         base = "amp" if cfg.dtype == "bf16" else "fp32"
     elif (cfg.activations, cfg.optim) == RECIPE_PARTS["fp8"]:
         base = "fp8"
-    elif (cfg.activations, cfg.optim) in (RECIPE_PARTS["coat"], RECIPE_PARTS["coat4bit"]):
-        base = "coat" if cfg.optim == "coat" else "coat4bit"
-        base += "-lean" if cfg.master_weights == "bf16_sr" else ""
+    elif (cfg.activations, cfg.optim) in (RECIPE_PARTS["coat"], RECIPE_PARTS["coat4bit"], RECIPE_PARTS["snsm"]):
+        base = cfg.optim + ("-lean" if cfg.master_weights == "bf16_sr" else "")
     else:
         return recipe_name(cfg.activations, cfg.optim)
     on = {"lora": bool(cfg.lora), "side": bool(cfg.side_tuning), "release": cfg.release_grads,
@@ -384,9 +384,6 @@ def _validate_fine_tuning(cfg: TrainConfig) -> None:
     """The optimizer's weight flags and LoRA's."""
     if cfg.optim == "torch" and cfg.master_weights != "fp32":
         raise ConfigError("--master-weights", "only applies to --optim coat (torch.optim.AdamW keeps fp32 weights)")
-    if cfg.optim == "snsm" and cfg.master_weights != "fp32":
-        raise ConfigError("--master-weights", "only applies to --optim coat or coat4bit (--optim snsm keeps fp32 "
-                          "weights: it has no stochastic rounding for its matrices yet)")
     if cfg.lora < 0:
         raise ConfigError("--lora", f"must be a rank >= 1 (or 0: no LoRA), got {cfg.lora}")
     if cfg.lora and cfg.init is None:
@@ -444,7 +441,8 @@ def _validate_step_variants(cfg: TrainConfig) -> None:
                 raise ConfigError("--fp8-stats", f"cannot be combined with {flag(name)} (compiled code and graph "
                                                  "replays record no statistics)")
     if cfg.release_grads and cfg.optim not in COAT_OPTIMIZERS:
-        raise ConfigError("--release-grads", "needs --optim coat or coat4bit (the step inside backward is coat.optim's)")
+        raise ConfigError("--release-grads", "needs --optim coat, coat4bit or snsm (the step inside backward is "
+                                             "coat.optim's)")
     if cfg.cuda_graph and cfg.optim == "snsm":
         raise ConfigError("--cuda-graph", "cannot be combined with --optim snsm (its projection refresh is decided on "
                                           "the host; the step is not capturable)")

@@ -29,8 +29,9 @@ MAX_SIZE = 2**31 - 1
 _SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "vocab_size", "head_dim")
 #: Recipes whose decoder layers coat.convert rewrites (it supports SwiGLU MLPs only), and whose
-#: optimizer is coat.optim's (AdamW, AdamW4bit: the ones gradient release steps inside backward).
-_COAT_RECIPES = ("coat", "coat-lean", "coat4bit", "coat4bit-lean")
+#: optimizer is coat.optim's (AdamW, AdamW4bit, SubsetNormSM: the ones gradient release steps inside
+#: backward).
+_COAT_RECIPES = ("coat", "coat-lean", "coat4bit", "coat4bit-lean", "snsm", "snsm-lean")
 
 
 def check_model(model: str, recipe: str) -> None:

@@ -99,18 +99,19 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
 
 def _snsm_optimizer(model: torch.nn.Module, params: list, cfg: TrainConfig, kwargs: dict) -> torch.optim.Optimizer:
-    """coat.optim.SubsetNormSM: Subset-Norm + Subspace-Momentum on the 2-D weights except embeddings
-    (FP8 layers are not nn.Linear, so the split is by shape and module kind), FP8 AdamW on the rest."""
-    from coat.optim import SubsetNormSM
+    """coat.optim.SubsetNormSM: Subset-Norm + Subspace-Momentum on the projection matrices
+    (``snsm_param_groups``' split), FP8 AdamW on the rest, without weight decay on 1-D parameters."""
+    from coat.optim import SubsetNormSM, snsm_param_groups
 
-    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    trainable = {id(p) for p in params}
+    matrices, rest = snsm_param_groups(model, weight_decay=cfg.weight_decay)
+    rest = [p for p in rest["params"] if id(p) in trainable]
     groups = [
-        {"params": [p for p in params if p.ndim == 2 and id(p) not in embedded], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim >= 2 and (p.ndim != 2 or id(p) in embedded)],
-         "weight_decay": cfg.weight_decay, "adamw": True},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "adamw": True},
+        {**matrices, "params": [p for p in matrices["params"] if id(p) in trainable]},
+        {"params": [p for p in rest if p.ndim >= 2], "weight_decay": cfg.weight_decay, "adamw": True},
+        {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0, "adamw": True},
     ]
-    return SubsetNormSM(groups, **kwargs)
+    return SubsetNormSM(groups, master_weights=cfg.master_weights, **kwargs)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -206,9 +206,6 @@ class _Training:
             model = add_side(model, cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
         if self.d.enabled:
-            if cfg.optim == "coat4bit":  # refused before any step: its checkpoint would fail at the first save
-                raise ConfigError("--optim", "coat4bit has no sharded (FSDP2) state dicts yet, so a run over several "
-                                  "processes could not checkpoint; use --optim coat there")
             if cfg.optim == "snsm":  # refused before sharding: SubsetNormSM refuses DTensor parameters
                 raise ConfigError("--optim", "snsm does not support FSDP2 (a shard's rows or columns are not the "
                                   "matrix's: its subset norms and SVD would be the shard's); use --optim coat there")

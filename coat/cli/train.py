@@ -445,7 +445,7 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
                    "states; coat4bit: coat.optim.AdamW4bit with 4-bit states; snsm: coat.optim.SubsetNormSM (Subset-Norm + "
                    "Subspace-Momentum on the matrices, rank 128, refresh every 100 steps; its paper's lr is ~10x "
                    "Adam's) (default: from --recipe)")
-    g.add_argument("--master-weights", choices=MASTER_WEIGHTS, help="master weight format of --optim coat or coat4bit "
+    g.add_argument("--master-weights", choices=MASTER_WEIGHTS, help="master weight format of --optim coat, coat4bit or snsm "
                    "(bf16_sr: bf16 with stochastic rounding)" + _default("master_weights"))
     g.add_argument("--lora", type=int, metavar="RANK",
                    help="fine-tune PEFT LoRA adapters of this rank instead of every weight (needs --init); "
@@ -466,7 +466,7 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frozen-fp8", action="store_true", help="with --lora and the FP8 layers: keep the frozen "
                    "base weights only as FP8 codes (1 byte per parameter instead of 2)")
     g.add_argument("--release-grads", action="store_true",
-                   help="gradient release (--optim coat): each decoder layer is stepped inside backward and its "
+                   help="gradient release (--optim coat, coat4bit or snsm): each decoder layer is stepped inside backward and its "
                         "gradients freed, so a full set of gradients never exists; --grad-clip then clips each layer by a "
                         "running estimate of the step's norm (this step's layers so far + the previous step's for "
                         "the rest; the first step only measures it)")

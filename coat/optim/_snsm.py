@@ -49,20 +49,42 @@ def state_bytes(shape: tuple[int, ...], rank: int, state_dtype: torch.dtype = to
     return 4 * sizes["subset_norm"] + width * (sizes["exp_avg"] + sizes["proj"])
 
 
-def new_state(local: torch.Tensor, rank: int, state_dtype: torch.dtype) -> dict[str, Any]:
+#: How a matrix's weights are kept (the ``master_weights`` of coat.optim.AdamW): "fp32" keeps an fp32
+#: master copy of a 16-bit matrix in its state ("master") and writes the parameter from it (round
+#: to nearest); "bf16_sr" keeps none and writes a bf16 parameter with stochastic rounding.
+MASTER_WEIGHTS = ("fp32", "bf16_sr")
+
+
+def has_master(local: torch.Tensor, master_weights: str) -> bool:
+    return master_weights == "fp32" and local.dtype != torch.float32
+
+
+def new_state(local: torch.Tensor, rank: int, state_dtype: torch.dtype, master_weights: str = "fp32") -> dict[str, Any]:
     shapes = state_shapes(tuple(local.shape), rank)
     dev = local.device
-    return {
+    st = {
         # On the host: the refresh (an SVD every T steps) is decided there, without a device sync.
         "step": torch.zeros((), dtype=torch.float32),
         "subset_norm": torch.zeros(shapes["subset_norm"], dtype=torch.float32, device=dev),
         "exp_avg": torch.zeros(shapes["exp_avg"], dtype=state_dtype, device=dev),
         "proj": torch.zeros(shapes["proj"], dtype=state_dtype, device=dev),
     }
+    if has_master(local, master_weights):
+        st["master"] = local.detach().float().clone()
+    return st
 
 
-def check_state(state: dict[str, Any], local: torch.Tensor, rank: int, state_dtype: torch.dtype, what: str) -> None:
+def check_state(state: dict[str, Any], local: torch.Tensor, rank: int, state_dtype: torch.dtype, what: str,
+                master_weights: str = "fp32") -> None:
     """A saved or live state this matrix can use (else ValueError naming ``what``)."""
+    want_master = has_master(local, master_weights)
+    if ("master" in state) != want_master:
+        raise ValueError(f"{what} {'lacks' if want_master else 'holds'} an fp32 master copy, but this optimizer's "
+                         f"master_weights={master_weights!r} for a {local.dtype} parameter "
+                         f"{'needs' if want_master else 'keeps'} {'one' if want_master else 'none'}")
+    if want_master and not (isinstance(state["master"], torch.Tensor) and state["master"].dtype == torch.float32
+                            and tuple(state["master"].shape) == tuple(local.shape)):
+        raise ValueError(f"{what}['master'] must be a float32 tensor of shape {tuple(local.shape)}")
     missing = [k for k in ("step", *STATE_KEYS) if k not in state]
     if missing:
         raise ValueError(f"{what} is not a coat.optim.SubsetNormSM matrix state: missing {missing} "
@@ -96,39 +118,86 @@ def next_projection(grad: torch.Tensor, state: dict[str, Any], group: dict[str, 
     return top_subspace(grad.float(), p.shape[0] if tall(tuple(grad.shape)) else p.shape[1])
 
 
+#: Elements of a matrix updated at once: the update runs in slices of whole rows (tall) or columns
+#: (wide), so its fp32 temporaries stay near 24 bytes x CHUNK whatever the matrix (an LM head
+#: of 1.3e8 parameters would otherwise need ~3 GB of them).
+CHUNK = 1 << 24
+
+
 def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-           new_proj: torch.Tensor | None) -> None:
+           new_proj: torch.Tensor | None, *, grad_scale: torch.Tensor | None = None,
+           sr_seed: int | None = None) -> None:
     """One step of one matrix (``state["step"]`` already counts it; ``new_proj``: ``next_projection``'s).
-    Computed in fp32; the parameter is written in its own dtype (round to nearest)."""
+    Computed in fp32 on the fp32 master (``state["master"]``) or the parameter itself; the gradient
+    is multiplied by ``1 / grad_scale`` when given (gradient release's clipping scale). The
+    parameter is written in its own dtype: from the master, or with stochastic rounding seeded by
+    ``sr_seed`` for bf16 parameters without one (``master_weights="bf16_sr"``), else round to nearest.
+    Every quantity of the update is per row (tall) or per column (wide) once the projection is
+    fixed, so it runs in slices of the long dimension (``CHUNK``)."""
     t = int(state["step"].item())
     beta1, beta2 = group["betas"]
     lr = float(group["lr"])
-    g = grad.float()
-    is_tall = tall(tuple(g.shape))
+    is_tall = tall(tuple(p.shape))
     if new_proj is not None:
         state["proj"].copy_(new_proj)
         state["exp_avg"].zero_()  # momentum coordinates of the old subspace mean nothing in the new one
     proj = state["proj"].float()
-    low = g @ proj.T if is_tall else proj.T @ g
-    m = state["exp_avg"].float().mul_(beta1).add_(low, alpha=1.0 - beta1)
-    state["exp_avg"].copy_(m)
-
-    def back(x: torch.Tensor) -> torch.Tensor:
-        return x @ proj if is_tall else proj @ x
-
-    # momentum in the subspace, plain SGD on the orthogonal residual g - back(low)
-    num = back(m - low).add_(g)
-    sq = g.square().sum(dim=1 if is_tall else 0, keepdim=True)
-    v = state["subset_norm"]
-    if beta2 < 1.0:
-        v.mul_(beta2).add_(sq, alpha=1.0 - beta2)
-    else:  # beta2 == 1: AdaGrad's accumulation
-        v.add_(sq)
     step_size = lr
     if group["correct_bias"]:
         bc2 = 1.0 - beta2 ** t if beta2 < 1.0 else 1.0
         step_size = lr * math.sqrt(bc2) / (1.0 - beta1 ** t)
-    new = p.float().sub_(num.div_(v.sqrt().add_(group["eps"])), alpha=step_size)
-    if group["weight_decay"] > 0:  # after the update, as the reference does
-        new.mul_(1.0 - lr * group["weight_decay"])
-    p.copy_(new)
+    inv = None if grad_scale is None else torch.reciprocal(grad_scale.to(p.device, torch.float32).reshape(()))
+    master = state.get("master")
+    gen = _generator(p.device, sr_seed, t) if sr_seed is not None and master is None and p.dtype == torch.bfloat16 \
+        else None
+    long, short = (p.shape[0], p.shape[1]) if is_tall else (p.shape[1], p.shape[0])
+    per = max(1, CHUNK // max(short, 1))
+    for a in range(0, long, per):
+        def pick(x: torch.Tensor, a: int = a) -> torch.Tensor:
+            return x[a:a + per] if is_tall else x[:, a:a + per]
+
+        g = pick(grad).float()
+        if inv is not None:
+            g = g * inv
+        low = g @ proj.T if is_tall else proj.T @ g
+        exp_avg = pick(state["exp_avg"])
+        m = exp_avg.float().mul_(beta1).add_(low, alpha=1.0 - beta1)
+        exp_avg.copy_(m)
+        # momentum in the subspace, plain SGD on the orthogonal residual g - back(low)
+        num = ((m - low) @ proj if is_tall else proj @ (m - low)).add_(g)
+        sq = g.square().sum(dim=1 if is_tall else 0, keepdim=True)
+        del g, low, m
+        v = pick(state["subset_norm"])
+        if beta2 < 1.0:
+            v.mul_(beta2).add_(sq, alpha=1.0 - beta2)
+        else:  # beta2 == 1: AdaGrad's accumulation
+            v.add_(sq)
+        w = pick(master) if master is not None else pick(p).float()  # a view when fp32: updated in place
+        new = w.sub_(num.div_(v.sqrt().add_(group["eps"])), alpha=step_size)
+        del num
+        if group["weight_decay"] > 0:  # after the update, as the reference does
+            new.mul_(1.0 - lr * group["weight_decay"])
+        pick(p).copy_(bf16_stochastic(new, gen) if gen is not None else new)
+
+
+#: The largest finite bfloat16.
+_BF16_MAX = 3.3895313892515355e38
+
+
+def _generator(device: torch.device, seed: int, step: int) -> torch.Generator:
+    """A generator for (seed, step): the same bits for the same matrix and step, so a resumed run
+    rounds as the uninterrupted one did."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77) % (1 << 63))
+    return gen
+
+
+def bf16_stochastic(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """bf16 of fp32 ``x`` with stochastic rounding: 16 random bits added below the bf16 mantissa,
+    then truncated (coat.optim.AdamW's rule: the magnitude rounds up with probability equal to the
+    dropped fraction; NaN and +-Inf stay; a finite value never becomes Inf)."""
+    r = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen)
+    out = ((x.view(torch.int32) + r) & -65536).view(torch.float32)
+    finite = torch.isfinite(x)
+    out = torch.where(finite & torch.isinf(out), torch.full_like(x, _BF16_MAX).copysign(x), out)
+    return torch.where(finite, out, x).to(torch.bfloat16)

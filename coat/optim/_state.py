@@ -191,6 +191,13 @@ def _is_dtensor(t: Any) -> bool:
     return callable(getattr(t, "to_local", None)) and hasattr(t, "device_mesh")
 
 
+def is_sharded(p: Any) -> bool:
+    """Whether DTensor p is sharded along some mesh dimension (not only replicated)."""
+    from torch.distributed.tensor import Shard
+
+    return any(isinstance(pl, Shard) for pl in p.placements)
+
+
 def _shard0_layout(p: torch.Tensor) -> tuple[Any, int, int]:
     """(mesh, shard count, group count of the largest shard) of a parameter sharded on dim 0 along one
     mesh dimension and replicated along any others (FSDP2, HSDP)."""
@@ -228,22 +235,30 @@ def group_grid(p: torch.Tensor, world: int) -> tuple[int, ...] | None:
     return None
 
 
+def like_param(t: torch.Tensor, p: torch.Tensor) -> Any:
+    """A per-element state of p's local shard (laid out like it) as a DTensor like p."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def per_rank(t: torch.Tensor, n: int, p: torch.Tensor, world: int) -> Any:
+    """A state of p's local shard that is no slice of p (metadata, packed codes) as one block of n
+    elements per rank (zero-padded), a 1-D DTensor of world x n."""
+    from torch.distributed.tensor import DTensor
+
+    block = torch.zeros(n, dtype=t.dtype, device=t.device)
+    block[: t.numel()] = t.reshape(-1)
+    return DTensor.from_local(block, p.device_mesh, p.placements, run_check=False, shape=(world * n,), stride=(1,))
+
+
 def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     """The state of the local shard of DTensor parameter p, as DTensors every rank contributes to."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
-    if not any(isinstance(pl, Shard) for pl in p.placements):
+    if not is_sharded(p):
         return st  # replicated everywhere: every rank holds the same state, plain tensors say so
     mesh, world, g_full = _shard0_layout(p)
-
-    def like_param(t: torch.Tensor) -> Any:
-        return DTensor.from_local(t, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-
-    def per_rank(t: torch.Tensor, n: int) -> Any:
-        block = torch.zeros(n, dtype=t.dtype, device=t.device)
-        block[: t.numel()] = t.reshape(-1)
-        return DTensor.from_local(block, mesh, p.placements, run_check=False, shape=(world * n,), stride=(1,))
-
     grid = group_grid(p, world)
 
     def on_grid(t: torch.Tensor) -> Any:  # this shard's groups: whole rows (or a slice) of the grid
@@ -253,12 +268,12 @@ def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
 
     out = dict(st)
     for name in _MOMENTS:
-        out[name + "_q"] = like_param(st[name + "_q"])
+        out[name + "_q"] = like_param(st[name + "_q"], p)
         for meta in ("_gmax", "_k16"):
             t = st[name + meta]
-            out[name + meta] = on_grid(t) if grid is not None else per_rank(t, g_full)
+            out[name + meta] = on_grid(t) if grid is not None else per_rank(t, g_full, p, world)
     if "master" in st:
-        out["master"] = like_param(st["master"])
+        out["master"] = like_param(st["master"], p)
     return out  # sr_seed: the parameter's, the same on every rank
 
 

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from .._ops import adamw4 as _ops
-from ._state import _is_dtensor, check_master, same_layout, shard_seed
+from ._state import _is_dtensor, _shard0_layout, check_master, is_sharded, like_param, per_rank, same_layout, shard_seed
 
 __all__ = ["kind_of", "new_state", "check_state", "check_master", "descriptor_row", "load_param_state", "groups",
+           "to_dtensor_state", "shard_layout",
            "state_kind", "memory_order"]
 
 _KEYS = {
@@ -160,11 +161,72 @@ def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], 
             rows, cols, 0, 0]
 
 
+def shard_layout(p: torch.Tensor) -> tuple[int, int]:
+    """(shard count, elements of the largest shard) of a parameter sharded on dim 0 (FSDP2, HSDP)."""
+    _, world, _ = _shard0_layout(p)
+    return world, -(-p.shape[0] // world) * (p[0].numel() if p.dim() else 1)
+
+
+def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """The state of the local shard of DTensor parameter p, as DTensors every rank contributes to:
+    fp32 moments and masters laid out like the parameter; packed codes and block scales as one block
+    per rank (padded to the largest shard's), since a shard's blocks of 128 are its own. The layout
+    (shard count, largest shard) travels as ``shard_layout``: blocks cannot be resharded, so a load
+    at another layout is refused."""
+    if not is_sharded(p):
+        return st  # replicated everywhere: every rank holds the same state, plain tensors say so
+    world, n_full = shard_layout(p)
+    kind = state_kind(st)
+    if kind == "rank1":  # kind_of never gives a sharded parameter rank-1 statistics
+        raise ValueError("a sharded parameter holds rank-1 states: they span shards and cannot be saved per shard")
+    out = dict(st)
+    if kind == "full":
+        out["exp_avg"], out["exp_avg_sq"] = like_param(st["exp_avg"], p), like_param(st["exp_avg_sq"], p)
+    else:
+        for k in ("exp_avg_q4", "exp_avg_sq_q4"):
+            out[k] = per_rank(st[k], (n_full + 1) // 2, p, world)
+        for k in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+            out[k] = per_rank(st[k], groups(n_full), p, world)
+    if "master" in st:
+        out["master"] = like_param(st["master"], p)
+    out["shard_layout"] = torch.tensor([world, n_full], dtype=torch.int64)
+    return out
+
+
+def _from_dtensors(saved: dict[str, Any], local: torch.Tensor, layout: tuple[int, int] | None,
+                   where: str) -> dict[str, Any]:
+    """This rank's part of a state saved by to_dtensor_state, after checking that it was saved at
+    this run's shard layout."""
+    got = saved.get("shard_layout")
+    got = tuple(int(x) for x in got.reshape(-1).tolist()) if isinstance(got, torch.Tensor) else None
+    if layout is None or got != layout:
+        raise ValueError(f"{where}: 4-bit states saved as {got[0] if got else '?'} shard(s) of up to "
+                         f"{got[1] if got else '?'} elements cannot be loaded "
+                         + (f"into {layout[0]} shard(s) of up to {layout[1]}" if layout else "into an unsharded "
+                            "parameter")
+                         + ": their blocks of 128 belong to the shards they were made on. Resume on the same "
+                         "number of GPUs")
+    n = local.numel()
+    out = {}
+    for k, t in saved.items():
+        if k == "shard_layout":
+            continue
+        if _is_dtensor(t):
+            t = t.to_local()
+            if k.endswith("_q4"):
+                t = t.reshape(-1)[: (n + 1) // 2]
+            elif k.endswith("_absmax"):
+                t = t.reshape(-1)[: groups(n)]
+        out[k] = t
+    return out
+
+
 def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, master: str, seed: int,
-                     where: str) -> dict[str, Any]:
-    """A saved state, checked against the parameter and copied onto its device (never aliased)."""
-    if any(_is_dtensor(t) for t in saved.values()):
-        raise NotImplementedError(f"{where}: coat.optim.AdamW4bit does not load sharded (DTensor) states")
+                     where: str, layout: tuple[int, int] | None = None) -> dict[str, Any]:
+    """A saved state, checked against the parameter and copied onto its device (never aliased);
+    ``layout``: the parameter's shard layout (``shard_layout``) when it is sharded."""
+    if "shard_layout" in saved or any(_is_dtensor(t) for t in saved.values()):
+        saved = _from_dtensors(saved, local, layout, where)
     got = state_kind(saved)
     if got != kind:
         raise ValueError(f"{where}: a {got!r} state (keys {sorted(saved)}) does not fit a parameter of shape "

@@ -42,8 +42,9 @@ class AdamW4bit(FusedOptimizer):
 
     Gradient release (``coat.optim.step_in_backward``) works through the base's protocol. Sharded
     (FSDP2 / DTensor) parameters step with blocks of 128 for v (rank-1 statistics would span
-    shards); their ``state_dict()`` is refused (not implemented). ``state_dict()`` of plain
-    parameters holds the codes and scales themselves: loading it resumes bit-identically.
+    shards); their states save as DTensors (codes and scales one block per rank) for
+    torch.distributed.checkpoint, and load only at the same shard layout. ``state_dict()`` holds the
+    codes and scales themselves: loading it resumes bit-identically.
     """
 
     display_name = "coat.optim.AdamW4bit"
@@ -107,13 +108,12 @@ class AdamW4bit(FusedOptimizer):
     def _load_state(self, saved: dict[str, Any], p: torch.Tensor, local: torch.Tensor, group: dict[str, Any],
                     what: str) -> dict[str, Any]:
         index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
+        layout = _state4.shard_layout(p) if _state._is_dtensor(p) and _state.is_sharded(p) else None
         return _state4.load_param_state(saved, local, _state4.kind_of(p, local), self._master_kind(local.dtype),
-                                        _state.param_seed(self.seed, index), what)
+                                        _state.param_seed(self.seed, index), what, layout)
 
     def _dtensor_state(self, state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
-        raise NotImplementedError("coat.optim.AdamW4bit has no state dict for sharded (FSDP2 / DTensor) "
-                                  "parameters yet: its packed 4-bit codes and block scales are not laid out as "
-                                  "DTensors. Use coat.optim.AdamW (FP8 states) where FSDP2 checkpoints are needed")
+        return _state4.to_dtensor_state(state, p)
 
     # ---- launch ----------------------------------------------------------------------------------
 

@@ -49,7 +49,34 @@ class ReleaseHandle(Protocol):
         """At the end of ``step()``: close the iteration (its norm, the next clipping scale)."""
 
 
-class FusedOptimizer(torch.optim.Optimizer):
+class ReleaseTarget:
+    """What gradient release (``coat.optim.step_in_backward``) drives: an optimizer that plans and runs
+    its step for any subset of its parameters (``plan_launches(entries, tag)`` checks everything and
+    returns launches with ``grads`` and ``positions``; ``run_launches(launches, grad_scale)`` writes),
+    has a ``nonfinite`` setting, and calls the attached handle from ``step()``. ``FusedOptimizer``
+    and ``coat.optim.SubsetNormSM`` are the ones coat has."""
+
+    _release: ReleaseHandle | None = None
+
+    @property
+    def release_handle(self) -> ReleaseHandle | None:
+        """The gradient release attached to this optimizer, or None."""
+        return self._release
+
+    def attach_release(self, handle: ReleaseHandle) -> None:
+        """Attach ``handle``: from now on ``step()`` calls its ``before_step`` and ``end_iteration``."""
+        if self._release is not None:
+            raise RuntimeError("this optimizer already has gradient release attached; call .remove() on its "
+                               "handle first")
+        self._release = handle
+
+    def detach_release(self, handle: ReleaseHandle) -> None:
+        """Detach ``handle`` if it is the attached one; ``step()`` is the ordinary one again."""
+        if self._release is handle:
+            self._release = None
+
+
+class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
     """Base of coat's fused multi-tensor optimizers: one kernel launch per device, parameter group
     and launch key covers every tensor, through a table of per-tensor descriptor rows, with no host
     synchronisation, so ``step()`` can be captured in a CUDA graph.
@@ -478,22 +505,3 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Bytes held by the optimizer state (for AdamW: codes, group metadata, masters, step counters)."""
         return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
                    if isinstance(t, torch.Tensor))
-
-    # ---- gradient release (the public protocol coat.optim.release uses) -----------------------
-
-    @property
-    def release_handle(self) -> ReleaseHandle | None:
-        """The gradient release attached to this optimizer, or None."""
-        return self._release
-
-    def attach_release(self, handle: ReleaseHandle) -> None:
-        """Attach ``handle``: from now on ``step()`` calls its ``before_step`` and ``end_iteration``."""
-        if self._release is not None:
-            raise RuntimeError("this optimizer already has gradient release attached; call .remove() on its "
-                               "handle first")
-        self._release = handle
-
-    def detach_release(self, handle: ReleaseHandle) -> None:
-        """Detach ``handle`` if it is the attached one; ``step()`` is the ordinary one again."""
-        if self._release is handle:
-            self._release = None

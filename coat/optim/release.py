@@ -28,7 +28,7 @@ import torch
 
 from ._state import _local
 from ._norm import _NormClip, clip_scale
-from .fused import FusedOptimizer
+from .fused import ReleaseTarget
 
 __all__ = ["GradRelease", "step_in_backward", "clip_scale"]
 
@@ -97,12 +97,13 @@ class GradRelease(_NormClip):
     """The handle that ``step_in_backward`` returns: the hooks, the buckets and the iteration's
     bookkeeping. See ``step_in_backward`` for the semantics."""
 
-    def __init__(self, optimizer: FusedOptimizer, model: torch.nn.Module | None = None, *,
+    def __init__(self, optimizer: ReleaseTarget, model: torch.nn.Module | None = None, *,
                  buckets: Iterable[Any] | None = None, max_grad_norm: float | None = None,
                  first_iteration: str = "skip", norm_estimate: str = "running") -> None:
-        if not isinstance(optimizer, FusedOptimizer):
-            raise TypeError("step_in_backward needs a coat.optim.FusedOptimizer (such as coat.optim.AdamW: its "
-                            f"step is planned and launched per bucket), got {type(optimizer).__name__}")
+        if not isinstance(optimizer, ReleaseTarget):
+            raise TypeError("step_in_backward needs a coat optimizer whose step is planned and launched per bucket "
+                            "(coat.optim.AdamW, AdamW4bit or SubsetNormSM: a coat.optim.fused.ReleaseTarget), got "
+                            f"{type(optimizer).__name__}")
         if optimizer.release_handle is not None:
             raise RuntimeError("this optimizer already has gradient release attached; call .remove() on its "
                                "handle first")
@@ -387,18 +388,19 @@ class GradRelease(_NormClip):
             self._reset_iteration()
 
 
-def step_in_backward(optimizer: FusedOptimizer, model: torch.nn.Module | None = None, *,
+def step_in_backward(optimizer: ReleaseTarget, model: torch.nn.Module | None = None, *,
                      buckets: Iterable[Any] | None = None, max_grad_norm: float | None = None,
                      first_iteration: str = "skip", norm_estimate: str = "running") -> GradRelease:
-    """Gradient release: ``optimizer`` (a ``coat.optim.FusedOptimizer``, e.g. ``AdamW``) steps each
+    """Gradient release: ``optimizer`` (coat.optim.AdamW, AdamW4bit or SubsetNormSM) steps each
     parameter inside backward, as soon as its gradient is complete, and frees that gradient, so at
     most a bucket's gradients (a decoder layer's) exist at a time instead of the whole model's. The result is the
     ordinary step's, bit for bit, without clipping. docs/release.md has the whole contract
     (accumulation, FSDP2, tied and missing parameters, checkpointing, what is refused).
 
     Args:
-        optimizer: the ``coat.optim.FusedOptimizer`` (e.g. ``coat.optim.AdamW``) over the model's
-            parameters; any subclass works (release drives it through its public protocol).
+        optimizer: the coat optimizer over the model's parameters (a ``coat.optim.fused.ReleaseTarget``:
+            any ``FusedOptimizer`` subclass, or ``SubsetNormSM``; release drives it through that
+            public protocol).
         model: the model; each element of every outermost ``nn.ModuleList`` (a decoder layer) is
             one bucket, each other module's own parameters another. Under FSDP2 the sharded model.
         buckets: instead of the model's layout, an explicit list of buckets (each a Module or an

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
 from . import _snsm, _state
 from .adamw import AdamW
+from .fused import Launch, ReleaseTarget
 
 __all__ = ["SubsetNormSM", "snsm_param_groups"]
 
@@ -22,7 +23,19 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-class SubsetNormSM(torch.optim.Optimizer):
+class _Matrices(NamedTuple):
+    """Planned steps of SN-SM matrices (gradient release's launch of them): ``(param, grad, group,
+    new projection or None)`` per matrix, and each one's position in the whole parameter list."""
+
+    items: list
+    positions: list[int]
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        return [g for _, g, _, _ in self.items]
+
+
+class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
     """AdamSNSM: Subset-Norm step sizes with Subspace-Momentum on 2-D weights, coat.optim.AdamW on the rest.
 
     "Efficient Adaptive Optimization via Subset-Norm and Subspace-Momentum" (Nguyen & Nguyen, 2024;
@@ -65,19 +78,26 @@ class SubsetNormSM(torch.optim.Optimizer):
         update_proj_gap: steps between refreshes of the projection (T).
         state_dtype: torch.float32 (default) or torch.bfloat16: dtype of the momentum and the
             projection (the reference keeps them in the gradient's dtype); subset norms stay fp32.
-        adamw_options: keywords for the internal coat.optim.AdamW (master_weights, nonfinite, seed,
-            m_format, v_format, ...); lr, betas, eps and weight_decay come from the groups.
+        master_weights: "fp32" (default): a 16-bit matrix keeps an fp32 master copy in its state and
+            is written from it; "bf16_sr": no master copy, a bf16 matrix is written with stochastic
+            rounding (the same bits for the same seed, matrix and step). The AdamW part takes the same.
+        seed: the stochastic-rounding seed (both parts).
+        adamw_options: keywords for the internal coat.optim.AdamW (nonfinite, m_format, v_format,
+            ...); lr, betas, eps and weight_decay come from the groups, master_weights and seed from
+            this optimizer.
 
     State per matrix: 4 max(m, n) + w r (m + n) bytes (w = 2 or 4), e.g. 0.17 B/param for
-    4096 x 11008 at rank 128 in fp32 (``_snsm.state_bytes``). Matrices step one by one in torch
-    ops on their own device (CPU or CUDA), in fp32, and are written in the parameter's dtype with
-    round-to-nearest: no fp32 master copy and no stochastic rounding for them yet. The step count
+    4096 x 11008 at rank 128 in fp32 (``_snsm.state_bytes``), plus 4 B/param of fp32 master for a
+    16-bit matrix with ``master_weights="fp32"``. Matrices step one by one in torch ops on their own
+    device (CPU or CUDA), in fp32. The step count
     lives on the host (the refresh is decided there), so ``step()`` is not CUDA-graph capturable.
 
-    Refused: sharded (FSDP2 / DTensor) parameters (a shard's rows or columns are not the matrix's:
-    its subset norms and SVD would be the shard's), gradient release
-    (``coat.optim.step_in_backward`` takes a ``coat.optim.FusedOptimizer`` only), sparse or complex
-    gradients. ``torch.amp.GradScaler`` works the ordinary way (``scaler.step`` unscales first).
+    Gradient release (``coat.optim.step_in_backward``) steps each matrix inside backward, with its
+    refresh, as soon as its gradient is complete (the AdamW part through coat.optim.AdamW's own
+    launches); without clipping the result is the ordinary step's, bit for bit. Refused: sharded
+    (FSDP2 / DTensor) parameters (a shard's rows or columns are not the matrix's: its subset norms
+    and SVD would be the shard's), sparse or complex gradients. ``torch.amp.GradScaler`` works the
+    ordinary way (``scaler.step`` unscales first), not under gradient release.
     """
 
     display_name = "coat.optim.SubsetNormSM"
@@ -95,14 +115,24 @@ class SubsetNormSM(torch.optim.Optimizer):
         correct_bias: bool = True,
         adamw_betas: tuple[float, float] | None = None,
         state_dtype: torch.dtype = torch.float32,
+        master_weights: str = "fp32",
+        seed: int = 0,
         adamw_options: dict[str, Any] | None = None,
     ) -> None:
         if state_dtype not in _snsm.STATE_DTYPES:
             raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype!r}")
+        if master_weights not in _snsm.MASTER_WEIGHTS:
+            raise ValueError(f"master_weights must be one of {_snsm.MASTER_WEIGHTS}, got {master_weights!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**62:
+            raise ValueError(f"seed must be an int in [0, 2**62), got {seed!r}")
         opts = dict(adamw_options or {})
-        bad = sorted(set(opts) & {*_HYPER, "params"})
+        bad = sorted(set(opts) & {*_HYPER, "params", "master_weights", "seed"})
         if bad:
-            raise ValueError(f"adamw_options must not set {bad}: the AdamW part takes them from the parameter groups")
+            raise ValueError(f"adamw_options must not set {bad}: the AdamW part takes lr, betas, eps and weight_decay "
+                             "from the parameter groups, master_weights and seed from this optimizer")
+        opts.update(master_weights=master_weights, seed=seed)
+        self.master_weights = master_weights
+        self.seed = seed
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank,
                         update_proj_gap=update_proj_gap, correct_bias=correct_bias, adamw=False, adamw_betas=adamw_betas)
         self._check_group(defaults)
@@ -198,23 +228,80 @@ class SubsetNormSM(torch.optim.Optimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
-    def _matrices(self) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
-        """(param, grad, group) of every SN-SM matrix holding a gradient, checked before any write."""
+    @property
+    def nonfinite(self) -> str:
+        """The AdamW part's ``nonfinite`` setting (the matrices' updates propagate non-finite values)."""
+        return self._adamw.nonfinite
+
+    def _plan_matrices(self, todo: list[tuple[torch.Tensor, dict[str, Any]]]) -> list[tuple]:
+        """(param, grad, group, new projection or None) of SN-SM matrices holding a gradient: every
+        check and every refresh's SVD before anything is written (a failing SVD, from a non-finite
+        gradient, changes nothing)."""
         out = []
-        for group in self.param_groups:
+        for p, group in todo:
             self._check_group(group)
-            for p in group["params"]:
-                if p.grad is None or not self._is_matrix(p, group):
-                    continue
-                self._check_param(p)
-                g = p.grad
-                if g.is_sparse or g.layout != torch.strided or g.is_complex():
-                    raise ValueError("coat.optim.SubsetNormSM does not support sparse or complex gradients")
-                if g.shape != p.shape or g.device != p.device:
-                    raise ValueError(f"gradient of shape {tuple(g.shape)} on {g.device} does not match the "
-                                     f"parameter's {tuple(p.shape)} on {p.device}")
-                out.append((p, g, group))
+            self._check_param(p)
+            g = p.grad
+            if g.is_sparse or g.layout != torch.strided or g.is_complex():
+                raise ValueError("coat.optim.SubsetNormSM does not support sparse or complex gradients")
+            if g.shape != p.shape or g.device != p.device:
+                raise ValueError(f"gradient of shape {tuple(g.shape)} on {g.device} does not match the "
+                                 f"parameter's {tuple(p.shape)} on {p.device}")
+            state = self.state[p]
+            if not state:
+                state.update(_snsm.new_state(p, group["rank"], self.state_dtype, self.master_weights))
+            out.append((p, g, group, _snsm.next_projection(g, state, group)))
         return out
+
+    def _run_matrices(self, items: list[tuple], grad_scale: torch.Tensor | None) -> None:
+        index = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        for p, g, group, proj in items:
+            state = self.state[p]
+            state["step"] += 1
+            # bf16_sr: the rounding bits of a matrix come from the seed and its position in the list
+            seed = self.seed * 1_000_003 + index[id(p)] if self.master_weights == "bf16_sr" else None
+            _snsm.update(p, g, state, group, proj, grad_scale=grad_scale, sr_seed=seed)
+
+    def _inner_positions(self) -> dict[int, int]:
+        """Position in the whole parameter list -> position in the AdamW part's list."""
+        return {outer: inner for inner, outer in enumerate(self._adamw_ids())}
+
+    def plan_launches(self, entries: Iterable[tuple[torch.Tensor, int, int]], tag: tuple = ()) -> list:
+        """Gradient release's protocol (``coat.optim.fused.ReleaseTarget``): the launches that step
+        ``entries`` (``(parameter, group index, position in the whole list)``, each holding a
+        gradient), checked, refreshes computed, nothing written: the AdamW part's launches (with
+        positions in this optimizer's list) and one launch of the matrices."""
+        mats, inner = [], []
+        inner_of = self._inner_positions()
+        for p, gi, index in entries:
+            group = self.param_groups[gi]
+            if self._is_matrix(p, group):
+                mats.append((p, group, index))
+            else:
+                inner.append((p, gi, inner_of[index], index))
+        launches: list = []
+        if inner:
+            self._sync_adamw()
+            planned = self._adamw.plan_launches([(p, gi, ii) for p, gi, ii, _ in inner], tag)
+            outer_of = {ii: index for _, _, ii, index in inner}
+            launches += [launch._replace(positions=[outer_of[i] for i in launch.positions]) for launch in planned]
+        if mats:
+            launches.append(_Matrices(self._plan_matrices([(p, g) for p, g, _ in mats]), [i for *_, i in mats]))
+        return launches
+
+    def run_launches(self, launches: Iterable, grad_scale: torch.Tensor | None = None,
+                     found_inf: torch.Tensor | None = None) -> None:
+        """Run planned launches in order; gradients are multiplied by ``1 / grad_scale`` (the
+        clipping scale of gradient release). ``found_inf`` is refused for matrices (GradScaler
+        unscales before this optimizer's step)."""
+        for launch in launches:
+            if isinstance(launch, Launch):
+                self._adamw.run_launches([launch], grad_scale, found_inf)
+            else:
+                if found_inf is not None:
+                    raise ValueError("found_inf: the Subset-Norm matrices cannot skip a step on the device; "
+                                     "let torch.amp.GradScaler unscale before step()")
+                self._run_matrices(launch.items, grad_scale)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -222,20 +309,21 @@ class SubsetNormSM(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = self._matrices()
-        # Every refresh's SVD before any write: a failing one (a non-finite gradient) changes nothing.
-        projs = []
-        for p, g, group in todo:
-            state = self.state[p]
-            if not state:
-                state.update(_snsm.new_state(p, group["rank"], self.state_dtype))
-            projs.append(_snsm.next_projection(g, state, group))
+        release = self._release
+        if release is not None:  # released parameters are stepped already; the rest with the clip scale
+            scale = release.before_step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            entries, first = [], 0
+            for gi, group in enumerate(self.param_groups):
+                entries += [(p, gi, first + j) for j, p in enumerate(group["params"]) if p.grad is not None]
+                first += len(group["params"])
+            self.run_launches(self.plan_launches(entries, ("step",)), scale)
+            release.end_iteration()
+            return loss
+        todo = self._plan_matrices([(p, g) for g in self.param_groups for p in g["params"]
+                                    if p.grad is not None and self._is_matrix(p, g)])
         self._sync_adamw()
         self._adamw.step()
-        for (p, g, group), proj in zip(todo, projs):
-            state = self.state[p]
-            state["step"] += 1
-            _snsm.update(p, g, state, group, proj)
+        self._run_matrices(todo, None)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -324,26 +412,32 @@ class SubsetNormSM(torch.optim.Optimizer):
 
     def _load_matrix_state(self, st: dict[str, Any], p: torch.Tensor, group: dict[str, Any],
                            what: str) -> dict[str, Any]:
-        _snsm.check_state(st, p, group["rank"], self.state_dtype, what)
-        out = {k: st[k].detach().to(device=p.device, copy=True) for k in _snsm.STATE_KEYS}
+        _snsm.check_state(st, p, group["rank"], self.state_dtype, what, self.master_weights)
+        out = {k: st[k].detach().to(device=p.device, copy=True) for k in (*_snsm.STATE_KEYS, "master") if k in st}
         out["step"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().cpu().clone().reshape(())
         return out
 
     # ---- pickling --------------------------------------------------------------------------------
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._release = None  # a copy is not attached: the hooks belong to the original's parameters
+
     def __getstate__(self) -> dict[str, Any]:
         st = super().__getstate__()
-        st.update(state_dtype=self.state_dtype, adamw_options=self.adamw_options, _adamw=self._adamw)
+        st.update(state_dtype=self.state_dtype, adamw_options=self.adamw_options, _adamw=self._adamw,
+                  master_weights=self.master_weights, seed=self.seed)
         return st
 
 
 def snsm_param_groups(model: torch.nn.Module, **matrix_options: Any) -> list[dict[str, Any]]:
-    """The reference's split of ``model``'s trainable parameters: the weights of ``nn.Linear`` modules
-    take Subset-Norm + Subspace-Momentum (``matrix_options``: per-group overrides such as rank or lr),
-    everything else (embeddings, norms, biases, a head tied to an embedding) ``{"adamw": True}``."""
+    """The reference's split of ``model``'s trainable parameters: the projection matrices take
+    Subset-Norm + Subspace-Momentum (``matrix_options``: per-group overrides such as rank or lr),
+    everything else ``{"adamw": True}``. Matrices are the 2-D parameters other than embedding
+    tables (an ``nn.Embedding``'s weight, and a head tied to it): ``nn.Linear`` weights, and those of
+    coat.convert's FP8 layers, which are not ``nn.Linear``."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    linear = {id(m.weight) for m in model.modules()
-              if isinstance(m, torch.nn.Linear) and id(m.weight) not in embedded}
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if id(p) in linear], **matrix_options},
-            {"params": [p for p in params if id(p) not in linear], "adamw": True}]
+    matrix = {id(p) for p in params if p.dim() == 2 and id(p) not in embedded}
+    return [{"params": [p for p in params if id(p) in matrix], **matrix_options},
+            {"params": [p for p in params if id(p) not in matrix], "adamw": True}]

@@ -140,14 +140,15 @@ COAT_HD uint64_t sr_bits(uint64_t seed, uint64_t t, uint64_t q) {
 // bf16 bits of x with stochastic rounding: add 16 random bits below the bf16 mantissa and
 // truncate (the carry rounds the magnitude up with probability equal to the dropped fraction).
 // NaN stays NaN, +-Inf stays, and a finite x never becomes Inf (the largest bf16 instead).
+// Written as selects, not branches: the optimizer kernels run it for every element.
 COAT_HD uint16_t bf16_sr(float x, uint32_t r16) {
   const uint32_t u = bits_of(x);
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  if (a == 0x7F800000u) return static_cast<uint16_t>(u >> 16);
-  uint16_t b = static_cast<uint16_t>((u + (r16 & 0xFFFFu)) >> 16);
-  if ((b & 0x7FFFu) == 0x7F80u) b = static_cast<uint16_t>(b - 1u);
-  return b;
+  uint32_t b = (u + (r16 & 0xFFFFu)) >> 16;
+  b = (b & 0x7FFFu) == 0x7F80u ? b - 1u : b;  // a finite x that carried into Inf
+  b = a == 0x7F800000u ? u >> 16 : b;         // +-Inf stays
+  b = a > 0x7F800000u ? (u >> 16) | 0x40u : b;  // NaN stays NaN (quiet)
+  return static_cast<uint16_t>(b);
 }
 
 }  // namespace adamw

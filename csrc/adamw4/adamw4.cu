@@ -1,15 +1,17 @@
 // CUDA fused AdamW step with 4-bit states (coat/adamw4.h): three launches for all tensors of a
 // configuration. The per-element math is adamw4_math.h, shared with the CPU reference; this file
-// is compiled with --fmad=false (CMakeLists.txt) and IEEE division / square root, so the two agree
-// bit for bit.
+// is compiled with --fmad=false (CMakeLists.txt) and IEEE division and square root, so the two
+// agree bit for bit.
 //
-// A first version, written for correctness: a warp per group of 128 elements (a lane per 4
-// consecutive elements); a warp looks its group's descriptor up (binary search) and derives the
-// step's scalars only when its next group is in another tensor. Bytes per parameter
-// of the step (bf16 params and grads, fp32 master): 2 + 2 + 8 (master) + 2 x 0.5 x 2 (codes) plus
-// for rank-1 tensors a second read of the gradient and the v codes (2.5 B) in the statistics pass.
-// Not measured yet (no GPU where it was written); the FP8 step's lessons (adamw.cu: whole-sector
-// metadata stores, cp.async staging) apply here too.
+// Work: a warp per group of 128 elements, a lane per 4 consecutive elements (one stochastic-
+// rounding quad). The step is instruction-bound before it is memory-bound (3 IEEE divisions and a
+// square root per element), so the common case takes a lean path: a whole group of a tensor whose
+// buffers allow vector access loads and stores 4 elements at once, decodes m through a 16-entry
+// table in shared memory, encodes m by a 4-step binary search over the midpoints and v
+// arithmetically (adamw4_math.h), and finds rows and columns with 32-bit arithmetic. Groups at a
+// tensor's end, misaligned views and rank-1 tensors with cols % 4 != 0 take the element-wise path.
+// The rank-1 statistics pass walks column strips (128 columns x 16 rows per warp) so that column
+// maxima are reduced in registers and reach memory once per strip.
 #include <cstdint>
 #include <type_traits>
 
@@ -25,8 +27,54 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kPer = G / 32;  // elements per lane, consecutive
 static_assert(kPer == 4, "a lane's elements are one stochastic-rounding quad");
+constexpr int kStripRows = 16;  // rows of a statistics strip
+constexpr int kBatch = 4;       // rows of a strip loaded before any is reduced
 
 using adamw4::groups_of;
+using cuda::aligned;
+
+// m's map and midpoints, per block (shared memory: 16 distinct words in 16 banks, so any lookup
+// pattern is conflict-free).
+struct Tables {
+  float level[16];
+  float mid[16];
+};
+
+__device__ __forceinline__ void fill_tables(Tables& tb) {
+  const int i = threadIdx.x;
+  if (i < adamw4::kCodes) {
+    tb.level[i] = adamw4::m_level(i);
+    tb.mid[i] = i + 1 < adamw4::kCodes ? adamw4::m_mid(i) : 0.0f;  // mid[15] is never read
+  }
+  __syncthreads();
+}
+
+// Four consecutive elements of T as fp32 (a 16-byte or 8-byte access; p aligned to it).
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float (&v)[kPer]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) v[k] = Elem<T>::load(e[k]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[kPer]) {
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    uint2 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) e[k] = Elem<T>::store(v[k]);
+    *reinterpret_cast<uint2*>(p) = raw;
+  }
+}
 
 // The last descriptor whose first group is <= g (warp-uniform).
 __device__ __forceinline__ int64_t find_tensor(const Adamw4Tensor* t, int64_t n, int64_t g) {
@@ -40,23 +88,63 @@ __device__ __forceinline__ int64_t find_tensor(const Adamw4Tensor* t, int64_t n,
 
 __device__ __forceinline__ bool skipped(const AdamwConfig& c) { return c.found_inf != nullptr && *c.found_inf != 0.0f; }
 
-// The descriptor of group g and its step's scalars, kept across a warp's groups: a warp's next
-// group is usually in the same tensor, and the scalars cost ~20 fp64 operations (beta^t).
-struct Current {
-  Adamw4Tensor d{};
-  uint64_t t;
-  adamw::Scalars s;
-  int64_t end = -1;  // one past the tensor's last group; -1: none yet
+// Whether a tensor's whole groups can take the vector path: every buffer aligned for 4 elements
+// (a lane's first element is a multiple of 4, so its offset is too), 32-bit element indices, and
+// for rank-1 v a lane's 4 elements in one row with their column maxima in one 16-byte word.
+template <typename P, typename Gr, MasterKind M>
+__device__ __forceinline__ bool vectorizable(const Adamw4Tensor& d) {
+  bool ok = aligned(d.param, kPer * sizeof(P)) && aligned(d.grad, kPer * sizeof(Gr)) && d.numel < (int64_t{1} << 31);
+  if constexpr (M == MasterKind::kFp32) ok = ok && aligned(d.master, 16);
+  if (d.kind == Adamw4Kind::kFull) return ok && aligned(d.m, 16) && aligned(d.v, 16);
+  ok = ok && aligned(d.m, 2) && aligned(d.v, 2);
+  if (d.kind == Adamw4Kind::kRank1) ok = ok && d.rows % 4 == 0 && d.cols % 4 == 0 && aligned(d.v_scale, 16);
+  return ok;
+}
 
-  __device__ __forceinline__ void seek(const Adamw4Tensor* tensors, int64_t n, int64_t g, double lr,
-                                       const AdamwConfig& c) {
-    if (g >= d.group_begin && g < end) return;
-    d = tensors[find_tensor(tensors, n, g)];
-    end = d.group_begin + groups_of(d.numel);
-    t = adamw::step_count(*d.step);
-    s = adamw::make_scalars(lr, c, t);
-  }
+// The descriptor of a warp's current group and its step's scalars, in shared memory (a slot per
+// warp): in registers they would take ~40 of them and halve the occupancy. A warp's next group is
+// usually in the same tensor, and the scalars cost ~20 fp64 operations (beta^t).
+struct Current {
+  Adamw4Tensor d;
+  adamw::Scalars s;
+  uint64_t t;
+  int64_t end;       // one past the tensor's last group; -1: none yet
+  int64_t full_end;  // one past the last group with all 128 elements
+  bool vec;
+  uint32_t cols_magic;  // rank-1 with vec: row = div_cols(element), no division instruction
+  int cols_shift;
 };
+
+__device__ __forceinline__ void init(Current& cur) {
+  if ((threadIdx.x & 31) == 0) {
+    cur.d.group_begin = 0;
+    cur.end = -1;
+  }
+  __syncwarp();
+}
+
+// Make `cur` describe group g's tensor (warp-wide: every lane calls it with the same g).
+template <typename P, typename Gr, MasterKind M>
+__device__ __forceinline__ void seek(Current& cur, const Adamw4Tensor* tensors, int64_t n, int64_t g, double lr,
+                                     const AdamwConfig& c) {
+  if (g >= cur.d.group_begin && g < cur.end) return;
+  const int64_t ti = find_tensor(tensors, n, g);
+  const int lane = threadIdx.x & 31;
+  __syncwarp();  // every lane is done with the previous tensor
+  constexpr int kWords = sizeof(Adamw4Tensor) / 8;
+  if (lane < kWords) reinterpret_cast<int64_t*>(&cur.d)[lane] = reinterpret_cast<const int64_t*>(tensors + ti)[lane];
+  __syncwarp();
+  if (lane == 0) {
+    const Adamw4Tensor& d = cur.d;
+    cur.end = d.group_begin + groups_of(d.numel);
+    cur.full_end = d.group_begin + d.numel / G;
+    cur.vec = vectorizable<P, Gr, M>(d);
+    if (cur.vec && d.kind == Adamw4Kind::kRank1) adamw4::make_magic(static_cast<uint32_t>(d.cols), cur.cols_magic, cur.cols_shift);
+    cur.t = adamw::step_count(*d.step);
+    cur.s = adamw::make_scalars(lr, c, cur.t);
+  }
+  __syncwarp();
+}
 
 // Row and column of a lane's first element (rank-1 tensors); the next ones follow by stepping.
 struct RowCol {
@@ -75,7 +163,7 @@ __device__ __forceinline__ RowCol row_col(const Adamw4Tensor& d, int64_t e) {
 }
 
 // atomicMax on the bits of a non-negative float, skipped when the stored value is already larger
-// (maxima settle early, so most elements skip the atomic).
+// (maxima settle early, so most calls skip the atomic).
 __device__ __forceinline__ void max_into(float* at, uint32_t key) {
   auto* u = reinterpret_cast<unsigned int*>(at);
   if (key > *reinterpret_cast<volatile unsigned int*>(u)) atomicMax(u, key);
@@ -94,54 +182,136 @@ __global__ void clear_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n
   }
 }
 
-// Pass one: a warp per group of a rank-1 tensor (lane = 4 consecutive elements) computes the new
-// v from the gradient and the old codes and max-reduces it into the new row and column maxima.
-// Reads gradient (2-4 B) and v codes (0.5 B) per element; a group inside one row makes one row
-// atomic, columns one (mostly skipped) atomic per element.
+// ---- pass one: the rank-1 maxima of the new v ------------------------------------------------
+
+// A rank-1 tensor's buffers for step t.
+struct Rank1 {
+  const float* old_r;  // rows, then cols: what step t - 1 wrote
+  float* new_r;
+};
+
+__device__ __forceinline__ Rank1 rank1_of(const Adamw4Tensor& d, uint64_t t) {
+  return {d.v_scale + adamw4::old_buffer(t) * (d.rows + d.cols), d.v_scale + adamw4::new_buffer(t) * (d.rows + d.cols)};
+}
+
+// Whether a rank-1 tensor's statistics can walk strips: whole groups per row, and gradients and
+// codes aligned for a lane's 4 elements.
 template <typename Gr>
-__global__ void __launch_bounds__(kThreads) stats_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
-                                                         int64_t n_groups, AdamwConfig c) {
+__device__ __forceinline__ bool strips_ok(const Adamw4Tensor& d) {
+  return d.cols % G == 0 && aligned(d.grad, kPer * sizeof(Gr)) && aligned(d.v, 2);
+}
+
+// One strip: rows [r0, r0 + 16) x columns [cg 128, cg 128 + 128). A lane keeps its 4 columns'
+// maxima in registers; each row's maximum is a warp reduction and one atomic. Rows are loaded
+// kBatch at a time before any is reduced (the atomics would otherwise order every load).
+template <typename Gr>
+__device__ __forceinline__ void stats_strip(const Adamw4Tensor& d, const Rank1& r1, int64_t u, int64_t per_row,
+                                            const adamw::Scalars& s, float inv_gs) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rb = u / per_row, j = (u - rb * per_row) * G + lane * kPer;
+  const int64_t r0 = rb * kStripRows, r_end = r0 + kStripRows < d.rows ? r0 + kStripRows : d.rows;
+  float oc[kPer];
+  uint32_t ck[kPer] = {};
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) oc[k] = r1.old_r[d.rows + j + k];
+  const auto* grad = static_cast<const Gr*>(d.grad);
+  const auto* vq = static_cast<const uint8_t*>(d.v);
+  for (int64_t i0 = r0; i0 < r_end; i0 += kBatch) {
+    float g[kBatch][kPer];
+    uint32_t vw[kBatch];
+    float ro[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t i = i0 + b < r_end ? i0 + b : r_end - 1;  // past the strip: reload its last row (no effect on maxima)
+      const int64_t e = i * d.cols + j;
+      load4(grad + e, g[b]);
+      vw[b] = *reinterpret_cast<const uint16_t*>(vq + e / 2);
+      ro[b] = r1.old_r[i];
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      uint32_t rk = 0;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const float v_old = adamw4::decode_v((vw[b] >> (4 * k)) & 0xF, adamw4::rank1_scale(ro[b], oc[k]));
+        const uint32_t key = adamw4::max_key(adamw4::new_v(v_old, g[b][k] * inv_gs, s));
+        rk = adamw4::umax(rk, key);
+        ck[k] = adamw4::umax(ck[k], key);
+      }
+      rk = __reduce_max_sync(0xFFFFFFFFu, rk);
+      if (lane == 0 && rk != 0 && i0 + b < r_end) atomicMax(reinterpret_cast<unsigned int*>(r1.new_r + i0 + b), rk);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPer; ++k)
+    if (ck[k] != 0) max_into(r1.new_r + d.rows + j + k, ck[k]);  // the buffers start at 0
+}
+
+// One group of a rank-1 tensor that cannot walk strips, element by element.
+template <typename Gr>
+__device__ __forceinline__ void stats_group(const Adamw4Tensor& d, const Rank1& r1, int64_t lg,
+                                            const adamw::Scalars& s, float inv_gs) {
+  const int lane = threadIdx.x & 31;
+  const int64_t begin = lg * G, e0 = begin + lane * kPer;
+  const int64_t end = begin + G < d.numel ? begin + G : d.numel;
+  const bool one_row = begin / d.cols == (end - 1) / d.cols;
+  uint32_t row_key = 0;
+  RowCol rc = row_col(d, e0);
+  for (int k = 0; k < kPer; ++k, rc.next(d.cols)) {
+    const int64_t e = e0 + k;
+    if (e >= end) break;
+    const float v_old = adamw4::decode_v(adamw4::nibble(static_cast<const uint8_t*>(d.v), e),
+                                         adamw4::rank1_scale(r1.old_r[rc.i], r1.old_r[d.rows + rc.j]));
+    const float g_e = Elem<Gr>::load(static_cast<const Gr*>(d.grad)[e]) * inv_gs;
+    const uint32_t key = adamw4::max_key(adamw4::new_v(v_old, g_e, s));
+    if (key == 0) continue;
+    max_into(r1.new_r + d.rows + rc.j, key);
+    if (one_row) row_key = adamw4::umax(row_key, key);
+    else max_into(r1.new_r + rc.i, key);
+  }
+  if (one_row) {
+    row_key = __reduce_max_sync(0xFFFFFFFFu, row_key);
+    if (lane == 0 && row_key != 0) max_into(r1.new_r + begin / d.cols, row_key);
+  }
+}
+
+// Pass one over the rank-1 tensors. Work units (strips, or groups where strips do not apply) of
+// all rank-1 tensors form one sequence dealt round-robin to the warps, as one grid-stride loop
+// would: every warp walks the descriptors and counts the units before each tensor.
+template <typename Gr>
+__global__ void __launch_bounds__(kThreads, 4) stats_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
+                                                         AdamwConfig c) {
   if (skipped(c)) return;
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
   const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
-  const int lane = threadIdx.x & 31;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  Current cur;
-  for (int64_t g = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); g < n_groups; g += n_warps) {
-    cur.seek(tensors, n_tensors, g, lr, c);
-    const Adamw4Tensor& d = cur.d;
-    if (d.kind != Adamw4Kind::kRank1) continue;
-    const uint64_t t = cur.t;
-    const adamw::Scalars& s = cur.s;
-    const int64_t begin = (g - d.group_begin) * G, e0 = begin + lane * kPer;
-    const int64_t end = begin + G < d.numel ? begin + G : d.numel;
-    const float* old_r = d.v_scale + adamw4::old_buffer(t) * (d.rows + d.cols);
-    float* new_r = d.v_scale + adamw4::new_buffer(t) * (d.rows + d.cols);
-    const bool one_row = begin / d.cols == (end - 1) / d.cols;
-    uint32_t row_key = 0;
-    RowCol rc = row_col(d, e0);
-    for (int k = 0; k < kPer; ++k, rc.next(d.cols)) {
-      const int64_t e = e0 + k;
-      if (e >= end) break;
-      const float v_old = adamw4::decode_v(adamw4::nibble(static_cast<const uint8_t*>(d.v), e),
-                                           adamw4::rank1_scale(old_r[rc.i], old_r[d.rows + rc.j]));
-      const float g_e = Elem<Gr>::load(static_cast<const Gr*>(d.grad)[e]) * inv_gs;
-      const uint32_t key = adamw4::max_key(adamw4::new_v(v_old, g_e, s));
-      if (key == 0) continue;  // the buffers start at 0
-      max_into(new_r + d.rows + rc.j, key);
-      if (one_row) row_key = adamw4::umax(row_key, key);
-      else max_into(new_r + rc.i, key);
-    }
-    if (one_row) {
-      row_key = __reduce_max_sync(0xFFFFFFFFu, row_key);
-      if (lane == 0 && row_key != 0) max_into(new_r + begin / d.cols, row_key);
+  const int64_t warp = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5);
+  int64_t before = 0;  // units of the rank-1 tensors before ti
+  for (int64_t ti = 0; ti < n_tensors; ++ti) {
+    if (tensors[ti].kind != Adamw4Kind::kRank1) continue;
+    const Adamw4Tensor d = tensors[ti];
+    const bool strips = strips_ok<Gr>(d);
+    const int64_t per_row = d.cols / G;
+    const int64_t units = strips ? (d.rows + kStripRows - 1) / kStripRows * per_row : groups_of(d.numel);
+    int64_t u = ((warp - before) % n_warps + n_warps) % n_warps;  // this warp's first unit here
+    before += units;
+    if (u >= units) continue;
+    const uint64_t t = adamw::step_count(*d.step);
+    const adamw::Scalars s = adamw::make_scalars(lr, c, t);
+    const Rank1 r1 = rank1_of(d, t);
+    for (; u < units; u += n_warps) {
+      if (strips) stats_strip<Gr>(d, r1, u, per_row, s, inv_gs);
+      else stats_group<Gr>(d, r1, u, s, inv_gs);
     }
   }
 }
 
-// A lane's 4 new moments encoded and stored (kBlock / kRank1), with the group's absmax (lane 0).
+// ---- pass two: the step ------------------------------------------------------------------------
+
+// A lane's 4 new moments encoded and stored (kBlock / kRank1) with the group's absmax (lane 0):
+// the element-wise path (any group).
 __device__ __forceinline__ void store_codes(const Adamw4Tensor& d, int64_t lg, int64_t e0, const float (&m)[kPer],
-                                            const float (&v)[kPer], uint64_t t) {
+                                            const float (&v)[kPer], uint64_t t, const Tables& tb) {
   const int64_t n = d.numel;
   uint32_t mk = 0, vk = 0;
   for (int k = 0; k < kPer; ++k) {
@@ -160,8 +330,8 @@ __device__ __forceinline__ void store_codes(const Adamw4Tensor& d, int64_t lg, i
   for (int k = 0; k < kPer; ++k, rc.next(d.cols)) {
     if (e0 + k >= n) break;
     const float vs = d.kind == Adamw4Kind::kBlock ? vb : adamw4::v_scale_of(d, lg, rc.i, rc.j, adamw4::new_buffer(t));
-    mc[k] = adamw4::encode_m(m[k], ms);
-    vc[k] = adamw4::encode_v(v[k], vs);
+    mc[k] = adamw4::encode_m_table(m[k], ms, 1.0f / ms, tb.mid);
+    vc[k] = adamw4::encode_v_fast(v[k], vs, 1.0f / vs);
   }
   auto* mq = static_cast<uint8_t*>(d.m);
   auto* vq = static_cast<uint8_t*>(d.v);
@@ -172,54 +342,164 @@ __device__ __forceinline__ void store_codes(const Adamw4Tensor& d, int64_t lg, i
   }
 }
 
-// Pass two: a warp per group (lane = 4 consecutive elements) decodes the old moments, applies the
-// update, encodes the new moments and writes the parameter (and master). Per element: param and
-// grad (2-4 B each), master (8 B if any), codes 2 x 0.5 B read and written (kFull: 16 B of fp32).
+// A lane's new parameters (and master) written; n: how many of its 4 elements exist.
+template <typename P, MasterKind M>
+__device__ __forceinline__ void store_params(const Adamw4Tensor& d, int64_t e0, int n, const float (&p)[kPer],
+                                             uint64_t t, bool vec) {
+  auto* param = static_cast<P*>(d.param);
+  if constexpr (M == MasterKind::kBf16Sr) {
+    const uint64_t r = adamw::sr_bits(d.seed, t, static_cast<uint64_t>(e0 / 4));
+    uint16_t b[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) b[k] = adamw::bf16_sr(p[k], static_cast<uint32_t>(r >> (16 * k)));
+    auto* out = reinterpret_cast<uint16_t*>(param) + e0;
+    if (vec) {
+      *reinterpret_cast<uint2*>(out) = make_uint2(b[0] | (uint32_t{b[1]} << 16), b[2] | (uint32_t{b[3]} << 16));
+    } else {
+      for (int k = 0; k < n; ++k) out[k] = b[k];
+    }
+  } else if (vec) {
+    if constexpr (M == MasterKind::kFp32) store4(d.master + e0, p);
+    store4(param + e0, p);
+  } else {
+    for (int k = 0; k < n; ++k) {
+      if constexpr (M == MasterKind::kFp32) d.master[e0 + k] = p[k];
+      param[e0 + k] = Elem<P>::store(p[k]);
+    }
+  }
+}
+
+// The element-wise path: any group (a tensor's last, misaligned views, rank-1 with cols % 4 != 0).
 template <typename P, typename Gr, MasterKind M>
-__global__ void __launch_bounds__(kThreads) step_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
+__device__ __noinline__ void step_group(const Adamw4Tensor& d, int64_t lg, uint64_t t, const adamw::Scalars& s,
+                                        float inv_gs, const Tables& tb) {
+  const int64_t e0 = lg * G + (threadIdx.x & 31) * kPer;
+  const auto* param = static_cast<const P*>(d.param);
+  float p[kPer] = {}, m[kPer] = {}, v[kPer] = {};
+  RowCol rc = row_col(d, e0);
+  int n = 0;
+  for (int k = 0; k < kPer; ++k, rc.next(d.cols)) {
+    const int64_t e = e0 + k;
+    if (e >= d.numel) break;
+    const adamw4::Moments o = adamw4::old_moments(d, lg, e, rc.i, rc.j, t);
+    m[k] = o.m;
+    v[k] = o.v;
+    const float p0 = M == MasterKind::kFp32 ? d.master[e] : Elem<P>::load(param[e]);
+    p[k] = adamw4::update(p0, Elem<Gr>::load(static_cast<const Gr*>(d.grad)[e]) * inv_gs, m[k], v[k], s);
+    n = k + 1;
+  }
+  if (d.kind == Adamw4Kind::kFull) {
+    for (int k = 0; k < n; ++k) {
+      static_cast<float*>(d.m)[e0 + k] = m[k];
+      static_cast<float*>(d.v)[e0 + k] = v[k];
+    }
+  } else {
+    store_codes(d, lg, e0, m, v, t, tb);  // warp-wide: every lane takes part
+  }
+  if (n > 0) store_params<P, M>(d, e0, n, p, t, false);
+}
+
+// The vector path: a whole group of a vectorizable tensor.
+template <typename P, typename Gr, MasterKind M>
+__device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, float inv_gs, const Tables& tb) {
+  const Adamw4Tensor& d = cur.d;
+  const uint64_t t = cur.t;
+  const adamw::Scalars& s = cur.s;
+  const int64_t e0 = lg * G + (threadIdx.x & 31) * kPer;
+  float p[kPer], g[kPer], m[kPer], v[kPer];
+  if constexpr (M == MasterKind::kFp32) load4(d.master + e0, p);
+  else load4(static_cast<const P*>(d.param) + e0, p);
+  load4(static_cast<const Gr*>(d.grad) + e0, g);
+  uint32_t i = 0, j = 0;  // rank-1: the lane's row and first column (all 4 in that row)
+  if (d.kind == Adamw4Kind::kRank1) {
+    const uint32_t cols = static_cast<uint32_t>(d.cols);
+    i = adamw4::div_magic(static_cast<uint32_t>(e0), cols, cur.cols_magic, cur.cols_shift);
+    j = static_cast<uint32_t>(e0) - i * cols;
+  }
+  if (d.kind == Adamw4Kind::kFull) {
+    load4(static_cast<const float*>(d.m) + e0, m);
+    load4(static_cast<const float*>(d.v) + e0, v);
+  } else {
+    const uint32_t mw = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(d.m) + e0 / 2);
+    const uint32_t vw = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(d.v) + e0 / 2);
+    const float ms = d.m_scale[lg];
+    float vs[kPer];
+    if (d.kind == Adamw4Kind::kBlock) {
+      vs[0] = vs[1] = vs[2] = vs[3] = d.v_scale[lg];
+    } else {
+      const float* old_r = d.v_scale + adamw4::old_buffer(t) * (d.rows + d.cols);
+      const float r = old_r[i];
+      const float4 cs = *reinterpret_cast<const float4*>(old_r + d.rows + j);
+      vs[0] = adamw4::rank1_scale(r, cs.x), vs[1] = adamw4::rank1_scale(r, cs.y);
+      vs[2] = adamw4::rank1_scale(r, cs.z), vs[3] = adamw4::rank1_scale(r, cs.w);
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      m[k] = tb.level[(mw >> (4 * k)) & 0xF] * ms;  // decode_m
+      v[k] = adamw4::decode_v((vw >> (4 * k)) & 0xF, vs[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) p[k] = adamw4::update(p[k], g[k] * inv_gs, m[k], v[k], s);
+  if (d.kind == Adamw4Kind::kFull) {
+    store4(static_cast<float*>(d.m) + e0, m);
+    store4(static_cast<float*>(d.v) + e0, v);
+  } else {
+    uint32_t mk = 0, vk = 0;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      mk = adamw4::umax(mk, adamw4::max_key(m[k]));
+      vk = adamw4::umax(vk, adamw4::max_key(v[k]));
+    }
+    const float ms = float_of(__reduce_max_sync(0xFFFFFFFFu, mk));
+    float vs[kPer], rv[kPer];  // v's scales and their reciprocals
+    if (d.kind == Adamw4Kind::kBlock) {
+      vs[0] = vs[1] = vs[2] = vs[3] = float_of(__reduce_max_sync(0xFFFFFFFFu, vk));
+      rv[0] = rv[1] = rv[2] = rv[3] = 1.0f / vs[0];
+      if ((threadIdx.x & 31) == 0) d.v_scale[lg] = vs[0];
+    } else {
+      const float* new_r = d.v_scale + adamw4::new_buffer(t) * (d.rows + d.cols);
+      const float r = new_r[i];
+      const float4 cs = *reinterpret_cast<const float4*>(new_r + d.rows + j);
+      vs[0] = adamw4::rank1_scale(r, cs.x), vs[1] = adamw4::rank1_scale(r, cs.y);
+      vs[2] = adamw4::rank1_scale(r, cs.z), vs[3] = adamw4::rank1_scale(r, cs.w);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) rv[k] = 1.0f / vs[k];
+    }
+    if ((threadIdx.x & 31) == 0) d.m_scale[lg] = ms;
+    const float rm = 1.0f / ms;
+    uint32_t mc = 0, vc = 0;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      mc |= static_cast<uint32_t>(adamw4::encode_m_table(m[k], ms, rm, tb.mid)) << (4 * k);
+      vc |= static_cast<uint32_t>(adamw4::encode_v_fast(v[k], vs[k], rv[k])) << (4 * k);
+    }
+    *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.m) + e0 / 2) = static_cast<uint16_t>(mc);
+    *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.v) + e0 / 2) = static_cast<uint16_t>(vc);
+  }
+  store_params<P, M>(d, e0, kPer, p, t, true);
+}
+
+// Pass two: a warp per group decodes the old moments, applies the update, encodes the new moments
+// and writes the parameter (and master). Per element: param and grad (2-4 B each), master (8 B if
+// any), codes 2 x 0.5 B read and written (kFull: 16 B of fp32).
+template <typename P, typename Gr, MasterKind M>
+__global__ void __launch_bounds__(kThreads, 4) step_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
                                                         int64_t n_groups, AdamwConfig c) {
+  __shared__ Tables tb;
+  __shared__ Current slots[kWarps];
+  fill_tables(tb);
   if (skipped(c)) return;
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
   const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
-  const int lane = threadIdx.x & 31;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  Current cur;
+  Current& cur = slots[threadIdx.x >> 5];
+  init(cur);
   for (int64_t g = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); g < n_groups; g += n_warps) {
-    cur.seek(tensors, n_tensors, g, lr, c);
-    const Adamw4Tensor& d = cur.d;
-    const uint64_t t = cur.t;
-    const adamw::Scalars& s = cur.s;
-    const int64_t lg = g - d.group_begin, e0 = lg * G + lane * kPer;
-    auto* param = static_cast<P*>(d.param);
-    float p[kPer] = {}, m[kPer] = {}, v[kPer] = {};
-    RowCol rc = row_col(d, e0);
-    for (int k = 0; k < kPer; ++k, rc.next(d.cols)) {
-      const int64_t e = e0 + k;
-      if (e >= d.numel) break;
-      const adamw4::Moments o = adamw4::old_moments(d, lg, e, rc.i, rc.j, t);
-      m[k] = o.m;
-      v[k] = o.v;
-      const float p0 = M == MasterKind::kFp32 ? d.master[e] : Elem<P>::load(param[e]);
-      p[k] = adamw4::update(p0, Elem<Gr>::load(static_cast<const Gr*>(d.grad)[e]) * inv_gs, m[k], v[k], s);
-    }
-    if (d.kind == Adamw4Kind::kFull) {
-      for (int k = 0; k < kPer && e0 + k < d.numel; ++k) {
-        static_cast<float*>(d.m)[e0 + k] = m[k];
-        static_cast<float*>(d.v)[e0 + k] = v[k];
-      }
-    } else {
-      store_codes(d, lg, e0, m, v, t);  // warp-wide: every lane takes part
-    }
-    if constexpr (M == MasterKind::kBf16Sr) {
-      const uint64_t r = adamw::sr_bits(d.seed, t, static_cast<uint64_t>(e0 / 4));
-      for (int k = 0; k < kPer && e0 + k < d.numel; ++k)
-        reinterpret_cast<uint16_t*>(param)[e0 + k] = adamw::bf16_sr(p[k], static_cast<uint32_t>(r >> (16 * k)));
-    } else {
-      for (int k = 0; k < kPer && e0 + k < d.numel; ++k) {
-        if constexpr (M == MasterKind::kFp32) d.master[e0 + k] = p[k];
-        param[e0 + k] = Elem<P>::store(p[k]);
-      }
-    }
+    seek<P, Gr, M>(cur, tensors, n_tensors, g, lr, c);
+    const int64_t lg = g - cur.d.group_begin;
+    if (cur.vec && g < cur.full_end) step_group_vec<P, Gr, M>(cur, lg, inv_gs, tb);
+    else step_group<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb);
   }
 }
 
@@ -229,8 +509,10 @@ void launch(const Adamw4Tensor* tensors, int64_t n_tensors, int64_t n_groups, co
   const unsigned clear_grid = static_cast<unsigned>(n_tensors < 1024 ? n_tensors : 1024);
   clear_kernel<<<clear_grid, 256, 0, stream>>>(tensors, n_tensors, c);
   COAT_CHECK_LAUNCH();
-  const unsigned grid = cuda::grid_for(n_groups, kWarps, 8);  // a warp per group
-  stats_kernel<Gr><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);
+  // A warp per group (or strip); as many blocks as fit at once (4 per SM at 64 registers), so the
+  // grid-stride loops end together instead of in a second, partial wave.
+  const unsigned grid = cuda::grid_for(n_groups, kWarps, 4);
+  stats_kernel<Gr><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, c);
   COAT_CHECK_LAUNCH();
   step_kernel<P, Gr, M><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);
   COAT_CHECK_LAUNCH();

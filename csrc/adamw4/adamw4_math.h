@@ -49,27 +49,57 @@ COAT_HD float v_level(int c) { return static_cast<float>(c + 1) * 0.0625f; }
 COAT_HD float m_mid(int k) { return (m_level(k) + m_level(k + 1)) * 0.5f; }
 COAT_HD float v_mid(int k) { return static_cast<float>(2 * k + 3) * 0.03125f; }
 
-// A scale that codes can be decoded with: finite and > 0 (0 or NaN scales decode to 0 or NaN).
-COAT_HD bool usable_scale(float s) { return s > 0.0f && s <= FLT_MAX; }
+// A scale that values can be encoded against: normal, finite and > 0. A block (row, column) whose
+// scale is 0 (all zero), subnormal (all below 2^-126: its reciprocal overflows) or NaN (non-finite
+// moments) stores the zero code of m, code 0 of v.
+COAT_HD bool usable_scale(float s) { return s >= FLT_MIN && s <= FLT_MAX; }
 
-// Code of m for the block absmax s: nearest map value of m / s, ties up. A block whose absmax is 0
-// (all zero) or NaN (non-finite moments) stores the zero code.
+// A value is normalized as x = value * (1 / s), both correctly rounded: a block shares its
+// reciprocal, so the kernel divides once per block instead of once per element.
+COAT_HD float normalized(float value, float s) { return value * (1.0f / s); }
+
+// Code of m for the block absmax s: nearest map value of the normalized m, ties up.
 COAT_HD int encode_m(float m, float s) {
   if (!usable_scale(s)) return kZeroCodeM;
-  const float x = m / s;
+  const float x = normalized(m, s);
   int c = 0;
   for (int k = 0; k < kCodes - 1; ++k) c += x >= m_mid(k) ? 1 : 0;
   return c;
 }
 
 // Code of v (>= 0) for the scale s (block absmax or min(row max, column max)): nearest of
-// (c + 1) / 16 to v / s, ties up; 0 where the scale is unusable (it decodes to 0 * 1/16 or NaN).
+// (c + 1) / 16 to the normalized v, ties up.
 COAT_HD int encode_v(float v, float s) {
   if (!usable_scale(s)) return 0;
-  const float x = v / s;
+  const float x = normalized(v, s);
   int c = 0;
   for (int k = 0; k < kCodes - 1; ++k) c += x >= v_mid(k) ? 1 : 0;
   return c;
+}
+
+// The encoders the step runs (CPU reference and kernel alike), equal to encode_m / encode_v above
+// for every input (tests/cpp/test_adamw4_ref.cpp checks them against each other); r = 1 / s,
+// computed once per block (m, v of kBlock) or per element (v of kRank1):
+// - m: a binary search over the 15 sorted midpoints in `mids` (m_mid(0..14); the kernel keeps
+//   them in shared memory): the count of midpoints <= x, in 4 comparisons instead of 15.
+// - v: the midpoints (2k + 3) / 32 are found arithmetically: with y = 32 x (exact), x >= v_mid(k)
+//   iff y >= 2k + 3, so the code is floor((y - 3) / 2) + 1 clamped to [0, 15]; y - 3 is exact for
+//   y in [3, 31) (both operands are multiples of y's ulp and the result has fewer bits than y).
+// Both are written as selects, not branches (every element runs them).
+COAT_HD int encode_m_table(float m, float s, float r, const float* mids) {
+  const float x = m * r;
+  int c = x >= mids[7] ? 8 : 0;  // NaN compares false everywhere: code 0, as encode_m gives
+  c += x >= mids[c + 3] ? 4 : 0;
+  c += x >= mids[c + 1] ? 2 : 0;
+  c += x >= mids[c] ? 1 : 0;
+  return usable_scale(s) ? c : kZeroCodeM;
+}
+
+COAT_HD int encode_v_fast(float v, float s, float r) {
+  const float y = (v * r) * 32.0f;
+  // y >= 31 (or +Inf) clamps to 14 + 1; below the first midpoint, or NaN, is code 0.
+  const int c = y >= 3.0f ? static_cast<int>(fminf((y - 3.0f) * 0.5f, 14.0f)) + 1 : 0;
+  return usable_scale(s) ? c : 0;
 }
 
 COAT_HD float decode_m(int c, float s) { return m_level(c) * s; }
@@ -133,6 +163,27 @@ COAT_HD Moments old_moments(const Adamw4Tensor& d, int64_t lg, int64_t e, int64_
   const float m = decode_m(nibble(static_cast<const uint8_t*>(d.m), e), d.m_scale[lg]);
   const float vs = v_scale_of(d, lg, i, j, old_buffer(t));
   return {m, decode_v(nibble(static_cast<const uint8_t*>(d.v), e), vs)};
+}
+
+// Division of n < 2^31 by d in [1, 2^31) through a multiply-high (the kernel's row of an element):
+// with s = floor(log2 d) and m = floor(2^(32 + s) / d) (capped at 2^32 - 1), q' = (n m) >> (32 + s)
+// is n / d or one less, because n m / 2^(32 + s) > n / d - n / 2^(32 + s) > n / d - 1/2; one
+// comparison corrects it.
+COAT_HD void make_magic(uint32_t d, uint32_t& magic, int& shift) {
+  int s = 0;
+  while ((uint64_t{2} << s) <= d) ++s;
+  const uint64_t m = (uint64_t{1} << (32 + s)) / d;
+  magic = m > 0xFFFFFFFFull ? 0xFFFFFFFFu : static_cast<uint32_t>(m);
+  shift = s;
+}
+
+COAT_HD uint32_t div_magic(uint32_t n, uint32_t d, uint32_t magic, int shift) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t q = __umulhi(n, magic) >> shift;
+#else
+  const uint32_t q = static_cast<uint32_t>((uint64_t{n} * magic) >> 32) >> shift;
+#endif
+  return n - q * d >= d ? q + 1 : q;
 }
 
 COAT_HD int64_t groups_of(int64_t n) { return (n + kAdamw4Block - 1) / kAdamw4Block; }

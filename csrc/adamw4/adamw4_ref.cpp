@@ -2,6 +2,7 @@
 // step of coat.optim.AdamW4bit on CPU tensors. Pass one (the rank-1 maxima of the new v) runs per
 // tensor; pass two (the step) splits its groups over threads (groups are independent).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <thread>
@@ -42,6 +43,16 @@ void rank1_stats(const Adamw4Tensor& d, const AdamwConfig& c, double lr, float i
   }
 }
 
+// m's 15 midpoints, the table encode_m_table searches.
+const float* m_mids() {
+  static const std::array<float, 16> table = [] {
+    std::array<float, 16> t{};
+    for (int k = 0; k + 1 < adamw4::kCodes; ++k) t[k] = adamw4::m_mid(k);
+    return t;
+  }();
+  return table.data();
+}
+
 // Encode a group's new moments (n elements from `begin`) and write its block scales.
 void store_states(const Adamw4Tensor& d, int64_t lg, int64_t begin, int n, const float* m, const float* v,
                   uint64_t t) {
@@ -55,7 +66,7 @@ void store_states(const Adamw4Tensor& d, int64_t lg, int64_t begin, int n, const
     mk = adamw4::umax(mk, adamw4::max_key(m[i]));
     vk = adamw4::umax(vk, adamw4::max_key(v[i]));
   }
-  const float ms = float_of(mk);
+  const float ms = float_of(mk), rm = 1.0f / ms;
   d.m_scale[lg] = ms;
   if (d.kind == Adamw4Kind::kBlock) d.v_scale[lg] = float_of(vk);
   auto* mq = static_cast<uint8_t*>(d.m) + begin / 2;
@@ -66,8 +77,8 @@ void store_states(const Adamw4Tensor& d, int64_t lg, int64_t begin, int n, const
       const int64_t e = begin + i + h;
       const int64_t cols = d.kind == Adamw4Kind::kRank1 ? d.cols : 1;
       const float vs = adamw4::v_scale_of(d, lg, e / cols, e % cols, adamw4::new_buffer(t));
-      mc[h] = adamw4::encode_m(m[i + h], ms);
-      vc[h] = adamw4::encode_v(v[i + h], vs);
+      mc[h] = adamw4::encode_m_table(m[i + h], ms, rm, m_mids());
+      vc[h] = adamw4::encode_v_fast(v[i + h], vs, 1.0f / vs);
     }
     mq[i / 2] = static_cast<uint8_t>(mc[0] | (mc[1] << 4));
     vq[i / 2] = static_cast<uint8_t>(vc[0] | (vc[1] << 4));

@@ -90,7 +90,16 @@ void run_combo(const Combo& cb) {
   };
   const Shape shapes[] = {{1, 1, Adamw4Kind::kRank1},     {3, 5000, Adamw4Kind::kRank1}, {5000, 3, Adamw4Kind::kRank1},
                           {129, 257, Adamw4Kind::kRank1},  {600, 700, Adamw4Kind::kRank1}, {129, 257, Adamw4Kind::kBlock},
-                          {1, 70001, Adamw4Kind::kBlock},  {1, 1, Adamw4Kind::kFull},    {7, 300, Adamw4Kind::kFull}};
+                          {1, 70001, Adamw4Kind::kBlock},  {1, 1, Adamw4Kind::kFull},    {7, 300, Adamw4Kind::kFull},
+                          // The kernel's vector paths (whole groups, aligned views: the even slots):
+                          // statistics strips (cols % 128 == 0, a partial last strip, rows % 4 != 0),
+                          // rank-1 with cols % 4 == 0 only, blocks, full states.
+                          {48, 384, Adamw4Kind::kRank1},   {48, 384, Adamw4Kind::kRank1},
+                          {40, 256, Adamw4Kind::kRank1},   {40, 256, Adamw4Kind::kRank1},
+                          {37, 384, Adamw4Kind::kRank1},   {37, 384, Adamw4Kind::kRank1},
+                          {64, 100, Adamw4Kind::kRank1},   {64, 100, Adamw4Kind::kRank1},
+                          {3, 8196, Adamw4Kind::kBlock},   {3, 8196, Adamw4Kind::kBlock},
+                          {16, 256, Adamw4Kind::kFull},    {16, 256, Adamw4Kind::kFull}};
   std::vector<Slot> host;
   for (const Shape& sh : shapes) host.emplace_back(sh.r, sh.c, sh.k, cb.p, cb.g, cb.m == MasterKind::kFp32);
   std::vector<std::unique_ptr<DeviceSlot>> dev;

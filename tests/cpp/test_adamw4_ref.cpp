@@ -40,7 +40,7 @@ TEST(Adamw4Maps, MonotoneAndZeroOnlyInM) {
 }
 
 TEST(Adamw4Maps, EncodeDecodeRoundTripsEveryCode) {
-  for (float s : {1.0f, 3.7f, 1e-30f, 2e30f, 1e-40f /* subnormal */}) {
+  for (float s : {1.0f, 3.7f, 1e-30f, 2e30f, 1.2e-38f /* the smallest normals */}) {
     for (int c = 0; c < adamw4::kCodes; ++c) {
       EXPECT_EQ(adamw4::encode_m(adamw4::decode_m(c, s), s), c) << "m code " << c << " scale " << s;
       EXPECT_EQ(adamw4::encode_v(adamw4::decode_v(c, s), s), c) << "v code " << c << " scale " << s;
@@ -79,9 +79,63 @@ TEST(Adamw4Maps, EncodeIsNearestAndMonotone) {
   EXPECT_EQ(adamw4::encode_v(0.0f, 1.0f), 0);    // v = 0 under a non-zero scale: 1/16 of it
 }
 
+// The encoders the step runs (a binary search for m, arithmetic for v) against the definitions:
+// every midpoint and its neighbouring floats, every code's value, random values, scales of all
+// magnitudes, unusable scales and NaN.
+TEST(Adamw4Maps, FastEncodersEqualTheDefinitions) {
+  float mids[16] = {};
+  for (int k = 0; k + 1 < adamw4::kCodes; ++k) mids[k] = adamw4::m_mid(k);
+  std::vector<float> xs = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, 1e30f, -1e30f, std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  for (int k = 0; k + 1 < adamw4::kCodes; ++k) {
+    for (float b : {adamw4::m_mid(k), adamw4::v_mid(k), adamw4::m_level(k), adamw4::v_level(k)}) {
+      float lo = b, hi = b;
+      for (int u = 0; u < 3; ++u) {
+        xs.push_back(lo), xs.push_back(hi);
+        lo = std::nextafter(lo, -1e30f), hi = std::nextafter(hi, 1e30f);
+      }
+    }
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int i = 0; i < 20000; ++i) xs.push_back(u(rng));
+  for (float s : {1.0f, 3.7f, 0.1f, 1e-30f, 2e30f, 1.2e-38f, 1e-40f, 0.0f, -1.0f, std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN()}) {
+    for (float x : xs) {
+      const float m = x * (std::isfinite(s) && s > 0.0f ? s : 1.0f);
+      const float r = 1.0f / s;
+      EXPECT_EQ(adamw4::encode_m_table(m, s, r, mids), adamw4::encode_m(m, s)) << "m " << m << " scale " << s;
+      const float v = std::fabs(m);
+      EXPECT_EQ(adamw4::encode_v_fast(v, s, r), adamw4::encode_v(v, s)) << "v " << v << " scale " << s;
+      EXPECT_EQ(adamw4::encode_m_table(x, s, r, mids), adamw4::encode_m(x, s)) << "m " << x << " scale " << s;
+      EXPECT_EQ(adamw4::encode_v_fast(std::fabs(x), s, r), adamw4::encode_v(std::fabs(x), s)) << x << " " << s;
+    }
+  }
+}
+
+// The kernel's row of an element: a multiply-high and one correction, exact for every n < 2^31.
+TEST(Adamw4Maps, DivisionByMagicIsExact) {
+  std::mt19937 rng(5);
+  std::vector<uint32_t> ds = {1, 2, 3, 4, 5, 7, 100, 128, 4096, 11008, 32000, 65536, (1u << 30) + 7, (1u << 31) - 1};
+  for (int k = 0; k < 2000; ++k) ds.push_back(k % 2 ? (rng() % 100000) + 1 : (rng() & 0x7FFFFFFFu) | 1u);
+  for (uint32_t d : ds) {
+    uint32_t magic;
+    int shift;
+    adamw4::make_magic(d, magic, shift);
+    std::vector<int64_t> ns = {0, 1, d - 1, d, int64_t{d} + 1, (int64_t{1} << 31) - 1};
+    for (int k = 0; k < 200; ++k) ns.push_back(rng() & 0x7FFFFFFFu);
+    for (int64_t q = 1; q < 50; ++q) ns.push_back(q * d - 1), ns.push_back(q * d);
+    for (int64_t n : ns) {
+      if (n < 0 || n >= (int64_t{1} << 31)) continue;
+      ASSERT_EQ(adamw4::div_magic(static_cast<uint32_t>(n), d, magic, shift), static_cast<uint32_t>(n / d))
+          << n << " / " << d;
+    }
+  }
+}
+
 TEST(Adamw4Maps, UnusableScales) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-  for (float s : {0.0f, nan, inf}) {
+  for (float s : {0.0f, nan, inf, 1e-40f /* subnormal: its reciprocal overflows */}) {
     EXPECT_EQ(adamw4::encode_m(0.5f, s), adamw4::kZeroCodeM);
     EXPECT_EQ(adamw4::encode_v(0.5f, s), 0);
   }

@@ -53,6 +53,10 @@ def _usable(s: torch.Tensor) -> torch.Tensor:
     return (s > 0) & torch.isfinite(s)
 
 
+def _encodable(s: torch.Tensor) -> torch.Tensor:  # normal, finite, > 0: its reciprocal is finite
+    return (s >= torch.finfo(F32).tiny) & torch.isfinite(s)
+
+
 def _pow_int(b: float, e: int) -> float:  # the kernel's beta^t (repeated squaring in fp64)
     r = 1.0
     while e:
@@ -90,7 +94,7 @@ class RefAdamW4:
             return m, v
         mb, vb = _blocks(m), _blocks(v)
         ms = _absmax(mb, 1)
-        mc = torch.where(_usable(ms)[:, None], _encode(mb / ms[:, None], M_LEVELS), 7)
+        mc = torch.where(_encodable(ms)[:, None], _encode(mb * (1 / ms)[:, None], M_LEVELS), 7)
         m_new = (M_LEVELS[mc] * ms[:, None]).reshape(-1)[: m.numel()]
         if st["kind"] == "block":
             vs = _absmax(vb, 1)[:, None].expand_as(vb)
@@ -100,7 +104,7 @@ class RefAdamW4:
             r, c = _absmax(v2, 1), _absmax(v2, 0)
             s = torch.minimum(r[:, None], c[None, :])  # NaN-propagating
             vs = _blocks(s)
-        vc = torch.where(_usable(vs), _encode(vb / vs, V_LEVELS), 0)
+        vc = torch.where(_encodable(vs), _encode(vb * (1 / vs), V_LEVELS), 0)
         v_new = (V_LEVELS[vc] * vs).reshape(-1)[: v.numel()]
         return m_new, v_new
 

@@ -70,21 +70,28 @@ def _argv(cfg: TrainConfig) -> list[str]:
 # ---- exact resumption -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "coat", "coat-release"])
-def test_n_steps_resume_n_steps_equals_2n_steps(tmp_path: Path, recipe: str) -> None:
-    # coat-release: gradient release, its carried clipping norm saved in the checkpoint.
-    extra = dict(recipe="coat", release_grads=True) if recipe == "coat-release" else dict(recipe=recipe)
-    straight = train(tiny(tmp_path, "straight", **extra))
+def train_and_resume(tmp_path: Path, **run) -> tuple[dict, dict]:
+    """Train 12 steps (checkpoints at 6 and 12), then resume the run's folder as it was after step 6:
+    the same records (every loss, grad norm and lr) and the same final checkpoint, bit for bit.
+    Returns (straight, resumed) summaries."""
+    straight = train(tiny(tmp_path, "straight", **run))
     assert straight["finished"] and [s for s, _ in ckpt.checkpoints(tmp_path / "straight")] == [6, 12]
-    # The same run, stopped after N steps: its folder as it was then (checkpoint N, metrics up to N).
     half = tmp_path / "half"
     shutil.copytree(tmp_path / "straight", half, ignore=shutil.ignore_patterns("step_00000012", ".lock"))
     (half / "summary.json").unlink()
     resumed = train(TrainConfig(resume=str(half), quiet=True, cache_dir=str(tmp_path / "cache")))
     assert resumed["finished"] and resumed["steps"] == 12
-    assert resumed["final_val_loss"] == straight["final_val_loss"]
-    assert records(half) == records(tmp_path / "straight")  # every loss, grad norm and lr, bit for bit
+    assert records(half) == records(tmp_path / "straight")
     assert_same_state(half / "checkpoints" / "step_00000012", tmp_path / "straight" / "checkpoints" / "step_00000012")
+    return straight, resumed
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "coat", "coat-release"])
+def test_n_steps_resume_n_steps_equals_2n_steps(tmp_path: Path, recipe: str) -> None:
+    # coat-release: gradient release, its carried clipping norm saved in the checkpoint.
+    extra = dict(recipe="coat", release_grads=True) if recipe == "coat-release" else dict(recipe=recipe)
+    straight, resumed = train_and_resume(tmp_path, **extra)
+    assert resumed["final_val_loss"] == straight["final_val_loss"]
 
 
 def test_keep_last_and_resume_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -64,7 +64,7 @@ def assert_equal_nested(a, b, path: str = "") -> None:
         assert a == b, path
 
 
-@pytest.mark.parametrize("recipe", ["coat"])
+@pytest.mark.parametrize("recipe", ["coat", "coat4bit"])
 def test_fsdp2_two_ranks_train_checkpoint_and_resume_exactly(tmp_path: Path, recipe: str) -> None:
     proc = torchrun(*tiny_args(tmp_path, "straight", recipe), "--save")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -3,16 +3,13 @@ a run resumed from its checkpoint continues bit for bit, and the flags it refuse
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from test_cli_train_checkpoint import assert_same_state, records, tiny
+from test_cli_train_checkpoint import records, train_and_resume
 
-from coat.cli import checkpoint as ckpt
 from coat.cli.config import ConfigError, TrainConfig, resolve_config, setup_name, validate
 from coat.cli.model import build_model, build_optimizer, describe_precision
-from coat.cli.train import train
 
 
 def test_builds_snsm_and_describes_its_states() -> None:
@@ -33,23 +30,28 @@ def test_builds_snsm_and_describes_its_states() -> None:
 
 
 def test_n_steps_resume_n_steps_equals_2n_steps(tmp_path: Path) -> None:
-    run = dict(recipe=None, activations="bf16", optim="snsm", lr=1e-2, compare=False)
-    straight = train(tiny(tmp_path, "straight", **run))
-    assert straight["finished"] and [s for s, _ in ckpt.checkpoints(tmp_path / "straight")] == [6, 12]
-    half = tmp_path / "half"
-    shutil.copytree(tmp_path / "straight", half, ignore=shutil.ignore_patterns("step_00000012", ".lock"))
-    (half / "summary.json").unlink()
-    resumed = train(TrainConfig(resume=str(half), quiet=True, cache_dir=str(tmp_path / "cache")))
-    assert resumed["finished"] and resumed["steps"] == 12
-    assert records(half) == records(tmp_path / "straight")
-    assert_same_state(half / "checkpoints" / "step_00000012", tmp_path / "straight" / "checkpoints" / "step_00000012")
+    train_and_resume(tmp_path, recipe=None, activations="bf16", optim="snsm", lr=1e-2, compare=False)
     losses = [r["loss"] for r in records(tmp_path / "straight") if "loss" in r]
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("flags,flag", [({"master_weights": "bf16_sr"}, "--master-weights"),
-                                        ({"release_grads": True}, "--release-grads"),
-                                        ({"cuda_graph": True}, "--cuda-graph")])
+def test_lean_release_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """--recipe snsm-lean+release: bf16 matrices with stochastic rounding, stepped inside backward
+    (clipping by the running norm estimate), FP8 layers; a resumed run continues bit for bit."""
+    import torch
+
+    run = dict(recipe="snsm-lean+release", lr=1e-2, compare=False)
+    cfg = resolve_config(TrainConfig(model="tiny", device="cpu", **run))
+    assert (cfg.optim, cfg.master_weights, cfg.release_grads, cfg.activations) == ("snsm", "bf16_sr", True, "fp8")
+    assert setup_name(cfg) == "snsm-lean+release"
+    train_and_resume(tmp_path, **run)
+    saved = torch.load(tmp_path / "straight" / "checkpoints" / "step_00000012" / "model_optim.pt", weights_only=True)
+    assert saved["model"]["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    states = [st for st in saved["optim"]["state"].values() if "subset_norm" in st]
+    assert states and not any("master" in st for st in states)  # bf16_sr: no fp32 master copies
+
+
+@pytest.mark.parametrize("flags,flag", [({"cuda_graph": True}, "--cuda-graph")])
 def test_refused_flags(flags: dict, flag: str) -> None:
     cfg = resolve_config(TrainConfig(model="tiny", activations="bf16", optim="snsm", compare=False, device="cpu",
                                      **flags))

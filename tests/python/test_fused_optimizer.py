@@ -127,5 +127,5 @@ def test_gradient_release_drives_a_new_optimizer():
 
 def test_release_refuses_other_optimizers():
     model = _model()
-    with pytest.raises(TypeError, match="needs a coat.optim.FusedOptimizer"):
+    with pytest.raises(TypeError, match="needs a coat optimizer whose step is planned"):
         co.step_in_backward(torch.optim.SGD(model.parameters(), lr=0.1), model)

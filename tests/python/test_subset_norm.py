@@ -284,10 +284,8 @@ def test_unsupported_setups_refused():
         co.SubsetNormSM([_FakeDTensor(torch.randn(4, 4))])
     with pytest.raises(ValueError, match="params: .*int64"):
         co.SubsetNormSM([torch.zeros(4, 4, dtype=torch.int64)])
-    model = _mixed_model()
-    opt = co.SubsetNormSM(co.snsm_param_groups(model))
-    with pytest.raises(TypeError, match="FusedOptimizer"):
-        co.step_in_backward(opt, model)
+    with pytest.raises(TypeError, match="ReleaseTarget"):
+        co.step_in_backward(torch.optim.SGD([torch.nn.Parameter(torch.randn(4))], lr=0.1), _mixed_model())
     w = torch.nn.Parameter(torch.randn(6, 4))
     opt = co.SubsetNormSM([w], rank=2)
     w.grad = torch.randn(6, 4).to_sparse()
@@ -340,3 +338,168 @@ def test_tiny_llama_trains():
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+# ---- gradient release and master weights ----------------------------------------------------------
+
+def _layered(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 16),
+                                torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)]),
+                                torch.nn.Linear(16, 11))
+    return model.to(dtype)
+
+
+def _layered_forward(model, x):
+    h = model[0](x)
+    for layer in model[1]:
+        h = torch.tanh(layer(h))
+    return model[2](h)
+
+
+def _release_steps(model, opt, steps, seed, release=None):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 11, (24,), generator=g)
+        torch.nn.functional.cross_entropy(_layered_forward(model, x).float(), x).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16_sr"])
+def test_gradient_release_equals_the_ordinary_step(master):
+    """Each matrix (and the AdamW part's parameters) stepped inside backward, refreshes included
+    (gap 3 over 7 steps), gives the ordinary step's parameters and states bit for bit."""
+    dtype = torch.bfloat16 if master == "bf16_sr" else torch.float32
+    ref, rel = _layered(dtype=dtype), _layered(dtype=dtype)
+    kw = dict(lr=1e-2, rank=4, update_proj_gap=3, betas=(0.9, 0.99), master_weights=master, seed=5)
+    opt_ref = co.SubsetNormSM(co.snsm_param_groups(ref), **kw)
+    opt_rel = co.SubsetNormSM(co.snsm_param_groups(rel), **kw)
+    handle = co.step_in_backward(opt_rel, rel)
+    _release_steps(ref, opt_ref, 7, seed=3)
+    _release_steps(rel, opt_rel, 7, seed=3)
+    assert handle.stats["flushes"] > 0 and handle.stats["launches"] > 0
+    for a, b in zip(ref.parameters(), rel.parameters()):
+        assert torch.equal(a, b)
+    sa, sb = opt_ref.state_dict()["state"], opt_rel.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for key, v in sa[k].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, sb[k][key]), (k, key)
+    handle.remove()
+
+
+def test_gradient_release_clips_matrices_like_clip_grad_norm():
+    """max_grad_norm with the exact norm ('previous' estimate of a repeated batch): the matrices and
+    the AdamW part see the gradients scaled by clip_grad_norm_'s coefficient."""
+    ref, rel = _layered(), _layered()
+    kw = dict(lr=1e-2, rank=4, update_proj_gap=100)
+    opt_ref = co.SubsetNormSM(co.snsm_param_groups(ref), **kw)
+    opt_rel = co.SubsetNormSM(co.snsm_param_groups(rel), **kw)
+    handle = co.step_in_backward(opt_rel, rel, max_grad_norm=0.05, first_iteration="unclipped",
+                                 norm_estimate="previous")
+    x = torch.randint(0, 11, (24,), generator=torch.Generator().manual_seed(1))
+    for it in range(3):
+        for model, opt in ((ref, opt_ref), (rel, opt_rel)):
+            torch.nn.functional.cross_entropy(_layered_forward(model, x), x).backward()
+            if model is ref and it > 0:  # release clips iteration it by iteration it - 1's norm
+                coef = min(1.0, 0.05 / (prev_norm + 1e-6))
+                for p in ref.parameters():
+                    p.grad.mul_(torch.reciprocal(torch.tensor(1 / coef)))
+            if model is ref:
+                cur = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+            opt.step()
+            opt.zero_grad()
+        prev_norm = handle.grad_norm.item()
+        if it == 0:
+            assert prev_norm == pytest.approx(cur, rel=1e-5)
+    for a, b in zip(ref.parameters(), rel.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ref[1][0].weight, _layered()[1][0].weight)
+    handle.remove()
+
+
+def test_fp32_master_of_bf16_matrices_follows_the_fp32_run():
+    """With master_weights='fp32', a bf16 matrix's fp32 master takes exactly the steps an fp32
+    matrix takes (same bf16-representable start and gradients), and the parameter is its bf16."""
+    torch.manual_seed(0)
+    w0 = torch.randn(12, 5).bfloat16().float()
+    a = torch.nn.Parameter(w0.clone())
+    b = torch.nn.Parameter(w0.clone().bfloat16())
+    opt_a = co.SubsetNormSM([a], lr=1e-2, rank=2, update_proj_gap=2)
+    opt_b = co.SubsetNormSM([b], lr=1e-2, rank=2, update_proj_gap=2)
+    for step in range(5):
+        g = torch.randn(12, 5, generator=torch.Generator().manual_seed(step)).bfloat16()
+        a.grad, b.grad = g.float(), g.clone()
+        opt_a.step()
+        opt_b.step()
+        master = opt_b.state[b]["master"]
+        assert torch.equal(master, a.detach()) and torch.equal(b.detach(), master.bfloat16())
+    assert "master" not in opt_a.state[a]
+    sd = opt_b.state_dict()
+    again = co.SubsetNormSM([torch.nn.Parameter(b.detach().clone())], lr=1e-2, rank=2, update_proj_gap=2,
+                            master_weights="bf16_sr")
+    with pytest.raises(ValueError, match="holds an fp32 master copy"):
+        again.load_state_dict(sd)
+
+
+def test_bf16_stochastic_rounding_is_unbiased_and_reproducible():
+    x = torch.full((200_000,), 1.0 + 3 * 2**-10, dtype=torch.float32)  # 3/8 of a bf16 ulp above 1
+    gen = _snsm._generator(torch.device("cpu"), 7, 1)
+    y = _snsm.bf16_stochastic(x, gen).float()
+    assert set(y.unique().tolist()) == {1.0, 1.0078125}
+    assert y.mean().item() == pytest.approx(x[0].item(), abs=2e-5)
+    again = _snsm.bf16_stochastic(x, _snsm._generator(torch.device("cpu"), 7, 1))
+    other = _snsm.bf16_stochastic(x, _snsm._generator(torch.device("cpu"), 7, 2))
+    assert torch.equal(again.float(), y) and not torch.equal(other.float(), y)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -3.4e38, 0.0, -0.0])
+    out = _snsm.bf16_stochastic(special, gen).float()
+    assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf")
+    assert out[3].isfinite() and out[4].isfinite() and out[3] > 3.3e38 and out[4] < -3.3e38
+    assert out[5] == 0 and out[6] == 0
+
+
+def test_bf16_sr_training_resumes_exactly(tmp_path):
+    """bf16 matrices without masters: a run saved and resumed after 3 of 6 steps ends where the
+    uninterrupted one does (the rounding bits depend on seed, matrix and step only)."""
+    def run(model, opt, steps, seed):
+        _release_steps(model, opt, steps, seed)
+
+    kw = dict(lr=1e-2, rank=4, update_proj_gap=2, master_weights="bf16_sr", seed=9)
+    full = _layered(dtype=torch.bfloat16)
+    opt = co.SubsetNormSM(co.snsm_param_groups(full), **kw)
+    run(full, opt, 3, 1)
+    run(full, opt, 3, 2)
+    half = _layered(dtype=torch.bfloat16)
+    opt_h = co.SubsetNormSM(co.snsm_param_groups(half), **kw)
+    run(half, opt_h, 3, 1)
+    torch.save({"model": half.state_dict(), "opt": opt_h.state_dict()}, tmp_path / "ck.pt")
+    ck = torch.load(tmp_path / "ck.pt", weights_only=True)
+    resumed = _layered(dtype=torch.bfloat16)
+    resumed.load_state_dict(ck["model"])
+    opt_r = co.SubsetNormSM(co.snsm_param_groups(resumed), **kw)
+    opt_r.load_state_dict(ck["opt"])
+    run(resumed, opt_r, 3, 2)
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(37, 6), (6, 37)])
+def test_update_in_slices_equals_the_whole_matrix(monkeypatch, shape):
+    """The update runs in slices of whole rows (tall) or columns (wide): slices of 7 elements give
+    the whole-matrix update (fp32, to rounding), refreshes and momentum included."""
+    def run(chunk):
+        monkeypatch.setattr(_snsm, "CHUNK", chunk)
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(shape))
+        opt = co.SubsetNormSM([w], lr=1e-2, rank=3, update_proj_gap=2, weight_decay=0.1)
+        for step in range(5):
+            w.grad = torch.randn(shape, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        return w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
+
+    (w1, s1), (w2, s2) = run(7), run(1 << 24)
+    torch.testing.assert_close(w1, w2, rtol=1e-6, atol=1e-6)
+    for k in ("exp_avg", "subset_norm"):
+        torch.testing.assert_close(s1[k], s2[k], rtol=1e-5, atol=1e-6)

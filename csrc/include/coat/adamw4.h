@@ -18,7 +18,9 @@
 //   v: linear without zero, T(i) = (i + 1) / 16: a non-zero v never decodes to 0, so a step never
 //      divides an m by eps alone (the paper's zero-point problem). A v decodes to 0 only where its
 //      scale is 0, i.e. where its whole block (row or column) is 0.
-// Encoding rounds to the nearest map value (ties up), by comparison against fp32 midpoints.
+// Encoding rounds the normalized value x = value * (1 / scale) (two correctly rounded operations)
+// to the nearest map value (ties up), by comparison against fp32 midpoints. A scale that is 0,
+// subnormal or NaN encodes every element of its block (row, column) as m's zero code, v's code 0.
 //
 // Per element, in fp32 IEEE arithmetic (torch.optim.AdamW's order, decoupled weight decay):
 //   g = grad * (1 / grad_scale); p = p (1 - lr wd); m = m + (1 - b1)(g - m); v = v b2 + ((1 - b2) g) g
