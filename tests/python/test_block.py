@@ -42,16 +42,19 @@ def _inputs(gen, pre, m=20, k=32, rows=(16, 8, 8), dtype=torch.bfloat16):
     return x, nw, ws
 
 
-def _mm(a, sa, b, sb, dt):
+def _mm(a, sa, b, sb, dt, fast_accum=False):
     """The reference FP8 GEMM: the single op on the CPU (its reference takes every shape), on CUDA
-    coat's layers' GEMM of the LM head (pads K and N to 16, fp16 through fp32)."""
+    coat's layers' GEMM of the LM head (pads K and N to 16, fp16 through fp32). ``fast_accum``:
+    Hopper's faster accumulation, which the recipe's forward GEMMs use (results differ once K
+    spans several MMA steps)."""
     if a.is_cuda:
-        return mm.fp8_mm(a, sa, b, sb, dt)
-    out = gops.fp8_gemm(a, b, sa, sb, None, torch.float32 if dt == torch.float16 else dt)
+        return mm.fp8_mm(a, sa, b, sb, dt, fast_accum)
+    out = gops.fp8_gemm(a, b, sa, sb, None, torch.float32 if dt == torch.float16 else dt, fast_accum)
     return out.to(dt)
 
 
-def _steps_fwd(x, pre, nw, ws, save_t, out_dtype=torch.float32, unit_offset=False, act=sops.SILU):
+def _steps_fwd(x, pre, nw, ws, save_t, out_dtype=torch.float32, unit_offset=False, act=sops.SILU,
+               fast_accum=False):
     """The forward op by op: (out, w_scale, saved, gemm input, its scale)."""
     if pre == blk.NORM:
         y, rstd, xq, xs = nops.rmsnorm_fwd(x, nw, 1e-5, True, E4, False, unit_offset)
@@ -65,7 +68,7 @@ def _steps_fwd(x, pre, nw, ws, save_t, out_dtype=torch.float32, unit_offset=Fals
     if pre == blk.NONE:
         saved = (q_t if save_t else None, s, None)
     wq, _, w_scale = qops.quantize_stacked_amax(ws, 0, True, False)
-    out = _mm(q.view(E4), s, wq.view(E4), w_scale, out_dtype)
+    out = _mm(q.view(E4), s, wq.view(E4), w_scale, out_dtype, fast_accum)
     return out, w_scale, saved, y, s
 
 
@@ -278,15 +281,16 @@ def _layer_ref(x, pre, nw, ws, d, need_w, cdt, act="silu"):
     x2, d2 = x.reshape(-1, x.shape[-1]), d.reshape(-1, d.shape[-1]).to(cdt)
     k = x2.shape[1] // (2 if pre == blk.SWIGLU else 1)
     act_id = sops.SILU if act == "silu" else sops.GELU_TANH
+    fast = resolve("fp8").fast_accum_fwd  # the layers' recipe
     if pre == blk.NONE or k % 16 == 0:
-        out, w_scale, saved, _, _ = _steps_fwd(x2, pre, nw, ws, need_w, cdt, act=act_id)
+        out, w_scale, saved, _, _ = _steps_fwd(x2, pre, nw, ws, need_w, cdt, act=act_id, fast_accum=fast)
         dx, dnorm, dw = _steps_bwd(d2, pre, need_w, nw, ws, w_scale, saved, x.dtype, act=act_id,
                                    wgrad_dtype=ws[0].dtype)
         return out, dx, dnorm, dw
     xr = x2.detach().requires_grad_()
     wr = nw.detach().requires_grad_()
     y = hf_rms_norm(xr, wr, 1e-5) if pre == blk.NORM else gated(xr, act)
-    out, w_scale, saved, _, _ = _steps_fwd(y.detach(), blk.NONE, nw, ws, False, cdt)
+    out, w_scale, saved, _, _ = _steps_fwd(y.detach(), blk.NONE, nw, ws, False, cdt, fast_accum=fast)
     dy, _, dw = _steps_bwd(d2, blk.NONE, need_w, nw, ws, w_scale, saved, x.dtype, wgrad_dtype=ws[0].dtype,
                            wgrad_input=y.detach())
     dx, dnorm = torch.autograd.grad(y, (xr, wr), dy.to(y.dtype), allow_unused=True)
