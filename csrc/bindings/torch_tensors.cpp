@@ -171,11 +171,13 @@ Created pad_2d(const View& v, int64_t rows, int64_t cols, const char* name) {
 }
 
 Created narrow_cols(const View& v, int64_t cols, const char* name) {
-  return created_of(tensor_of(v).narrow(1, 0, cols).contiguous(), name);
+  // clone, not contiguous(): with one row the narrowed view already counts as contiguous, and
+  // contiguous() would hand back a view of v's memory, which the caller frees (tensor_of owns nothing).
+  return created_of(tensor_of(v).narrow(1, 0, cols).clone(at::MemoryFormat::Contiguous), name);
 }
 
 Created cast_to(const View& v, NewDtype dtype, const char* name) {
-  return created_of(tensor_of(v).to(scalar_type(dtype)), name);
+  return created_of(tensor_of(v).to(scalar_type(dtype), /*non_blocking=*/false, /*copy=*/true), name);  // never a view
 }
 
 namespace {

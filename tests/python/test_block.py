@@ -107,10 +107,17 @@ def _same_saved(got, ref_saved, what="saved"):
             _same(got[i], r, f"{what}[{i}]")
 
 
+def _scribble(x):
+    """On CUDA, reuse the small blocks the block op freed: an output still pointing there reads NaN."""
+    if x.is_cuda:
+        _ = [torch.full((n,), float("nan"), device=x.device) for n in (128, 512, 2048) for _ in range(4)]
+
+
 def _check_block(x, pre, nw, ws, need_w, d, uo=False, act=sops.SILU, out_dtype=torch.float32, stats=False):
     """blk.forward / blk.backward (the custom ops) against the single ops, bit for bit."""
     norm = nw if pre == blk.NORM else None
     f = blk.forward(x, pre, norm, 1e-5, False, ws, None, None, need_w, out_dtype, False, uo, act, stats)
+    _scribble(x)
     ref_out, ref_scale, ref_saved, ref_y, ref_ys = _steps_fwd(x, pre, nw, ws, need_w, out_dtype, uo, act)
     _same(f.out, ref_out, "out")
     _same(f.w_scale, ref_scale, "w_scale")
@@ -121,6 +128,7 @@ def _check_block(x, pre, nw, ws, need_w, d, uo=False, act=sops.SILU, out_dtype=t
     else:
         assert f.stat_in is None and f.stat_scale is None
     b = blk.backward(d, pre, need_w, ws, f.w_scale, None, f.saved, norm, None, x.dtype, torch.float32, uo, act, stats)
+    _scribble(x)
     rdx, rdnorm, rdw = _steps_bwd(d, pre, need_w, nw, ws, ref_scale, ref_saved, x.dtype, uo, act)
     _same(b.dx, rdx, "dx")
     assert (b.dnorm is None) == (rdnorm is None) and (b.dnorm is None or torch.equal(b.dnorm, rdnorm))
