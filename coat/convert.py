@@ -133,11 +133,11 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
     for (_, layer), act in zip(layers, acts):
         _convert_layer(layer, rec, fam, act)
     if frozen_weights == "fp8":
-        freeze_to_fp8([layer for _, layer in layers])
+        freeze_to_fp8([layer for _, layer in layers], rec)
     if not isinstance(fused_loss, bool):
         raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
     if fused_loss and hasattr(_inner_lm(model), "lm_head"):
-        install_fused_loss(model)
+        install_fused_loss(model, recipe=rec)
         # The model's class is now coat.nn.loss's; a PEFT adapter saved from it names the
         # transformers class in its adapter_config.json all the same (what plain PEFT writes).
         adapters.plain_peft_auto_mapping()

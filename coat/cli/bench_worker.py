@@ -153,7 +153,7 @@ def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, grap
 
 
 def _prep_torchao(model, ctx):
-    # The peer recipe of issue 11: torchao float8 training (tensorwise scaling) on every linear whose
+    # The torchao peer recipe: torchao float8 training (tensorwise scaling) on every linear whose
     # dims suit FP8 GEMMs (the LM head stays bf16), each decoder layer compiled (torchtitan's
     # practice; one compiled graph serves every layer), and torchao's 8-bit AdamW with bf16
     # stochastic rounding (no master weights).

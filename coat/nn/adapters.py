@@ -18,7 +18,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..fp8.formats import DTYPES as _FP8
 from ._fp8mm import mm_f32
+
+FP8_DTYPES = tuple(_FP8.values())
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -103,7 +106,7 @@ def base_linear(mod: nn.Module, name: str) -> nn.Linear:
 
 def is_frozen_fp8(linear: nn.Module) -> bool:
     """Whether ``linear`` holds its (frozen) weight only as FP8 codes (see ``frozen.py``)."""
-    return getattr(linear, "weight_scale", None) is not None and linear.weight.dtype == torch.float8_e4m3fn
+    return getattr(linear, "weight_scale", None) is not None and linear.weight.dtype in FP8_DTYPES
 
 
 def frozen_scales(bases) -> Optional[list]:

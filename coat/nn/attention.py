@@ -27,7 +27,7 @@ from ._cache import pop_cache
 from .fused import norm_linear
 from .mlp import _bias_list
 from .norm import norm_eps, rms_norm
-from .recipe import resolve
+from .recipe import DEFAULT, Fp8Recipe
 
 
 class _RopeQKVFn(torch.autograd.Function):
@@ -94,11 +94,12 @@ class Fp8AttentionMixin:
     ``coat_unit_offset``: the family's norms are Gemma's (set at convert)."""
 
     coat_unit_offset = False
+    coat_recipe: Fp8Recipe = DEFAULT  # convert sets the model's
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 norm: nn.Module | None = None, **kwargs):
         cache = pop_cache(kwargs, cache)  # transformers' name for it: ``cache`` or ``past_key_values``
-        recipe = getattr(self, "coat_recipe", None) or resolve(None)
+        recipe = self.coat_recipe
         b_s = hidden_states.shape[:-1]
         d = self.head_dim
         uo = self.coat_unit_offset

@@ -115,7 +115,7 @@ class _BlockFn(torch.autograd.Function):
         fp8_pre = _fp8_pre(spec, x2.shape[1])
         pre = spec.pre if fp8_pre else NONE
         gemm_in = x2 if fp8_pre or spec.pre == NONE else _torch_pre(spec, x2, norm_w).contiguous()
-        codes = W.forward_codes(spec.source, weights, spec.frozen_scales)
+        codes = W.forward_codes(spec.source, weights, spec.frozen_scales, spec.recipe.act_dtype)
         stats = _want_stats()
         # A recomputed torch pre-op hands its output to the backward: nothing is saved for dW.
         save_t = spec.pre == NONE and any(w.requires_grad for w in weights)
@@ -172,7 +172,7 @@ class _BlockFn(torch.autograd.Function):
 def _block_backward(ctx, d2, pre, need_w, saved, w_scale, norm_w, weights, wgrad_input=None) -> blk.Bwd:
     """The block op's backward (the weight from the forward's source), recording for ``Fp8Stats``."""
     spec = ctx.spec
-    codes_t = W.backward_codes(spec.source, weights, w_scale)
+    codes_t = W.backward_codes(spec.source, weights, w_scale, spec.recipe.act_dtype)
     stats = _want_stats()
     r = spec.recipe
     b = blk.backward(d2, pre, need_w, weights if codes_t is None else [], w_scale, codes_t, saved, norm_w,

@@ -48,9 +48,10 @@ import torch
 from torch import nn
 
 from .._ops import quantize as qops
+from .._ops._util import fmt_id
 from ..models import GROUPS  # projections that share one GEMM (and so one per-tensor scale)
 from . import adapters as A
-from .recipe import ACT_DTYPE
+from .recipe import DEFAULT, Fp8Recipe
 
 __all__ = ["freeze_to_fp8", "dequantize_frozen", "GROUPS"]
 
@@ -60,9 +61,9 @@ def _bases(layer: nn.Module, block: str, names) -> list[nn.Linear]:
     return [A.base_linear(getattr(owner, n), f"{block}.{n}") for n in names]
 
 
-def freeze_to_fp8(layers) -> int:
-    """Stores every fully frozen projection group of ``layers`` as E4M3 codes + one scale; returns
-    the bytes freed."""
+def freeze_to_fp8(layers, recipe: Fp8Recipe = DEFAULT) -> int:
+    """Stores every fully frozen projection group of ``layers`` as FP8 codes in the recipe's weight
+    format (E4M3) + one scale; returns the bytes freed."""
     freed = 0
     for layer in layers:
         if not getattr(layer, "_coat_frozen_hook", False):
@@ -73,7 +74,7 @@ def freeze_to_fp8(layers) -> int:
             for names in groups:
                 bases = _bases(layer, block, names)
                 if not any(A.is_frozen_fp8(b) or b.weight.requires_grad for b in bases):
-                    freed += _freeze_group(bases)
+                    freed += _freeze_group(bases, recipe.act_dtype)
                 # LoRA wrappers of a group frozen now or before (convert again after get_peft_model)
                 for n in names:
                     mod = getattr(getattr(layer, block), n)
@@ -82,11 +83,11 @@ def freeze_to_fp8(layers) -> int:
     return freed
 
 
-def _freeze_group(bases) -> int:
-    """Stores one projection group as E4M3 codes (views of one buffer) + its shared scale."""
+def _freeze_group(bases, dtype: torch.dtype) -> int:
+    """Stores one projection group as FP8 codes of ``dtype`` (views of one buffer) + its shared scale."""
     ws = [b.weight.detach() for b in bases]
-    q, _, scale = qops.quantize_stacked_amax(ws, 0, True, False)
-    q = q.view(ACT_DTYPE)
+    q, _, scale = qops.quantize_stacked_amax(ws, fmt_id(dtype), True, False)
+    q = q.view(dtype)
     row, freed = 0, 0
     for b, w in zip(bases, ws):
         # Each projection's codes are a view of the group's one buffer, so the fused

@@ -29,7 +29,7 @@ def _out_norm(layer, name: str | None, h: torch.Tensor, unit_offset: bool) -> to
     if name is None:
         return h
     norm = getattr(layer, name)
-    return rms_norm(h, norm.weight, norm_eps(norm), getattr(layer.self_attn, "coat_recipe", None), unit_offset)
+    return rms_norm(h, norm.weight, norm_eps(norm), layer.self_attn.coat_recipe, unit_offset)
 
 
 class Fp8DecoderLayerMixin:
@@ -39,8 +39,7 @@ class Fp8DecoderLayerMixin:
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
         cache = pop_cache(kwargs, cache)  # transformers' name for it: ``cache`` or ``past_key_values``
         fam = self.coat_family
-        recipe = getattr(self.self_attn, "coat_recipe", None)
-        if recipe is not None and recipe.weight_cache and isinstance(self, _fsdp_module_type()):
+        if self.self_attn.coat_recipe.weight_cache and isinstance(self, _fsdp_module_type()):
             raise ValueError(
                 "Fp8Recipe(weight_cache=True) cannot be used under FSDP2: it would keep FP8 copies of the "
                 "unsharded weights on every rank; convert with weight_cache=False (the default)"

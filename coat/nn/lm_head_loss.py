@@ -67,7 +67,7 @@ from .._ops._util import fmt_id
 from . import _fp8mm as mm
 from .fused import compute_dtype, wgrad_dtype
 from .norm import hf_rms_norm
-from .recipe import ACT_DTYPE, GRAD_DTYPE
+from .recipe import Fp8Recipe, resolve
 
 __all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss"]
 
@@ -80,7 +80,6 @@ __all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss"]
 #: 16k tokens take 8 chunks. Smaller chunks trade speed for transient memory.
 DEFAULT_CHUNK_MIB = 512
 _ROW_ALIGN = 64  # token rows of a chunk: multiples of this (GEMM-friendly K for the dW GEMM)
-_E4M3 = fmt_id(ACT_DTYPE)
 
 
 def _chunk_rows(total: int, row_bytes: int, chunk_bytes: int, align: int) -> int:
@@ -210,7 +209,8 @@ def _add_wgrad_fp8_(acc: torch.Tensor, dq_t, ds, y_t, ys, slice_bytes: int) -> N
 class _NormHeadCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, x, norm_w, weight, labels, num_items):
-        (eps, unit_offset), ignore_index, chunk_bytes, cdt, fp8, grad_on = meta
+        (eps, unit_offset), ignore_index, chunk_bytes, cdt, rec, grad_on = meta
+        fp8 = rec is not None  # the FP8 backward, in the recipe's formats
         # Inside forward grad mode is always off and needs_input_grad ignores an outer no_grad:
         # the caller's grad mode arrives in meta.
         need_x, need_nw, need_w = (grad_on and bool(n) for n in ctx.needs_input_grad[1:4])
@@ -235,9 +235,10 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
                 acc = torch.zeros(weight.shape, dtype=torch.float32, device=dev)
             dy = torch.empty(x.shape, dtype=cdt, device=dev) if need_dy else None
             w_t = w_scale = None
-            if fp8 and need_dy:  # E4M3 W^T [H, V] for every chunk's dY GEMM, made once
-                w_scale = _e4m3_scale(weight)
-                w_t = qops.quantize_stacked([weight.contiguous()], w_scale, _E4M3, False, True)[1].view(ACT_DTYPE)
+            if fp8 and need_dy:  # W^T [H, V] in FP8 for every chunk's dY GEMM, made once
+                w_scale = _w_scale(weight, rec.act_dtype)
+                w_t = qops.quantize_stacked([weight.contiguous()], w_scale, fmt_id(rec.act_dtype), False,
+                                            True)[1].view(rec.act_dtype)
             for t0 in range(0, t, rows):
                 t1 = min(t0 + rows, t)
                 logits = yc[t0:t1] @ wc.t()  # [rows, V] in the compute dtype, as HF's lm_head
@@ -254,12 +255,12 @@ class _NormHeadCrossEntropyFn(torch.autograd.Function):
                             dw = (dl.t() @ y_chunk).to(wdt)
                         else:
                             _add_wgrad_(acc, dl, y_chunk, chunk_bytes)
-                else:  # E5M2 dlogits with one scale per chunk, as the FP8 layers quantize dY
-                    dq, dq_t, ds = mm.quantize(dl, GRAD_DTYPE, need_w)
+                else:  # dlogits with one scale per chunk, as the FP8 layers quantize dY
+                    dq, dq_t, ds = mm.quantize(dl, rec.grad_dtype, need_w)
                     if need_dy:
                         dy[t0:t1] = mm.fp8_mm(dq, ds, w_t, w_scale, cdt)
                     if need_w:
-                        _, y_t, ys = mm.quantize(y_chunk, ACT_DTYPE, True)
+                        _, y_t, ys = mm.quantize(y_chunk, rec.act_dtype, True)
                         if acc is None:
                             dw = mm.fp8_mm(dq_t, ds, y_t, ys, wdt)
                         else:
@@ -325,12 +326,12 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _e4m3_scale(w: torch.Tensor) -> torch.Tensor:
-    """Per-tensor E4M3 scale of w (max(amax / 448, 2^-126); 1 when w is all zeros) without an |w|
-    temporary: the numerics contract of csrc/common/fp8.h scale_for."""
+def _w_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-tensor FP8 scale of w (max(amax / the format's max, 2^-126); 1 when w is all zeros)
+    without an |w| temporary: the numerics contract of csrc/common/fp8.h scale_for."""
     lo, hi = torch.aminmax(w)
     amax = torch.maximum(hi, -lo).float().reshape(1)
-    scale = (amax / torch.finfo(ACT_DTYPE).max).clamp_min(2.0**-126)
+    scale = (amax / torch.finfo(dtype).max).clamp_min(2.0**-126)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
@@ -383,6 +384,7 @@ def fused_lm_head_loss(
     shift_labels: torch.Tensor | None = None,
     chunk_mib: float = DEFAULT_CHUNK_MIB,
     fp8_backward: bool = False,
+    recipe: Fp8Recipe | str | None = None,
 ) -> torch.Tensor:
     """Hugging Face's causal-LM loss of ``lm_head(norm(hidden))`` without materializing the logits.
 
@@ -392,7 +394,8 @@ def fused_lm_head_loss(
     Face does), or None with ``shift_labels`` (already aligned with ``hidden``). Returns the fp32
     scalar loss: the mean over non-ignored positions, or their sum / ``num_items_in_batch``.
     The GEMMs run in the autocast dtype when autocast is on, else in ``hidden``'s dtype;
-    ``fp8_backward`` runs the two gradient GEMMs (dX, dW) in FP8 instead (the loss is unchanged).
+    ``fp8_backward`` runs the two gradient GEMMs (dX, dW) in FP8 instead (the loss is unchanged),
+    in the formats of ``recipe`` (an ``Fp8Recipe`` or its name; default "fp8").
     The gradients are computed in this call when grad mode is on and an input requires them (see
     the module docstring); under ``torch.no_grad`` only the loss is.
     ``chunk_mib``: the most MiB of compute-dtype logits one chunk of token rows holds (at least
@@ -440,5 +443,6 @@ def fused_lm_head_loss(
                          "formed before GradScaler scales them and would underflow): train in bfloat16 "
                          "(torch.autocast(dtype=torch.bfloat16) or model.to(torch.bfloat16)), or set "
                          "model.coat_fused_loss = False to use Hugging Face's unfused loss")
-    meta = ((float(eps), bool(norm_unit_offset)), ignore_index, int(chunk_mib * 2**20), cdt, fp8_backward, torch.is_grad_enabled())
+    rec = resolve(recipe) if fp8_backward else None
+    meta = ((float(eps), bool(norm_unit_offset)), ignore_index, int(chunk_mib * 2**20), cdt, rec, torch.is_grad_enabled())
     return _NormHeadCrossEntropyFn.apply(meta, x2, norm_weight, lm_head_weight, lab, num_items_in_batch)

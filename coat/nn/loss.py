@@ -22,6 +22,7 @@ from ..integrations.packed_check import _UnpackedPositions
 from ._cache import cache_name, pop_cache
 from .lm_head_loss import DEFAULT_CHUNK_MIB, fused_lm_head_loss
 from .norm import norm_eps
+from .recipe import DEFAULT, Fp8Recipe, resolve
 
 __all__ = ["DEFAULT_CHUNK_MIB", "fused_lm_head_loss", "install_fused_loss", "FusedCausalLMLossMixin"]
 
@@ -70,6 +71,7 @@ class FusedCausalLMLossMixin:
     coat_fused_loss: bool = True
     coat_loss_chunk_mib: float = DEFAULT_CHUNK_MIB
     coat_loss_fp8_backward: bool = False
+    coat_loss_recipe: Fp8Recipe = DEFAULT  # the formats of the FP8 backward
     coat_norm_unit_offset: bool = False  # the final norm is Gemma's (set by install_fused_loss)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
@@ -116,6 +118,7 @@ class FusedCausalLMLossMixin:
             shift_labels=kwargs.get("shift_labels"),
             chunk_mib=self.coat_loss_chunk_mib,
             fp8_backward=self.coat_loss_fp8_backward,
+            recipe=self.coat_loss_recipe,
         )
         out = CausalLMOutputWithPast(loss=loss, logits=None, **{name: getattr(outputs, name, None)},
                                      hidden_states=getattr(outputs, "hidden_states", None),
@@ -144,7 +147,7 @@ def _subclass(cls: type, mixin: type, name: str) -> type:
 
 
 def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB,
-                       fp8_backward: bool = False) -> nn.Module:
+                       fp8_backward: bool = False, recipe: Fp8Recipe | str | None = None) -> nn.Module:
     """Makes ``model(..., labels=...)`` of a Hugging Face causal LM of a family in ``coat.models`` (or
     a PEFT model around one) compute its loss with ``fused_lm_head_loss`` (final norm + LM head +
     cross-entropy, chunked), in place; returns the model. Parameters, state-dict keys and the class
@@ -153,8 +156,8 @@ def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB
     ``lm_head``), a custom ``loss_function`` or forward hooks on ``lm_head`` take Hugging Face's
     path, and so does every call after ``model.coat_fused_loss = False``. Installing twice only
     updates the settings.
-    ``chunk_mib`` and ``fp8_backward``: see ``fused_lm_head_loss`` (the LM head's two gradient GEMMs
-    in FP8)."""
+    ``chunk_mib``, ``fp8_backward`` and ``recipe``: see ``fused_lm_head_loss`` (the LM head's two
+    gradient GEMMs in FP8, in the recipe's formats; ``coat.convert`` passes the model's)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(chunk_mib, (int, float)) or isinstance(chunk_mib, bool) or not chunk_mib > 0:
@@ -188,4 +191,5 @@ def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB
     model.coat_fused_loss = True
     model.coat_loss_chunk_mib = float(chunk_mib)
     model.coat_loss_fp8_backward = fp8_backward
+    model.coat_loss_recipe = resolve(recipe)
     return wrapper

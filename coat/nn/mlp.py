@@ -18,7 +18,7 @@ from . import block as B
 from .block import ACT_IDS, fp8_swiglu_ok, gated
 from .fused import norm_linear
 from .norm import norm_eps, rms_norm
-from .recipe import ACT_DTYPE, Fp8Recipe, resolve
+from .recipe import DEFAULT, Fp8Recipe, resolve
 
 __all__ = ["ACT_IDS", "fp8_swiglu_ok", "swiglu_down", "swiglu", "Fp8SwiGLUMixin", "Fp8SwiGLUMLP"]
 
@@ -54,11 +54,11 @@ class _SwiGLUFn(torch.autograd.Function):
     carries a LoRA adapter, which needs the activation itself as its input."""
 
     @staticmethod
-    def forward(ctx, gu, e8m0, act_id):
+    def forward(ctx, gu, recipe, act_id):
         gu2 = gu.reshape(-1, gu.shape[-1])
         if not gu2.is_contiguous():
             gu2 = gu2.contiguous()
-        h, q, s = sops.swiglu_fwd(gu2, True, ACT_DTYPE, e8m0, act_id)
+        h, q, s = sops.swiglu_fwd(gu2, True, recipe.act_dtype, recipe.e8m0, act_id)
         ctx.save_for_backward(q, s)
         ctx.gu_shape, ctx.act_id = gu.shape, act_id
         return h.reshape(*gu.shape[:-1], h.shape[-1])
@@ -74,7 +74,7 @@ def swiglu(gate_up: torch.Tensor, recipe: Fp8Recipe, act: str = "silu") -> torch
     """act(gate) * up over a fused [.., 2I] gate/up tensor, its input saved in FP8 where I % 16 == 0."""
     act_id = _act_id(act)
     if fp8_swiglu_ok(gate_up.shape[-1] // 2):
-        return _SwiGLUFn.apply(gate_up, recipe.e8m0, act_id)
+        return _SwiGLUFn.apply(gate_up, recipe, act_id)
     return gated(gate_up, act)
 
 
@@ -90,9 +90,10 @@ class Fp8SwiGLUMixin:
 
     coat_act = "silu"
     coat_unit_offset = False
+    coat_recipe: Fp8Recipe = DEFAULT  # convert sets the model's
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
-        recipe = getattr(self, "coat_recipe", None) or resolve(None)
+        recipe = self.coat_recipe
         act, uo = self.coat_act, self.coat_unit_offset
         nw = norm.weight if norm is not None else None
         eps = norm_eps(norm) if norm is not None else 0.0

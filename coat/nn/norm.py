@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .._ops import norm as nops
-from .recipe import ACT_DTYPE, Fp8Recipe, resolve
+from .recipe import Fp8Recipe, resolve
 
 GROUP = nops.GROUP
 
@@ -42,9 +42,9 @@ def fp8_norm_ok(cols: int) -> bool:
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, e8m0, unit_offset):
+    def forward(ctx, x, weight, eps, recipe, unit_offset):
         x2 = x.contiguous()
-        y, rstd, q, s = nops.rmsnorm_fwd(x2, weight.contiguous(), eps, True, ACT_DTYPE, e8m0, unit_offset)
+        y, rstd, q, s = nops.rmsnorm_fwd(x2, weight.contiguous(), eps, True, recipe.act_dtype, recipe.e8m0, unit_offset)
         ctx.save_for_backward(q, s, rstd, weight)
         ctx.x_dtype, ctx.unit_offset = x.dtype, unit_offset
         return y
@@ -65,7 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe: Fp8Recip
         raise ValueError(f"weight must have shape ({x.shape[-1] if x.dim() else '?'},), got {tuple(weight.shape)}")
     if not fp8_norm_ok(x.shape[-1]):
         return hf_rms_norm(x, weight, eps, unit_offset)
-    return _RMSNormFn.apply(x, weight, float(eps), resolve(recipe).e8m0, bool(unit_offset))
+    return _RMSNormFn.apply(x, weight, float(eps), resolve(recipe), bool(unit_offset))
 
 
 class Fp8RMSNorm(nn.Module):

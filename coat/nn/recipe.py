@@ -6,16 +6,28 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fp8.formats import DTYPES, SCALE_KINDS
+
+
+#: Scaling granularities of the GEMM operands: "tensor" (one scale per tensor) is what the kernels
+#: do today; "row" and "block" are named so that a recipe asking for them is refused, not ignored.
+GRANULARITIES = ("tensor",)
+_PLANNED_GRANULARITIES = ("row", "block")
+
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """How a converted decoder layer computes and what it keeps for backward.
+    """How a converted decoder layer computes and what it keeps for backward: the one source of the
+    FP8 formats and scaling that every quantizer of a converted model reads (the block op, the
+    standalone norm and SwiGLU, frozen FP8 weights, the LM head's FP8 backward).
 
-    - GEMM operands: activations and weights per-tensor E4M3, output gradients per-tensor E5M2,
-      fp32 accumulation (``fast_accum_fwd`` lets the forward GEMM use Hopper's faster accumulation,
-      as TransformerEngine does for fprop).
-    - Saved activations: non-linear op inputs (RMSNorm, SwiGLU) as E4M3 with one scale per 1 x 16
-      group, ``act_scale`` = "fp32" (4 bytes per group) or "e8m0" (a power of two, 1 byte).
+    - GEMM operands (``granularity`` "tensor": one scale each): activations and weights in
+      ``act_format``, output gradients in ``grad_format``; fp32 accumulation (``fast_accum_fwd``
+      lets the forward GEMM use Hopper's faster accumulation, as TransformerEngine does for fprop).
+      ``act_format`` must be "e4m3": the weights share it, and FP8 tensor cores do not multiply two
+      E5M2 operands. ``grad_format`` "e5m2" (range, the default) or "e4m3" (precision).
+    - Saved activations: non-linear op inputs (RMSNorm, SwiGLU) in ``act_format`` with one scale
+      per 1 x 16 group, ``act_scale`` = "fp32" (4 bytes per group) or "e8m0" (a power of two, 1 byte).
       Norm outputs, the SwiGLU output and RoPE are recomputed in backward, never saved.
     - ``weight_cache``: off (the default), the FP8 copy of a weight exists only while the GEMM that
       reads it runs (made in forward, made again transposed in backward), so a converted model holds
@@ -29,12 +41,26 @@ class Fp8Recipe:
     act_scale: str = "fp32"
     fast_accum_fwd: bool = True
     weight_cache: bool = False
+    act_format: str = "e4m3"
+    grad_format: str = "e5m2"
+    granularity: str = "tensor"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.weight_cache, bool):
-            raise ValueError(f"weight_cache must be True or False, got {self.weight_cache!r}")
-        if self.act_scale not in ("fp32", "e8m0"):
+        for name in ("weight_cache", "fast_accum_fwd"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.act_scale not in SCALE_KINDS:
             raise ValueError(f"act_scale must be 'fp32' or 'e8m0', got {self.act_scale!r}")
+        if self.act_format != "e4m3":
+            raise ValueError(f"act_format must be 'e4m3', got {self.act_format!r}: the weights share the "
+                             "activations' format and FP8 tensor cores do not multiply two E5M2 operands")
+        if self.grad_format not in DTYPES:
+            raise ValueError(f"grad_format must be 'e5m2' or 'e4m3', got {self.grad_format!r}")
+        if self.granularity in _PLANNED_GRANULARITIES:
+            raise ValueError(f"granularity={self.granularity!r} is not implemented yet: coat's FP8 GEMMs scale "
+                             "per tensor (granularity='tensor')")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
 
     @property
     def e8m0(self) -> bool:
@@ -42,21 +68,20 @@ class Fp8Recipe:
 
     @property
     def act_dtype(self) -> torch.dtype:
-        """The FP8 format of activations, weights and saved non-linear inputs (the block op's)."""
-        return ACT_DTYPE
+        """The FP8 dtype of activations, weights and saved non-linear inputs."""
+        return DTYPES[self.act_format]
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        """The FP8 format of output gradients."""
-        return GRAD_DTYPE
+        """The FP8 dtype of output gradients."""
+        return DTYPES[self.grad_format]
 
-
-ACT_DTYPE = torch.float8_e4m3fn
-GRAD_DTYPE = torch.float8_e5m2
 
 #: Recipe names ``coat.convert`` accepts. "coat" is COAT's full recipe: the layers are the same as
 #: "fp8"; its FP8 optimizer states come from ``coat.optim``.
 RECIPES = {"fp8": Fp8Recipe(), "coat": Fp8Recipe(), "fp8-e8m0": Fp8Recipe(act_scale="e8m0")}
+#: The recipe of everything FP8 that is given none.
+DEFAULT = RECIPES["fp8"]
 
 
 def resolve(recipe: str | Fp8Recipe | None) -> Fp8Recipe:

@@ -40,12 +40,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ops import quantize as qops
 from . import frozen
-from .recipe import ACT_DTYPE
+from .._ops._util import fmt_id
+from .recipe import DEFAULT
 
 __all__ = ["Fp8Weight", "source", "forward_codes", "backward_codes", "use_cache", "invalidate_weight_cache",
            "cached_bytes", "stats"]
-
-_E4M3 = 0  # the core's format id of ACT_DTYPE (e4m3)
 
 #: Quantization passes over weights (tests and diagnostics): "forward" (amax + codes),
 #: "backward" (transposed codes), "cached" (both at once, weight_cache=True), "hits".
@@ -53,8 +52,8 @@ stats = {"forward": 0, "backward": 0, "cached": 0, "hits": 0}
 
 
 class Fp8Weight(NamedTuple):
-    data: Optional[torch.Tensor]  # [N, K] E4M3 codes (row-major), or None
-    data_t: Optional[torch.Tensor]  # [K, N] E4M3 codes (the transpose), or None
+    data: Optional[torch.Tensor]  # [N, K] FP8 codes (row-major), or None
+    data_t: Optional[torch.Tensor]  # [K, N] FP8 codes (the transpose), or None
     scale: torch.Tensor  # [1] fp32 dequantization multiplier
 
 
@@ -110,24 +109,24 @@ def count(kind: str) -> None:
         stats[kind] += 1
 
 
-def _lookup(weights: Sequence[torch.Tensor]) -> Optional[Fp8Weight]:
+def _lookup(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[Fp8Weight]:
     per_first = _cache.get(weights[0])
     if per_first is None:
         return None
     hit = per_first.get(tuple(id(w) for w in weights))
-    if hit is None or hit[0] != _key(weights):
+    if hit is None or hit[0] != _key(weights) or hit[1].data.dtype != dtype:
         return None
     return hit[1]
 
 
-def _cached(weights: Sequence[torch.Tensor]) -> Fp8Weight:
-    hit = _lookup(weights)
+def _cached(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> Fp8Weight:
+    hit = _lookup(weights, dtype)
     if hit is not None:
         count("hits")
         return hit
-    q, q_t, scale = qops.quantize_stacked_amax(list(weights), _E4M3, True, True)
+    q, q_t, scale = qops.quantize_stacked_amax(list(weights), fmt_id(dtype), True, True)
     count("cached")
-    entry = Fp8Weight(q.view(ACT_DTYPE), q_t.view(ACT_DTYPE), scale)
+    entry = Fp8Weight(q.view(dtype), q_t.view(dtype), scale)
     per_first = _cache.get(weights[0])
     if per_first is None:
         per_first = _cache[weights[0]] = {}
@@ -150,28 +149,30 @@ def source(cache: bool, frozen_scales: Optional[Sequence[torch.Tensor]]) -> str:
     return FROZEN if frozen_scales is not None else CACHED if cache else LIVE
 
 
-def forward_codes(src: str, weights: Sequence[torch.Tensor], frozen_scales: Optional[Sequence[torch.Tensor]] = None
-                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(row-major E4M3 codes [N, K] of cat(weights, 0), their scale) for the forward GEMM, or None
-    where the block op quantizes the live parameters itself (counted here as a "forward" pass)."""
+def forward_codes(src: str, weights: Sequence[torch.Tensor], frozen_scales: Optional[Sequence[torch.Tensor]] = None,
+                  dtype: torch.dtype = DEFAULT.act_dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(row-major FP8 codes [N, K] of cat(weights, 0) in ``dtype``, the recipe's weight format, and
+    their scale) for the forward GEMM, or None where the block op quantizes the live parameters
+    itself (counted here as a "forward" pass)."""
     if src == FROZEN:
         return frozen.group_codes(weights, frozen_scales)
     if src == CACHED:
-        w = _cached(weights)
+        w = _cached(weights, dtype)
         return w.data, w.scale
     count("forward")
     return None
 
 
-def backward_codes(src: str, weights: Sequence[torch.Tensor], scale: torch.Tensor) -> Optional[torch.Tensor]:
-    """Transposed E4M3 codes [K, N] of cat(weights, 0) with the forward's ``scale`` for the
+def backward_codes(src: str, weights: Sequence[torch.Tensor], scale: torch.Tensor,
+                   dtype: torch.dtype = DEFAULT.act_dtype) -> Optional[torch.Tensor]:
+    """Transposed FP8 codes [K, N] of cat(weights, 0) with the forward's ``scale`` for the
     input-gradient GEMM: the FP8-frozen codes transposed, the cached copy when the forward used the
     cache and the weights have not changed since, else None: the block op quantizes the live
     parameters with ``scale`` itself (counted here as a "backward" pass)."""
     if src == FROZEN:
         return frozen.group_codes_t(weights)
     if src == CACHED:
-        entry = _lookup(weights)
+        entry = _lookup(weights, dtype)
         if entry is not None and entry.scale is scale:
             count("hits")
             return entry.data_t
