@@ -54,7 +54,9 @@ from coat.nn import _fp8mm as mm  # noqa: E402
 from coat.nn.fused import norm_linear  # noqa: E402
 from coat.nn.mlp import swiglu_down  # noqa: E402
 from coat.nn.norm import hf_rms_norm  # noqa: E402
-from coat.nn.recipe import ACT_DTYPE, GRAD_DTYPE, Fp8Recipe  # noqa: E402
+from coat.nn.recipe import DEFAULT, Fp8Recipe  # noqa: E402
+
+ACT_DTYPE, GRAD_DTYPE = DEFAULT.act_dtype, DEFAULT.grad_dtype
 
 BF16 = torch.bfloat16
 EPS = 1e-5
