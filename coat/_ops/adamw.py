@@ -29,7 +29,9 @@ def adamw_step(
     beta2: float,
     eps: float,
     weight_decay: float,
-    grad_scale: torch.Tensor | None,
+    amp_scale: torch.Tensor | None,
+    clip_scale: torch.Tensor | None,
+    maximize: bool,
     found_inf: torch.Tensor | None,
     param_dtype: torch.dtype,
     grad_dtype: torch.dtype,
@@ -47,7 +49,8 @@ def adamw_step(
     with _dev_ctx(descs):
         _C.adamw_step(
             descs, int(n_groups), float(lr), lr_tensor, float(beta1), float(beta2), float(eps),
-            float(weight_decay), grad_scale, found_inf, DTYPE_IDS[param_dtype], DTYPE_IDS[grad_dtype],
+            float(weight_decay), amp_scale, clip_scale, bool(maximize), found_inf, DTYPE_IDS[param_dtype],
+            DTYPE_IDS[grad_dtype],
             MASTER_KINDS[master], FP8_FORMATS[m_fmt], FP8_FORMATS[v_fmt], bool(expansion), float(m_log2_range),
             float(v_log2_range), int(cpu_threads), _stream(descs),
         )

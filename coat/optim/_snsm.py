@@ -125,11 +125,11 @@ CHUNK = 1 << 24
 
 
 def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-           new_proj: torch.Tensor | None, *, grad_scale: torch.Tensor | None = None,
+           new_proj: torch.Tensor | None, *, clip_scale: torch.Tensor | None = None,
            sr_seed: int | None = None) -> None:
     """One step of one matrix (``state["step"]`` already counts it; ``new_proj``: ``next_projection``'s).
     Computed in fp32 on the fp32 master (``state["master"]``) or the parameter itself; the gradient
-    is multiplied by ``1 / grad_scale`` when given (gradient release's clipping scale). The
+    is multiplied by ``1 / clip_scale`` when given (gradient release's clipping scale). The
     parameter is written in its own dtype: from the master, or with stochastic rounding seeded by
     ``sr_seed`` for bf16 parameters without one (``master_weights="bf16_sr"``), else round to nearest.
     Every quantity of the update is per row (tall) or per column (wide) once the projection is
@@ -146,7 +146,7 @@ def update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: di
     if group["correct_bias"]:
         bc2 = 1.0 - beta2 ** t if beta2 < 1.0 else 1.0
         step_size = lr * math.sqrt(bc2) / (1.0 - beta1 ** t)
-    inv = None if grad_scale is None else torch.reciprocal(grad_scale.to(p.device, torch.float32).reshape(()))
+    inv = None if clip_scale is None else torch.reciprocal(clip_scale.to(p.device, torch.float32).reshape(()))
     master = state.get("master")
     gen = _generator(p.device, sr_seed, t) if sr_seed is not None and master is None and p.dtype == torch.bfloat16 \
         else None

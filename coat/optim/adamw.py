@@ -11,7 +11,7 @@ from .._ops import quantize as _qops
 from ..fp8.formats import format_name
 from . import _compat, _hyper, _state
 from ._state import _local
-from .fused import FusedOptimizer
+from .fused import FusedOptimizer, GradTransforms
 
 __all__ = ["AdamW", "CoatAdamW"]
 
@@ -68,7 +68,8 @@ class AdamW(FusedOptimizer):
     adds the hyperparameters, the FP8 state layout and the kernel call.
 
     ``torch.amp.GradScaler`` is supported the way torch's fused optimizers do it: the scaler hands
-    ``grad_scale`` and ``found_inf`` to the step, the kernel unscales the gradients (times 1/scale)
+    ``grad_scale`` and ``found_inf`` to the step, the kernel unscales the gradients (times 1/scale,
+    an argument of its own beside release's clipping scale and ``maximize``)
     and writes nothing when an inf was found (gradients are left scaled in ``.grad``).
 
     Gradient release (``coat.optim.step_in_backward(opt, model)``) runs this step inside backward,
@@ -188,14 +189,14 @@ class AdamW(FusedOptimizer):
         return _state.groups(local.numel())
 
     def _run_kernel(self, key: tuple, items: list, table: torch.Tensor, n_groups: int, group: dict[str, Any],
-                    lr: torch.Tensor | None, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+                    lr: torch.Tensor | None, grads: GradTransforms, found_inf: torch.Tensor | None) -> None:
         pdtype, gdtype, master = key[2:5]
         m_fmt, v_fmt = group["m_format"], group["v_format"]
         _ops.adamw_step(
             table, n_groups, lr=0.0 if lr is not None else float(group["lr"]), lr_tensor=lr,
             beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-            weight_decay=group["weight_decay"], grad_scale=grad_scale,
-            found_inf=found_inf, param_dtype=pdtype, grad_dtype=gdtype, master=master,
+            weight_decay=group["weight_decay"], amp_scale=grads.amp_scale, clip_scale=grads.clip_scale,
+            maximize=grads.maximize, found_inf=found_inf, param_dtype=pdtype, grad_dtype=gdtype, master=master,
             m_fmt=m_fmt, v_fmt=v_fmt, expansion=group["expansion"],
             m_log2_range=_state.log2_range(m_fmt), v_log2_range=_state.log2_range(v_fmt),
             cpu_threads=torch.get_num_threads(),

@@ -10,7 +10,7 @@ import torch
 from .._ops import adamw4 as _ops
 from . import _compat, _hyper, _state, _state4
 from ._state import _local
-from .fused import FusedOptimizer
+from .fused import FusedOptimizer, GradTransforms
 
 __all__ = ["AdamW4bit"]
 
@@ -128,11 +128,12 @@ class AdamW4bit(FusedOptimizer):
         return _state4.groups(local.numel())
 
     def _run_kernel(self, key: tuple, items: list, table: torch.Tensor, n_groups: int, group: dict[str, Any],
-                    lr: torch.Tensor | None, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+                    lr: torch.Tensor | None, grads: GradTransforms, found_inf: torch.Tensor | None) -> None:
         pdtype, gdtype, master = key[2:5]
         _ops.adamw4_step(
             table, n_groups, lr=0.0 if lr is not None else float(group["lr"]), lr_tensor=lr,
             beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-            weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf,
+            weight_decay=group["weight_decay"], amp_scale=grads.amp_scale, clip_scale=grads.clip_scale,
+            maximize=grads.maximize, found_inf=found_inf,
             param_dtype=pdtype, grad_dtype=gdtype, master=master, cpu_threads=torch.get_num_threads(),
         )

@@ -13,7 +13,7 @@ import torch
 from . import _compat, _state
 from ._state import _local
 
-__all__ = ["FusedOptimizer", "Launch", "ReleaseHandle"]
+__all__ = ["FusedOptimizer", "GradTransforms", "Launch", "ReleaseHandle"]
 
 
 def _capturing(device: torch.device) -> bool:
@@ -38,12 +38,22 @@ class Launch(NamedTuple):
         return [grad for _, _, grad, _ in self.items]
 
 
+class GradTransforms(NamedTuple):
+    """What a step does to the gradients inside its one pass, three separate things: GradScaler's
+    ``amp_scale`` (g / amp_scale), gradient release's ``clip_scale`` (g / clip_scale) and the group's
+    ``maximize`` (-g). The scales are fp32 [1] tensors on the launch's device, or None."""
+
+    amp_scale: torch.Tensor | None
+    clip_scale: torch.Tensor | None
+    maximize: bool
+
+
 class ReleaseHandle(Protocol):
     """What a ``FusedOptimizer`` calls on the gradient release attached to it (``attach_release``)."""
 
-    def before_step(self, grad_scale: Any, found_inf: Any) -> torch.Tensor | None:
-        """At the start of ``step()``: refuse a GradScaler, launch what is still pending, and return
-        the ``grad_scale`` the rest of the step launches with (the clipping scale, or None)."""
+    def before_step(self, amp_scale: Any, found_inf: Any) -> torch.Tensor | None:
+        """At the start of ``step()``: refuse a GradScaler (its ``amp_scale`` / ``found_inf``), launch
+        what is still pending, and return the ``clip_scale`` the rest of the step launches with (or None)."""
 
     def end_iteration(self) -> None:
         """At the end of ``step()``: close the iteration (its norm, the next clipping scale)."""
@@ -52,7 +62,7 @@ class ReleaseHandle(Protocol):
 class ReleaseTarget:
     """What gradient release (``coat.optim.step_in_backward``) drives: an optimizer that plans and runs
     its step for any subset of its parameters (``plan_launches(entries, tag)`` checks everything and
-    returns launches with ``grads`` and ``positions``; ``run_launches(launches, grad_scale)`` writes),
+    returns launches with ``grads`` and ``positions``; ``run_launches(launches, clip_scale)`` writes),
     has a ``nonfinite`` setting, and calls the attached handle from ``step()``. ``FusedOptimizer``
     and ``coat.optim.SubsetNormSM`` are the ones coat has."""
 
@@ -84,8 +94,8 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
     The base holds what does not depend on the update rule: parameter and gradient checks,
     bucketing by launch key, the descriptor tables and their cache (a table a CUDA-graph capture
     read is kept for the optimizer's lifetime), the step skeleton (step counts, ``lr`` as a tensor,
-    ``maximize``, GradScaler's ``grad_scale`` / ``found_inf``, ``nonfinite='raise'``, gradient
-    release), ``state_dict`` / ``load_state_dict`` framing, ``zero_grad``, ``state_bytes``,
+    the gradient transforms (``GradTransforms``: GradScaler's scale, release's clipping scale,
+    ``maximize``), GradScaler's ``found_inf``, ``nonfinite='raise'``, gradient release), ``state_dict`` / ``load_state_dict`` framing, ``zero_grad``, ``state_bytes``,
     deepcopy and pickling.
 
     A subclass implements (the protocol; ``coat.optim.AdamW`` is one):
@@ -104,11 +114,10 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
     - ``_descriptor_row(p, local, grad, state, begin)`` and ``_row_groups(local)``: a tensor's
       descriptor row (word 1 the gradient's data pointer: the cache rewrites that column alone when
       only gradients moved), and how many work groups it adds (``begin`` is the running sum).
-    - ``_run_kernel(key, items, table, n_groups, group, lr, grad_scale, found_inf)``: the kernel
+    - ``_run_kernel(key, items, table, n_groups, group, lr, grads, found_inf)``: the kernel
       call. ``lr``: the group's lr on the device when it is a tensor, else None (read
-      ``group["lr"]``). ``grad_scale`` still carries three things at once: the kernel multiplies
-      gradients by ``1 / grad_scale``, which unscales AMP, applies release's clipping coefficient
-      and, negated, ``maximize``; ``found_inf`` skips the step. Not called when ``n_groups`` is 0.
+      ``group["lr"]``). ``grads``: the ``GradTransforms`` the kernel applies to the gradients;
+      ``found_inf`` skips the step. Not called when ``n_groups`` is 0.
     - ``_check_saved(pid, saved)`` and ``_load_state(saved, p, local, group, what)``: refuse a
       foreign state, and turn a saved state into a live one (checked, on the parameter's device).
     - ``_dtensor_state(state, p)``: a sharded parameter's state as DTensors for ``state_dict``.
@@ -135,7 +144,6 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         """Host-side caches: rebuilt on demand, never saved (they hold raw pointers)."""
         self._desc_cache: dict[tuple, tuple] = {}
         self._graph_tables: dict[int, tuple] = {}  # tables a CUDA-graph capture of step() reads
-        self._minus_one: dict[torch.device, torch.Tensor] = {}  # maximize's grad_scale without a scaler
 
     # ---- pickling (copy.deepcopy, torch.save of the whole optimizer) --------------------------
     # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups; coat's own settings
@@ -177,7 +185,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         raise NotImplementedError
 
     def _run_kernel(self, key: tuple, items: list, table: torch.Tensor, n_groups: int, group: dict[str, Any],
-                    lr: torch.Tensor | None, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+                    lr: torch.Tensor | None, grads: GradTransforms, found_inf: torch.Tensor | None) -> None:
         raise NotImplementedError
 
     def _check_saved(self, pid: Any, saved: dict[str, Any]) -> None:
@@ -350,13 +358,15 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
             positions[key].append(index)
         return self._plan(buckets, positions)
 
-    def run_launches(self, launches: Iterable[Launch], grad_scale: torch.Tensor | None = None,
-                     found_inf: torch.Tensor | None = None) -> None:
-        """Run planned launches on the current stream, in order (``grad_scale``: see the class
-        docstring; ``found_inf``: a nonzero value skips the step)."""
+    def run_launches(self, launches: Iterable[Launch], clip_scale: torch.Tensor | None = None, *,
+                     amp_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+        """Run planned launches on the current stream, in order: gradients divided by ``clip_scale``
+        (gradient clipping) and by ``amp_scale`` (GradScaler's scale), negated where the group
+        maximizes; a nonzero ``found_inf`` skips the step. Tensors on any device, or None."""
         on_device: dict[tuple, torch.Tensor] = {}
         for launch in launches:
-            self._launch(launch.key, launch.items, launch.table, launch.n_groups, grad_scale, found_inf, on_device)
+            self._launch(launch.key, launch.items, launch.table, launch.n_groups, clip_scale, amp_scale, found_inf,
+                         on_device)
 
     def _descriptors(self, key: tuple, items: list) -> tuple[torch.Tensor, int]:
         """The descriptor table of one launch. Built in full (every state checked) when a parameter
@@ -410,22 +420,11 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         if _capturing(device):
             self._graph_tables[id(table)] = (table, host)
 
-    def _negated(self, scale: torch.Tensor | None, device: torch.device, on_device: dict) -> torch.Tensor:
-        """grad_scale for a maximize group: the kernel multiplies gradients by 1 / grad_scale, so a
-        negated scale (exactly -1 without a scaler) negates them within the one pass it makes."""
-        if scale is None:
-            if device not in self._minus_one:
-                self._minus_one[device] = torch.full((1,), -1.0, dtype=torch.float32, device=device)
-            return self._minus_one[device]
-        if ("-grad_scale", device) not in on_device:
-            on_device[("-grad_scale", device)] = torch.neg(scale)
-        return on_device[("-grad_scale", device)]
-
-    def _launch(self, key: tuple, items: list, table: torch.Tensor, n_groups: int, grad_scale: Any,
+    def _launch(self, key: tuple, items: list, table: torch.Tensor, n_groups: int, clip_scale: Any, amp_scale: Any,
                 found_inf: Any, on_device: dict[tuple, torch.Tensor]) -> None:
         """Count the step of every tensor of one launch and run the kernel over its table, on the
-        current stream. ``grad_scale`` / ``found_inf``: tensors (any device) or None; copies on the
-        launch's device are kept in ``on_device`` for the other launches of the same step."""
+        current stream. ``clip_scale`` / ``amp_scale`` / ``found_inf``: tensors (any device) or None;
+        copies on the launch's device are kept in ``on_device`` for the other launches of the step."""
         device, gi = key[0], key[1]
         group = self.param_groups[gi]
 
@@ -441,12 +440,11 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         lr = group["lr"]
         lr_t = to_dev(lr, f"lr{gi}") if isinstance(lr, torch.Tensor) else None
         fi = to_dev(found_inf, "found_inf")
-        gs = to_dev(grad_scale, "grad_scale")
-        if group.get("maximize", False):
-            gs = self._negated(gs, device, on_device)
+        grads = GradTransforms(to_dev(amp_scale, "amp_scale"), to_dev(clip_scale, "clip_scale"),
+                               bool(group.get("maximize", False)))
         if n_groups > 0:  # else only empty shards: their steps count, nothing to compute
             try:  # the kernel reads the counted step; a call refused before it launched takes it back
-                self._run_kernel(key, items, table, n_groups, group, lr_t, gs, fi)
+                self._run_kernel(key, items, table, n_groups, group, lr_t, grads, fi)
             except Exception:
                 torch._foreach_sub_(steps, 1)
                 raise
@@ -470,14 +468,13 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         release = self._release
-        grad_scale = getattr(self, "grad_scale", None)
+        amp_scale = getattr(self, "grad_scale", None)  # GradScaler's names for them
         found_inf = getattr(self, "found_inf", None)
-        if release is not None:
-            grad_scale = release.before_step(grad_scale, found_inf)
+        clip_scale = release.before_step(amp_scale, found_inf) if release is not None else None
         buckets, positions = self._gather()
         if self.nonfinite == "raise":
             self._raise_on_nonfinite(buckets)
-        self.run_launches(self._plan(buckets, positions), grad_scale, found_inf)
+        self.run_launches(self._plan(buckets, positions), clip_scale, amp_scale=amp_scale, found_inf=found_inf)
         if release is not None:
             release.end_iteration()
         return loss

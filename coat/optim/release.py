@@ -363,10 +363,11 @@ class GradRelease(_NormClip):
 
     # ---- optimizer.step() (coat.optim.fused.ReleaseHandle) -----------------------------------
 
-    def before_step(self, grad_scale: Any, found_inf: Any) -> torch.Tensor | None:
-        """Called by ``optimizer.step()`` first: refuses a GradScaler, launches what is pending and
-        returns the scale the rest of the step launches with (the clipping scale, or None)."""
-        if grad_scale is not None or found_inf is not None:
+    def before_step(self, amp_scale: Any, found_inf: Any) -> torch.Tensor | None:
+        """Called by ``optimizer.step()`` first: refuses a GradScaler (its ``amp_scale`` /
+        ``found_inf``), launches what is pending and returns the clipping scale the rest of the step
+        launches with (or None)."""
+        if amp_scale is not None or found_inf is not None:
             for name in ("grad_scale", "found_inf"):  # GradScaler removes them only after a step that returns
                 self.optimizer.__dict__.pop(name, None)
             raise RuntimeError(

@@ -253,14 +253,14 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
             out.append((p, g, group, _snsm.next_projection(g, state, group)))
         return out
 
-    def _run_matrices(self, items: list[tuple], grad_scale: torch.Tensor | None) -> None:
+    def _run_matrices(self, items: list[tuple], clip_scale: torch.Tensor | None) -> None:
         index = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
         for p, g, group, proj in items:
             state = self.state[p]
             state["step"] += 1
             # bf16_sr: the rounding bits of a matrix come from the seed and its position in the list
             seed = self.seed * 1_000_003 + index[id(p)] if self.master_weights == "bf16_sr" else None
-            _snsm.update(p, g, state, group, proj, grad_scale=grad_scale, sr_seed=seed)
+            _snsm.update(p, g, state, group, proj, clip_scale=clip_scale, sr_seed=seed)
 
     def _inner_positions(self) -> dict[int, int]:
         """Position in the whole parameter list -> position in the AdamW part's list."""
@@ -289,19 +289,19 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
             launches.append(_Matrices(self._plan_matrices([(p, g) for p, g, _ in mats]), [i for *_, i in mats]))
         return launches
 
-    def run_launches(self, launches: Iterable, grad_scale: torch.Tensor | None = None,
-                     found_inf: torch.Tensor | None = None) -> None:
-        """Run planned launches in order; gradients are multiplied by ``1 / grad_scale`` (the
-        clipping scale of gradient release). ``found_inf`` is refused for matrices (GradScaler
-        unscales before this optimizer's step)."""
+    def run_launches(self, launches: Iterable, clip_scale: torch.Tensor | None = None, *,
+                     amp_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+        """Run planned launches in order; gradients are divided by ``clip_scale`` (the clipping
+        scale of gradient release). ``amp_scale`` and ``found_inf`` are refused for matrices
+        (GradScaler unscales before this optimizer's step)."""
         for launch in launches:
             if isinstance(launch, Launch):
-                self._adamw.run_launches([launch], grad_scale, found_inf)
+                self._adamw.run_launches([launch], clip_scale, amp_scale=amp_scale, found_inf=found_inf)
             else:
-                if found_inf is not None:
-                    raise ValueError("found_inf: the Subset-Norm matrices cannot skip a step on the device; "
-                                     "let torch.amp.GradScaler unscale before step()")
-                self._run_matrices(launch.items, grad_scale)
+                if found_inf is not None or amp_scale is not None:
+                    raise ValueError("amp_scale / found_inf: the Subset-Norm matrices cannot unscale or skip a step "
+                                     "on the device; let torch.amp.GradScaler unscale before step()")
+                self._run_matrices(launch.items, clip_scale)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

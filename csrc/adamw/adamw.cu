@@ -643,7 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   TensorStep& ts = warp_ts[warp];
   __shared__ RunMeta run_meta[kWarps];
   RunMeta& run = run_meta[warp];
-  const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
+  const float inv_gs = adamw::grad_multiplier(c);
 
   int64_t lo = 0, hi = n_tensors - 1;  // the last descriptor with group_begin <= cb
   while (lo < hi) {

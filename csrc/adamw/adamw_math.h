@@ -54,9 +54,12 @@ COAT_HD Scalars make_scalars(double lr, const AdamwConfig& c, uint64_t t) {
 }
 
 // The factor gradients are multiplied by: 1 / GradScaler's scale (exact for its power-of-two
-// scales, so the same as dividing), 1 without a scaler.
-COAT_HD float inv_grad_scale(const float* grad_scale) {
-  return grad_scale != nullptr ? 1.0f / *grad_scale : 1.0f;
+// scales, so the same as dividing), times 1 / the clipping scale, negated for maximize (exact).
+// With only one of the two scales, one correctly rounded reciprocal of it.
+COAT_HD float grad_multiplier(const AdamwConfig& c) {
+  float s = c.amp_scale != nullptr ? 1.0f / *c.amp_scale : 1.0f;
+  if (c.clip_scale != nullptr) s = c.amp_scale != nullptr ? s * (1.0f / *c.clip_scale) : 1.0f / *c.clip_scale;
+  return c.maximize ? -s : s;
 }
 
 // The AdamW update of one element: returns the new parameter, updates m and v (fp32).

@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 4) stats_kernel(const Adamw4Tensor* 
                                                          AdamwConfig c) {
   if (skipped(c)) return;
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
-  const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
+  const float inv_gs = adamw::grad_multiplier(c);
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t warp = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5);
   int64_t before = 0;  // units of the rank-1 tensors before ti
@@ -491,7 +491,7 @@ __global__ void __launch_bounds__(kThreads, 4) step_kernel(const Adamw4Tensor* _
   fill_tables(tb);
   if (skipped(c)) return;
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
-  const float inv_gs = adamw::inv_grad_scale(c.grad_scale);
+  const float inv_gs = adamw::grad_multiplier(c);
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   Current& cur = slots[threadIdx.x >> 5];
   init(cur);

@@ -171,7 +171,7 @@ void adamw4_step(const Adamw4Tensor* tensors, int64_t n_tensors, int64_t n_group
                                        std::to_string(next));
   if (c.found_inf != nullptr && *c.found_inf != 0.0f) return;
   const double lr = c.lr_tensor != nullptr ? static_cast<double>(*c.lr_tensor) : c.lr;
-  const float gs = adamw::inv_grad_scale(c.grad_scale);
+  const float gs = adamw::grad_multiplier(c);
   switch (c.master) {
     case MasterKind::kNone: return dispatch_grad<float, MasterKind::kNone>(tensors, n_tensors, n_groups, lr, c, gs);
     case MasterKind::kBf16Sr:

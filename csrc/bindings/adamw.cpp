@@ -2,8 +2,8 @@
 // parameter tensor, layout of coat::AdamwTensor) carries raw pointers that coat.optim built from
 // tensors it validated itself; here the table, the scalar tensors and the configuration are checked.
 #include "coat/adamw.h"
+#include "optim_args.h"
 #include "registry.h"
-#include "tensor_args.h"
 
 namespace coat {
 namespace bind {
@@ -11,60 +11,23 @@ namespace {
 
 using nb::arg;
 
-DType dtype_arg(int d, const char* name) {
-  COAT_CHECK_ARG(d >= 0 && d <= 2, std::string(name) + " must be 0 (float32), 1 (bfloat16) or 2 (float16), got " +
-                                       std::to_string(d));
-  return static_cast<DType>(d);
-}
-
-const float* scalar_arg(const std::optional<Array>& a, const char* name, std::vector<View>& views) {
-  if (!a) return nullptr;
-  View v = view_of(*a, name);
-  expect_kind(v, Kind::kFloat32);
-  expect_numel(v, 1, "a scalar");
-  views.push_back(v);
-  return static_cast<const float*>(v.data);
-}
-
 void adamw_step_py(MutArray descs_, int64_t n_groups, double lr, std::optional<Array> lr_tensor,
-                   double beta1, double beta2, double eps, double weight_decay,
-                   std::optional<Array> grad_scale, std::optional<Array> found_inf, int param_dtype,
+                   double beta1, double beta2, double eps, double weight_decay, std::optional<Array> amp_scale,
+                   std::optional<Array> clip_scale, bool maximize, std::optional<Array> found_inf, int param_dtype,
                    int grad_dtype, int master, int m_fmt, int v_fmt, bool expansion,
                    float m_log2_range, float v_log2_range, int cpu_threads, uintptr_t stream) {
-  const View descs = view_of(descs_, "descs");
-  expect_kind(descs, Kind::kInt64);
-  COAT_CHECK_ARG(descs.shape.size() == 2 && descs.shape[1] == 16,
-                 "descs must have shape [n, 16], got " + shape_str(descs.shape));
-  std::vector<View> views{descs};
-  AdamwConfig c;
-  c.lr = lr;
-  c.beta1 = beta1;
-  c.beta2 = beta2;
-  c.eps = eps;
-  c.weight_decay = weight_decay;
-  c.lr_tensor = scalar_arg(lr_tensor, "lr", views);
-  c.grad_scale = scalar_arg(grad_scale, "grad_scale", views);
-  c.found_inf = scalar_arg(found_inf, "found_inf", views);
-  c.param_dtype = dtype_arg(param_dtype, "param_dtype");
-  c.grad_dtype = dtype_arg(grad_dtype, "grad_dtype");
-  COAT_CHECK_ARG(master >= 0 && master <= 2, "master must be 0 (none), 1 (fp32) or 2 (bf16_sr)");
-  c.master = static_cast<MasterKind>(master);
+  const View descs = descriptor_table(descs_);
+  AdamwConfig c = step_config(descs, lr, lr_tensor, beta1, beta2, eps, weight_decay, amp_scale, clip_scale, maximize,
+                              found_inf, param_dtype, grad_dtype, master, cpu_threads);
   c.m_fmt = fp8_format(m_fmt);
   c.v_fmt = fp8_format(v_fmt);
   c.expansion = expansion;
   c.m_log2_range = m_log2_range;
   c.v_log2_range = v_log2_range;
-  c.cpu_threads = cpu_threads < 1 ? 1 : cpu_threads;
-  for (const View& v : views) {
-    COAT_CHECK_ARG(v.cuda == descs.cuda && v.device == descs.device,
-                   std::string(v.name) + " is on a different device than the optimizer states");
-  }
   const auto* table = static_cast<const AdamwTensor*>(descs.data);
   const int64_t n = descs.shape[0];
   if (same_device({&descs})) {  // throws for CUDA tensors in a build without CUDA
-#ifdef COAT_WITH_CUDA
-    adamw_step(table, n, n_groups, c, stream_of(stream));
-#endif
+    COAT_GPU_CALL(adamw_step(table, n, n_groups, c, stream_of(stream)));
   } else {
     nb::gil_scoped_release release;  // the CPU step may take a while; let other Python threads run
     ref::adamw_step(table, n, n_groups, c);
@@ -74,8 +37,8 @@ void adamw_step_py(MutArray descs_, int64_t n_groups, double lr, std::optional<A
 void register_adamw(nb::module_& m) {
   m.attr("ADAMW_DESC_WORDS") = 16;
   m.def("adamw_step", &adamw_step_py, restore_device(), arg("descs"), arg("n_groups"), arg("lr"), arg("lr_tensor").none(),
-        arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("grad_scale").none(),
-        arg("found_inf").none(), arg("param_dtype"), arg("grad_dtype"), arg("master"), arg("m_fmt"),
+        arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("amp_scale").none(),
+        arg("clip_scale").none(), arg("maximize"), arg("found_inf").none(), arg("param_dtype"), arg("grad_dtype"), arg("master"), arg("m_fmt"),
         arg("v_fmt"), arg("expansion"), arg("m_log2_range"), arg("v_log2_range"), arg("cpu_threads"),
         arg("stream"));
 }

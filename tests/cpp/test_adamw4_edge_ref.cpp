@@ -136,9 +136,9 @@ TEST(Adamw4Edge, FoundInfSkipsAndGradScaleUnscales) {
   a.set_grad(g_scaled);
   b.set_grad(g);
   c.found_inf = nullptr;
-  c.grad_scale = &scale;
+  c.amp_scale = &scale;
   step_once(a, c, 1);
-  c.grad_scale = nullptr;
+  c.amp_scale = nullptr;
   step_once(b, c, 1);
   EXPECT_EQ(a.param, b.param);
   EXPECT_EQ(a.v, b.v);

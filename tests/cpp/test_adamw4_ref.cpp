@@ -178,7 +178,7 @@ std::vector<float> oracle(Slot& s, const AdamwConfig& c) {
                                                     : adamw4::rank1_scale(old[e / s.cols], old[s.rows + e % s.cols]);
       v[e] = adamw4::decode_v(adamw4::nibble(s.v.data(), e), vs);
     }
-    p[e] = adamw4::update(s.p(e), value_at(s.grad, e, s.gt) * adamw::inv_grad_scale(c.grad_scale), m[e], v[e], sc);
+    p[e] = adamw4::update(s.p(e), value_at(s.grad, e, s.gt) * adamw::grad_multiplier(c), m[e], v[e], sc);
   }
   if (s.kind == Adamw4Kind::kFull) {
     std::memcpy(s.m.data(), m.data(), 4 * n);

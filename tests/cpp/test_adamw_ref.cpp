@@ -210,7 +210,7 @@ TEST(AdamwRef, FoundInfSkipsAndGradScaleDivides) {
   const float scale = 1024.0f, inf_flag = 1.0f, no_inf = 0.0f;
   AdamwTensor da = a.desc(false, false, false, 0), db = b.desc(false, false, false, 0);
   AdamwConfig cb = c;
-  cb.grad_scale = &scale;
+  cb.amp_scale = &scale;
   cb.found_inf = &inf_flag;
   const std::vector<float> before = b.p32;
   ref::adamw_step(&db, 1, 2, cb);
@@ -221,6 +221,40 @@ TEST(AdamwRef, FoundInfSkipsAndGradScaleDivides) {
   ref::adamw_step(&da, 1, 2, c);
   EXPECT_EQ(a.p32, b.p32);
   EXPECT_EQ(a.mq, b.mq);
+}
+
+// The clip scale, GradScaler's scale and maximize are separate arguments: each is what its own
+// transform of the gradients gives, and a clip scale with an AMP scale is the two products.
+TEST(AdamwRef, GradTransformsAreSeparateArguments) {
+  const int64_t n = 300;
+  const float amp = 1024.0f, clip = 3.0f, inv_clip = 1.0f / clip;
+  auto run = [&](const std::vector<float>& g, const float* amp_s, const float* clip_s, bool maximize) {
+    Slot s(n);
+    fill(s.p32, n, 1.0f, 7);
+    s.g32 = g;
+    AdamwConfig c = base_config();
+    c.amp_scale = amp_s;
+    c.clip_scale = clip_s;
+    c.maximize = maximize;
+    AdamwTensor d = s.desc(false, false, false, 0);
+    ref::adamw_step(&d, 1, 3, c);
+    return std::make_pair(s.p32, s.mq);
+  };
+  std::vector<float> g;
+  fill(g, n, 1e-3f, 8);
+  std::vector<float> clipped(g), negated(g), amp_scaled(g);
+  for (int64_t i = 0; i < n; ++i) {
+    clipped[i] = g[i] * inv_clip;
+    negated[i] = -g[i];
+    amp_scaled[i] = g[i] * amp;  // exact: a power of two
+  }
+  EXPECT_EQ(run(g, nullptr, &clip, false), run(clipped, nullptr, nullptr, false));
+  EXPECT_EQ(run(g, nullptr, nullptr, true), run(negated, nullptr, nullptr, false));
+  EXPECT_EQ(run(amp_scaled, &amp, &clip, false), run(clipped, nullptr, nullptr, false));
+  std::vector<float> neg_clipped(clipped);
+  for (float& x : neg_clipped) x = -x;
+  EXPECT_EQ(run(amp_scaled, &amp, &clip, true), run(neg_clipped, nullptr, nullptr, false));
+  EXPECT_NE(run(g, nullptr, &clip, false), run(g, nullptr, nullptr, false));
 }
 
 TEST(AdamwRef, StochasticRoundingIsUnbiased) {

@@ -55,11 +55,12 @@ def _grads(model, ids):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_the_gradient_format_reaches_every_layer_and_the_head(gen):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_gradient_format_reaches_every_layer_and_the_head(gen, device):
     """E4M3 output gradients change every layer's backward (and the FP8 LM head's), not the forward;
     both formats stay within the convert tests' tolerance of the unconverted model."""
-    ref = _llama()
-    ids = torch.randint(0, V, (2, 11), generator=gen)
+    ref = _llama().to(device)
+    ids = torch.randint(0, V, (2, 11), generator=gen).to(device)
     _, want = _grads(ref, ids)
     e5 = coat.convert(copy.deepcopy(ref))
     e4 = coat.convert(copy.deepcopy(ref), recipe=E4GRAD)

@@ -44,13 +44,15 @@ class _SGD(co.FusedOptimizer):
     def _load_state(self, saved, p, local, group, what):
         return {"step": saved["step"].detach().float().clone()}
 
-    def _run_kernel(self, key, items, table, n_groups, group, lr, grad_scale, found_inf):
+    def _run_kernel(self, key, items, table, n_groups, group, lr, grads, found_inf):
         kept = [it for it in items if it[1].numel()]
         assert n_groups == len(kept) and table.tolist() == [[t.data_ptr(), g.data_ptr()] for _, t, g, _ in kept]
         self.kernel_calls.append((key, len(items)))
         if found_inf is not None and bool(found_inf.item()):
             return
-        scale = 1.0 if grad_scale is None else float(1.0 / grad_scale.item())
+        scale = -1.0 if grads.maximize else 1.0
+        for s in (grads.amp_scale, grads.clip_scale):
+            scale *= 1.0 if s is None else float(1.0 / s.item())
         for _, local, grad, _ in kept:
             local.add_(grad, alpha=-group["lr"] * scale)
 

@@ -524,8 +524,8 @@ def test_torch_keywords_maximize_and_refusals():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_maximize_is_minimizing_the_negated_gradient(dtype):
-    """maximize=True negates the gradients inside the kernel (a grad_scale of -1, or minus GradScaler's
-    scale): bit for bit the step on negated gradients, with and without a GradScaler, and carried
+    """maximize=True negates the gradients inside the kernel (an argument of its own beside
+    GradScaler's scale): bit for bit the step on negated gradients, with and without a GradScaler, and carried
     to and from torch's state dict format."""
     a, b, c = _mlp(dtype=dtype), _mlp(dtype=dtype), _mlp(dtype=dtype)
     oa = co.AdamW(a.parameters(), lr=3e-3, weight_decay=0.1, maximize=True)

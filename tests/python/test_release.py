@@ -310,7 +310,8 @@ def test_running_estimate_clips_a_spike_in_its_own_bucket():
         release = co.step_in_backward(opt, model, max_grad_norm=1.0, first_iteration="unclipped", norm_estimate=est)
         seen = []
         launch = opt._launch
-        opt._launch = lambda key, items, *rest: (seen.append((rest[-3], [g.norm() for _, _, g, _ in items])),
+        # _launch(key, items, table, n_groups, clip_scale, amp_scale, found_inf, on_device)
+        opt._launch = lambda key, items, *rest: (seen.append((rest[2], [g.norm() for _, _, g, _ in items])),
                                                  launch(key, items, *rest))[1]
         for t, ids in enumerate(batches):
             seen.clear()
@@ -682,7 +683,7 @@ def _fsdp_running(rank, world, batches, dev):
     handle = co.step_in_backward(opt, model, max_grad_norm=0.5)
     scales, last, norms = [], [], []
     launch = opt._launch
-    opt._launch = lambda key, items, *rest: (scales.append(rest[-3].detach().float().cpu().reshape(())),
+    opt._launch = lambda key, items, *rest: (scales.append(rest[2].detach().float().cpu().reshape(())),
                                              launch(key, items, *rest))[1]
     for ids in batches:
         n = len(scales)

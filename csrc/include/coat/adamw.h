@@ -2,7 +2,8 @@
 // Expansion format of coat/quantize.h (dre_quantize), one launch for many parameter tensors.
 //
 // Per element, in fp32 (the order of torch.optim.AdamW, decoupled weight decay):
-//   g  = grad * (1 / grad_scale)                 (GradScaler's power-of-two scale, when given)
+//   g  = grad * (1 / amp_scale) * (1 / clip_scale), negated for maximize   (each when given; see
+//        adamw::grad_multiplier: with one of the two scales, exactly grad * (1 / that scale))
 //   p  = p * (1 - lr * weight_decay)
 //   m  = m + (1 - beta1) (g - m)                 (torch's lerp)
 //   v  = v * beta2 + (1 - beta2) g g
@@ -76,7 +77,10 @@ struct AdamwConfig {
   double eps = 1e-8;
   double weight_decay = 1e-2;
   const float* lr_tensor = nullptr;   // when set, *lr_tensor replaces lr (read on the device)
-  const float* grad_scale = nullptr;  // when set, gradients are multiplied by 1 / *grad_scale
+  // What the gradients are multiplied by, three separate things (adamw::grad_multiplier):
+  const float* amp_scale = nullptr;   // GradScaler's scale: gradients * (1 / *amp_scale)
+  const float* clip_scale = nullptr;  // gradient clipping (release's): gradients * (1 / *clip_scale)
+  bool maximize = false;              // ascend: gradients negated
   const float* found_inf = nullptr;   // when set and non-zero, nothing is written at all
   DType param_dtype = DType::kFloat32;
   DType grad_dtype = DType::kFloat32;

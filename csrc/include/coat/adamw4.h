@@ -23,7 +23,7 @@
 // subnormal or NaN encodes every element of its block (row, column) as m's zero code, v's code 0.
 //
 // Per element, in fp32 IEEE arithmetic (torch.optim.AdamW's order, decoupled weight decay):
-//   g = grad * (1 / grad_scale); p = p (1 - lr wd); m = m + (1 - b1)(g - m); v = v b2 + ((1 - b2) g) g
+//   g = grad * adamw::grad_multiplier(cfg); p = p (1 - lr wd); m = m + (1 - b1)(g - m); v = v b2 + ((1 - b2) g) g
 //   p = p - step_size * (m / (sqrt(v) inv_bc2_sqrt + eps))
 // with the scalars of coat/adamw.h (adamw::make_scalars). The update uses the unquantized new m and
 // v, which are then encoded with the new block absmax (m; v of kBlock) or the new row / column
@@ -77,7 +77,7 @@ struct Adamw4Tensor {
 static_assert(sizeof(Adamw4Tensor) == 16 * 8, "Adamw4Tensor is 16 words: Python builds it");
 
 // One step over n_tensors descriptors (device memory) covering n_groups groups of 128 elements.
-// Reads of cfg: lr, lr_tensor, beta1, beta2, eps, weight_decay, grad_scale, found_inf, param_dtype,
+// Reads of cfg: lr, lr_tensor, beta1, beta2, eps, weight_decay, amp_scale, clip_scale, maximize, found_inf, param_dtype,
 // grad_dtype, master, cpu_threads (the FP8 fields are not used). Three launches on `stream` (clear
 // the new rank-1 maxima, compute them, step); no host synchronisation; CUDA-graph capturable.
 void adamw4_step(const Adamw4Tensor* tensors, int64_t n_tensors, int64_t n_groups, const AdamwConfig& cfg,
