@@ -11,7 +11,8 @@ Configurations, run one after another with memory freed in between:
   4bit  bf16 params, bf16_sr (no master) + bf16 grads
   torch AdamW(fused=True), fp32 params + fp32 grads   (the baseline; needs ~108 GB at full size)
   snsm  bf16 params, bf16_sr + bf16 grads  (coat.optim.SubsetNormSM: rank 128 on the matrices, FP8 AdamW
-        on the embedding and norms; its first step, every projection's SVD, reported apart)
+        on the embedding and norms; its first step, every projection's SVD, reported apart), with the
+        full SVD (proj_type="svd") and the randomized refresh (proj_type="randomized")
 For each: the step time of `--iters` steps run back to back (CUDA events around them all; the host
 queues ahead as in training, so this is the GPU's time), also the median of steps timed one at a
 time from an idle GPU (which adds the host's work in step()) and that host time; bytes moved per parameter
@@ -56,6 +57,7 @@ BYTES = {
     # r/w; it moves several times more (fp32 temporaries). Its first step refreshes every projection
     # (an SVD per matrix): timed apart as first_step_s.
     "snsm bf16_sr, bf16 grads": 4 + 2 + 0.5,
+    "snsm randomized, bf16_sr, bf16 grads": 4 + 2 + 0.5,
 }
 
 
@@ -111,7 +113,7 @@ def bench(name: str, shapes, warmup: int, iters: int) -> dict:
         matrices = [p for p in params[1:] if p.dim() == 2]  # params[0]: the embedding (AdamW, FP8 states)
         rest = [params[0]] + [p for p in params[1:] if p.dim() != 2]
         opt = co.SubsetNormSM([{"params": matrices}, {"params": rest, "adamw": True}], lr=1e-4, weight_decay=0.01,
-                              master_weights="bf16_sr")
+                              master_weights="bf16_sr", proj_type="randomized" if "randomized" in name else "svd")
     elif name.startswith("coat fp32"):
         params = make_params(shapes, torch.float32, torch.float32)
         opt = co.AdamW(params, lr=1e-4, weight_decay=0.01)

@@ -103,19 +103,59 @@ def refreshes(step: int, gap: int) -> bool:
     return step == 1 or step % gap == 0
 
 
+#: How a refresh finds the top-r subspace: "svd" (a full SVD of the gradient, the reference's
+#: proj_type="svd") or "randomized" (a randomized range finder: RANDOM_OVERSAMPLE extra columns,
+#: RANDOM_POWER_ITERS power iterations, then the SVD of a (r + oversample) x n sketch; Halko,
+#: Martinsson & Tropp 2011). Randomized costs a few GEMMs of the matrix's size instead of an SVD of it.
+PROJ_TYPES = ("svd", "randomized")
+RANDOM_OVERSAMPLE = 16
+RANDOM_POWER_ITERS = 2
+
+
 def top_subspace(g: torch.Tensor, r: int) -> torch.Tensor:
     """The projection of an fp32 gradient: (r, n) right singular vectors when tall, else (m, r) left."""
     u, _, vh = torch.linalg.svd(g, full_matrices=False)
     return vh[:r].contiguous() if tall(tuple(g.shape)) else u[:, :r].contiguous()
 
 
-def next_projection(grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | None:
+def randomized_subspace(g: torch.Tensor, r: int, gen: torch.Generator) -> torch.Tensor:
+    """``top_subspace`` by a randomized range finder with a Gaussian sketch drawn from ``gen``;
+    the exact SVD where the sketch would not be smaller than the matrix. A non-finite gradient
+    raises before anything is computed (as the full SVD fails on it)."""
+    m, n = g.shape
+    k = min(r + RANDOM_OVERSAMPLE, m, n)
+    if k >= min(m, n):
+        return top_subspace(g, r)
+    if not bool(torch.isfinite(g).all()):
+        raise RuntimeError("SubsetNormSM: non-finite gradient at a projection refresh (randomized SVD)")
+    omega = torch.randn(n, k, generator=gen, device=g.device, dtype=torch.float32)
+    q = torch.linalg.qr(g @ omega).Q  # [m, k]: an orthonormal basis of the sketched range
+    for _ in range(RANDOM_POWER_ITERS):  # sharpen it towards the top singular directions
+        q = torch.linalg.qr(g.T @ q).Q
+        q = torch.linalg.qr(g @ q).Q
+    ub, _, vh = torch.linalg.svd(q.T @ g, full_matrices=False)  # the SVD of a [k, n] sketch
+    return vh[:r].contiguous() if tall((m, n)) else (q @ ub[:, :r]).contiguous()
+
+
+def sketch_generator(device: torch.device, seed: int) -> torch.Generator:
+    """The generator of one refresh's sketch: a function of ``seed`` alone (the optimizer's seed, the
+    matrix's position and the step), so a resumed run refreshes to the same projection."""
+    return torch.Generator(device=device).manual_seed(seed % (2**63))
+
+
+def next_projection(grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+                    sketch_seed: int = 0) -> torch.Tensor | None:
     """The projection the coming step (``state["step"] + 1``) refreshes to, or None: computed before
-    anything is written, so that an SVD that fails (a non-finite gradient) leaves every state as it was."""
-    if not refreshes(int(state["step"].item()) + 1, group["update_proj_gap"]):
+    anything is written, so that an SVD that fails (a non-finite gradient) leaves every state as it
+    was. ``sketch_seed``: the randomized refresh's seed (combined with the step here)."""
+    t = int(state["step"].item()) + 1
+    if not refreshes(t, group["update_proj_gap"]):
         return None
     p = state["proj"]
-    return top_subspace(grad.float(), p.shape[0] if tall(tuple(grad.shape)) else p.shape[1])
+    r = p.shape[0] if tall(tuple(grad.shape)) else p.shape[1]
+    if group.get("proj_type", "svd") == "randomized":
+        return randomized_subspace(grad.float(), r, sketch_generator(grad.device, sketch_seed * 1_000_033 + t))
+    return top_subspace(grad.float(), r)
 
 
 #: Elements of a matrix updated at once: the update runs in slices of whole rows (tall) or columns

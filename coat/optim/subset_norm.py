@@ -43,8 +43,8 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
     matrix parameter W (m x n) with gradient G at step t (1-based), in fp32:
 
     - every ``update_proj_gap`` steps (and at step 1): P = top-``rank`` singular vectors of G over its
-      smaller dimension (full SVD, as the reference's ``proj_type="svd"``), and the momentum is reset
-      to zero;
+      smaller dimension (``proj_type="svd"``: a full SVD, as the reference; "randomized": a randomized
+      range finder, a few GEMMs of the matrix's size), and the momentum is reset to zero;
     - L = P G (projected gradient, r x max(m, n)); M = beta1 M + (1 - beta1) L;
       U = P^T M + (G - P^T L): momentum in the subspace, plain SGD on the orthogonal residual;
     - V = beta2 V + (1 - beta2) s (beta2 = 1: V += s, AdaGrad's accumulation), s the sum of G^2 over
@@ -70,18 +70,22 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups (groups may override lr, betas, eps, weight_decay,
-            rank, update_proj_gap, correct_bias, adamw and adamw_betas).
+            rank, update_proj_gap, proj_type, correct_bias, adamw and adamw_betas).
         betas: (beta1, beta2) of both parts; beta2 = 1 accumulates the subset norms (AdaGrad), which
             the AdamW part cannot: give a group holding AdamW parameters ``adamw_betas`` then.
         adamw_betas: betas of the AdamW part when they differ (None: ``betas``).
         rank: the subspace's rank (capped at each matrix's smaller dimension).
         update_proj_gap: steps between refreshes of the projection (T).
+        proj_type: how a refresh finds the top-``rank`` subspace: "svd" (default; a full SVD of the
+            gradient, the reference's) or "randomized" (Gaussian sketch of rank + 16 columns, two
+            power iterations, the SVD of the small sketch: ``_snsm.randomized_subspace``; its draws
+            come from ``seed``, the matrix's position and the step, so a resumed run refreshes alike).
         state_dtype: torch.float32 (default) or torch.bfloat16: dtype of the momentum and the
             projection (the reference keeps them in the gradient's dtype); subset norms stay fp32.
         master_weights: "fp32" (default): a 16-bit matrix keeps an fp32 master copy in its state and
             is written from it; "bf16_sr": no master copy, a bf16 matrix is written with stochastic
             rounding (the same bits for the same seed, matrix and step). The AdamW part takes the same.
-        seed: the stochastic-rounding seed (both parts).
+        seed: the stochastic-rounding seed (both parts), and the randomized refresh's.
         adamw_options: keywords for the internal coat.optim.AdamW (nonfinite, m_format, v_format,
             ...); lr, betas, eps and weight_decay come from the groups, master_weights and seed from
             this optimizer.
@@ -112,6 +116,7 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         *,
         rank: int = 128,
         update_proj_gap: int = 100,
+        proj_type: str = "svd",
         correct_bias: bool = True,
         adamw_betas: tuple[float, float] | None = None,
         state_dtype: torch.dtype = torch.float32,
@@ -134,7 +139,8 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         self.master_weights = master_weights
         self.seed = seed
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank,
-                        update_proj_gap=update_proj_gap, correct_bias=correct_bias, adamw=False, adamw_betas=adamw_betas)
+                        update_proj_gap=update_proj_gap, proj_type=proj_type, correct_bias=correct_bias, adamw=False,
+                        adamw_betas=adamw_betas)
         self._check_group(defaults)
         self.state_dtype = state_dtype
         self.adamw_options = opts
@@ -171,6 +177,8 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         for key in ("correct_bias", "adamw"):
             if not isinstance(group[key], bool):
                 raise ValueError(f"{key} must be a bool, got {group[key]!r}")
+        if group.setdefault("proj_type", "svd") not in _snsm.PROJ_TYPES:  # groups saved before it existed: svd
+            raise ValueError(f"proj_type must be one of {_snsm.PROJ_TYPES}, got {group['proj_type']!r}")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -238,6 +246,7 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         check and every refresh's SVD before anything is written (a failing SVD, from a non-finite
         gradient, changes nothing)."""
         out = []
+        index = self._positions()
         for p, group in todo:
             self._check_group(group)
             self._check_param(p)
@@ -250,16 +259,24 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 state.update(_snsm.new_state(p, group["rank"], self.state_dtype, self.master_weights))
-            out.append((p, g, group, _snsm.next_projection(g, state, group)))
+            out.append((p, g, group, _snsm.next_projection(g, state, group, self._matrix_seed(index[id(p)]))))
         return out
 
+    def _positions(self) -> dict[int, int]:
+        """id(parameter) -> its position in the whole parameter list."""
+        return {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
+
+    def _matrix_seed(self, position: int) -> int:
+        """A matrix's own seed: of its stochastic rounding, and (with the step) of its refresh's sketch."""
+        return self.seed * 1_000_003 + position
+
     def _run_matrices(self, items: list[tuple], clip_scale: torch.Tensor | None) -> None:
-        index = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        index = self._positions()
         for p, g, group, proj in items:
             state = self.state[p]
             state["step"] += 1
             # bf16_sr: the rounding bits of a matrix come from the seed and its position in the list
-            seed = self.seed * 1_000_003 + index[id(p)] if self.master_weights == "bf16_sr" else None
+            seed = self._matrix_seed(index[id(p)]) if self.master_weights == "bf16_sr" else None
             _snsm.update(p, g, state, group, proj, clip_scale=clip_scale, sr_seed=seed)
 
     def _inner_positions(self) -> dict[int, int]:

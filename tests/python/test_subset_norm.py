@@ -207,9 +207,11 @@ def test_routing_one_optimizer_two_parts():
     assert all(g["lr"] == 0.005 for g in opt.adamw.param_groups)
 
 
-def test_state_dict_exact_resume():
+@pytest.mark.parametrize("proj_type", ["svd", "randomized"])
+def test_state_dict_exact_resume(proj_type, monkeypatch):
+    monkeypatch.setattr(_snsm, "RANDOM_OVERSAMPLE", 2)  # rank 3 + 2 < 16: the tiny matrices take the sketch
     model = _mixed_model(1)
-    opt = co.SubsetNormSM(co.snsm_param_groups(model), lr=0.01, rank=3, update_proj_gap=4)
+    opt = co.SubsetNormSM(co.snsm_param_groups(model), lr=0.01, rank=3, update_proj_gap=4, proj_type=proj_type)
     _lm_steps(model, opt, 3, 0)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
@@ -221,6 +223,7 @@ def test_state_dict_exact_resume():
     opt2 = co.SubsetNormSM(co.snsm_param_groups(model2), lr=0.5, rank=3, update_proj_gap=4)
     opt2.load_state_dict(ck["opt"])
     assert opt2.param_groups[0]["lr"] == 0.01 and opt2.adamw.param_groups[1]["lr"] == 0.01
+    assert opt2.param_groups[0]["proj_type"] == proj_type  # a hyperparameter of the group: saved
     _lm_steps(model2, opt2, 7, 1)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
@@ -272,7 +275,7 @@ class _FakeDTensor(torch.nn.Parameter):
     (dict(betas=(1.0, 0.9)), "index 0"), (dict(betas=(0.9, 1.5)), "index 1"), (dict(eps=-1.0), "epsilon"),
     (dict(weight_decay=float("nan")), "weight_decay"), (dict(state_dtype=torch.float16), "state_dtype"),
     (dict(adamw_options={"lr": 1.0}), "adamw_options"), (dict(correct_bias=1), "correct_bias"),
-    (dict(adamw_betas=(0.9, 1.0)), "adamw_betas"),
+    (dict(adamw_betas=(0.9, 1.0)), "adamw_betas"), (dict(proj_type="qr"), "proj_type must be one of"),
 ])
 def test_bad_arguments_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -503,3 +506,73 @@ def test_update_in_slices_equals_the_whole_matrix(monkeypatch, shape):
     torch.testing.assert_close(w1, w2, rtol=1e-6, atol=1e-6)
     for k in ("exp_avg", "subset_norm"):
         torch.testing.assert_close(s1[k], s2[k], rtol=1e-5, atol=1e-6)
+
+
+# ---- the randomized refresh ------------------------------------------------------------------------
+
+def _spectrum(m, n, decay, seed):
+    """An m x n matrix with singular values decay^i and random singular vectors."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    u = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64)).Q
+    return (u * decay ** torch.arange(k, dtype=torch.float64)) @ v.T
+
+
+def _projector(p, tall):
+    """The orthogonal projector onto a projection's subspace (rows of a tall one's, columns of a wide one's)."""
+    b = p.double().T if tall else p.double()
+    return b @ b.T
+
+
+@pytest.mark.parametrize("shape", [(300, 120), (120, 300)])
+def test_randomized_refresh_finds_the_svds_subspace(shape):
+    """On a gradient whose spectrum decays (0.85^i), the randomized range finder's rank-8 subspace is the
+    full SVD's (the sine of the largest principal angle below 1e-4), for both orientations; where the
+    sketch would be as wide as the matrix it is the SVD itself."""
+    g = _spectrum(*shape, 0.85, 3).float()
+    tall = shape[0] >= shape[1]
+    exact = _snsm.top_subspace(g, 8)
+    rand = _snsm.randomized_subspace(g, 8, _snsm.sketch_generator(g.device, 11))
+    assert rand.shape == exact.shape
+    assert torch.linalg.matrix_norm(_projector(rand, tall) - _projector(exact, tall), ord=2) < 1e-4
+    again = _snsm.randomized_subspace(g, 8, _snsm.sketch_generator(g.device, 11))
+    assert torch.equal(rand, again)  # the same seed: the same bits
+    small = g[:20] if tall else g[:, :20]  # rank 8 + 16 oversampling >= 20: exact
+    assert torch.equal(_snsm.randomized_subspace(small, 8, _snsm.sketch_generator(g.device, 11)),
+                       _snsm.top_subspace(small, 8))
+
+
+def test_randomized_refresh_refuses_a_non_finite_gradient_before_writing():
+    w = torch.nn.Parameter(torch.randn(64, 40))
+    opt = co.SubsetNormSM([w], rank=4, proj_type="randomized")
+    w.grad = torch.randn(64, 40)
+    w.grad[3, 5] = float("inf")
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        opt.step()
+    assert torch.equal(w, before) and int(opt.state[w]["step"]) == 0
+
+
+def _mlp(seed=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(), torch.nn.Linear(48, 24))
+
+
+def test_randomized_refresh_trains_like_the_svd_one():
+    """The MLP (its matrices 48 x 32 and 24 x 48: rank 4 + 16 is below both, so the sketch is used)
+    reaches the same loss with either refresh (within 5%), and the randomized draws follow the seed."""
+    data = _ls_problem()
+    finals = {}
+    for proj_type in ("svd", "randomized"):
+        model = _mlp()
+        opt = co.SubsetNormSM(model.parameters(), lr=0.03, rank=4, update_proj_gap=20, proj_type=proj_type)
+        finals[proj_type] = _train(model, opt, data, 150)[-1]
+    assert abs(finals["randomized"] - finals["svd"]) <= 0.05 * finals["svd"], finals
+    projs = []
+    for seed in (0, 1):
+        model = _mlp()
+        opt = co.SubsetNormSM(model.parameters(), lr=0.03, rank=4, proj_type="randomized", seed=seed)
+        _train(model, opt, data, 1)
+        projs.append([opt.state[p]["proj"].clone() for p in model.parameters() if p.dim() == 2])
+    assert all(not torch.equal(a, b) for a, b in zip(*projs))
