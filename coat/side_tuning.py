@@ -34,6 +34,7 @@ from . import models
 from .convert import convert
 from .memory_side import side_heads  # the side layers' head rule, shared with their memory plan
 from .nn import adapters
+from .nn._cache import cache_name
 from .nn.lm_head_loss import fused_lm_head_loss
 from .nn.norm import norm_eps
 
@@ -169,6 +170,68 @@ class _Recorder:
             h.remove()
 
 
+class _Caches:
+    """The KV caches of one ``generate`` call: the base's (its family's layer kinds, e.g. sliding
+    windows) and the side network's, each passed under the name its forward takes."""
+
+    def __init__(self, st: "SideTuned"):
+        from transformers import DynamicCache
+
+        self.base = DynamicCache(config=st.base.config)
+        self.side = DynamicCache()
+        self.base_kw = cache_name(type(st.base.model).forward)
+        self.side_kw = cache_name(type(st.layers[0]).forward) if len(st.layers) else "cache"
+
+
+def _step_mask(mask: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:
+    """The side layers' additive mask [batch, 1, q, kv] for q new tokens after kv - q cached ones:
+    causal among the new tokens, padded keys hidden."""
+    kv = mask.shape[1]
+    dev = mask.device
+    causal = torch.ones(q, kv, dtype=torch.bool, device=dev).tril(kv - q)
+    allowed = causal[None, None] & mask[:, None, None, :].bool()
+    return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
+          generator: torch.Generator | None) -> torch.Tensor:
+    """The next token of each row: the argmax, or a draw from softmax(logits / temperature) over the
+    top_k logits."""
+    if not do_sample:
+        return logits.argmax(-1)
+    z = logits / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = z.topk(top_k, -1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(z, -1), 1, generator=generator)[:, 0]
+
+
+def _check_generate(input_ids, attention_mask, max_new_tokens, temperature, top_k, eos_token_id) -> list[int]:
+    """Refuses bad generate arguments, naming them; returns the eos ids as a list."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long \
+            or input_ids.shape[1] == 0:
+        raise ValueError("input_ids must be a [batch, prompt] int64 tensor with at least one token")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        m = attention_mask.bool()
+        if bool((m[:, :-1] & ~m[:, 1:]).any()) or not bool(m[:, -1].all()):
+            raise ValueError("attention_mask: only left padding is supported (each row's tokens last, its "
+                             "last position a token)")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0 \
+            or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+        raise ValueError(f"eos_token_id must be None, a token id or a list of them, got {eos_token_id!r}")
+    return eos
+
+
 class SideTuned(nn.Module):
     """A Hugging Face causal LM ``base`` (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) frozen in FP8
     with a trainable QST side network beside it (module docstring). ``base`` is frozen and converted
@@ -281,11 +344,60 @@ class SideTuned(nn.Module):
                                   num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
-    def generate(self, *args, **kwargs):
-        """Not supported: refused (a causal LM's ``generate`` needs KV caches through the side network)."""
-        raise NotImplementedError("coat.SideTuned.generate is not implemented: the side network has no KV cache "
-                                  "(docs/side_tuning.md, 'Not done yet'); decode by calling the model on the whole "
-                                  "sequence at each step and reading logits[:, -1]")
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, generator: torch.Generator | None = None,
+                 output_logits: bool = False):
+        """Decoding with KV caches through the base and the side network (``coat/side_decode.py``):
+        the [batch, prompt + new] token ids, and with ``output_logits`` also the [batch, new, vocab]
+        logits each token was chosen from. Greedy, or sampled (``do_sample``: ``temperature``,
+        ``top_k``, ``generator``); a row stops at ``eos_token_id`` (an id or a list) and is padded
+        with ``pad_token_id`` (default: the first eos id) while the others go on; the whole batch
+        stops when every row has. ``attention_mask``: 1 for tokens, 0 for left padding."""
+        eos = _check_generate(input_ids, attention_mask, max_new_tokens, temperature, top_k, eos_token_id)
+        pad = eos[0] if pad_token_id is None and eos else (0 if pad_token_id is None else int(pad_token_id))
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
+        caches = _Caches(self)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)  # positions of left-padded rows start at their first token
+        ids, new, logits = input_ids, input_ids, []
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            step = self._cached_logits(new, mask, pos, caches)
+            logits.append(step)
+            nxt = _pick(step, do_sample, temperature, top_k, generator)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            ids = torch.cat([ids, nxt[:, None]], 1)
+            if eos:
+                done |= torch.isin(nxt, torch.tensor(eos, device=nxt.device))
+                if bool(done.all()):
+                    break
+            new, pos = nxt[:, None], pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(new)], 1)
+        return (ids, torch.stack(logits, 1)) if output_logits else ids
+
+    def _cached_logits(self, new: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, caches: "_Caches"):
+        """The last position's logits [batch, vocab] after running ``new`` tokens (the prompt, then
+        one token a step) through the base and the side network, each with its KV cache. ``mask``:
+        the whole sequence's attention mask so far; ``pos``: the new tokens' positions."""
+        padded = not bool(mask.all())
+        with _Recorder(self.base.model.layers) as rec:
+            self.base.model(input_ids=new, attention_mask=mask if padded else None, position_ids=pos,
+                            use_cache=True, **{caches.base_kw: caches.base})
+        states = rec.states
+        s = self.down[0](states[0])
+        pe = self.rotary(s, pos)
+        side_mask = _step_mask(mask, new.shape[1], s.dtype) if padded else None
+        gates = torch.sigmoid(self.alpha)
+        for i, layer in enumerate(self.layers):
+            s = layer(s, attention_mask=side_mask, position_ids=pos, position_embeddings=pe, use_cache=True,
+                      **{caches.side_kw: caches.side})
+            s = s[0] if isinstance(s, tuple) else s
+            s = gates[i] * self.down[i + 1](states[i + 1]) + (1 - gates[i]) * s
+        w = self.top_gate
+        h = w * states[-1][:, -1:] + (1 - w) * self.up(s[:, -1:])
+        return self.base.lm_head(self.base.model.norm(h))[:, 0].float()
 
     # ---- saving and loading the side network ---------------------------------------------------
 

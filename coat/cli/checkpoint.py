@@ -322,8 +322,10 @@ def run_identity(run_info: dict[str, Any]) -> dict[str, Any]:
     the parts of the recipe that shape the optimizer state. A resume refuses a checkpoint of another."""
     train, keys = run_info.get("train", {}), ("recipe", "activations", "optim", "master_weights", "lora",
                                               "lora_targets", "release_grads")
-    side = {"side_tuning": train["side_tuning"]} if train.get("side_tuning") else {}  # older runs: no key
-    return {"run_id": run_info.get("run_id"), **{k: train.get(k) for k in keys}, **side,
+    extra = {"side_tuning": train["side_tuning"]} if train.get("side_tuning") else {}  # older runs: no key
+    if train.get("snsm_proj", "svd") != "svd":  # the randomized refresh's runs (older runs: no key, svd)
+        extra["snsm_proj"] = train["snsm_proj"]
+    return {"run_id": run_info.get("run_id"), **{k: train.get(k) for k in keys}, **extra,
             "model": fingerprint(run_info.get("model"))}
 
 

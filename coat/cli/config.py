@@ -31,6 +31,8 @@ OPTIMIZERS = ("torch", "coat", "coat4bit", "snsm")
 #: The optimizers of coat: --master-weights and --release-grads apply to them.
 COAT_OPTIMIZERS = ("coat", "coat4bit", "snsm")
 MASTER_WEIGHTS = ("fp32", "bf16_sr")
+#: --optim snsm's projection refresh (coat.optim.SubsetNormSM's proj_type).
+SNSM_PROJ = ("svd", "randomized")
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_SEED = 2**32 - 1
 MODEL_FLAGS = ("model", "hidden_size", "layers", "heads", "intermediate_size", "max_positions")
@@ -116,6 +118,7 @@ class TrainConfig:
     activations: str | None = None
     optim: str | None = None
     master_weights: str = "fp32"
+    snsm_proj: str = "svd"
     release_grads: bool = False
     lora: int = 0  # LoRA rank; 0: full fine-tuning
     lora_alpha: int = 8
@@ -318,7 +321,7 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     reads no data and writes nothing (the checks that need the data or the file system are in
     ``coat.cli.train``)."""
     choices = {"device": DEVICES[1:], "dtype": DTYPES[1:], "activations": ACTIVATIONS, "optim": OPTIMIZERS,
-               "master_weights": MASTER_WEIGHTS, "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
+               "master_weights": MASTER_WEIGHTS, "snsm_proj": SNSM_PROJ, "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
     if cfg.init is None:
         choices["model"] = tuple(MODEL_PRESETS)
     for name, allowed in choices.items():
@@ -384,6 +387,8 @@ def _validate_fine_tuning(cfg: TrainConfig) -> None:
     """The optimizer's weight flags and LoRA's."""
     if cfg.optim == "torch" and cfg.master_weights != "fp32":
         raise ConfigError("--master-weights", "only applies to --optim coat (torch.optim.AdamW keeps fp32 weights)")
+    if cfg.optim != "snsm" and cfg.snsm_proj != "svd":
+        raise ConfigError("--snsm-proj", f"only applies to --optim snsm (this run's optimizer is {cfg.optim})")
     if cfg.lora < 0:
         raise ConfigError("--lora", f"must be a rank >= 1 (or 0: no LoRA), got {cfg.lora}")
     if cfg.lora and cfg.init is None:

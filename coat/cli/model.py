@@ -111,7 +111,7 @@ def _snsm_optimizer(model: torch.nn.Module, params: list, cfg: TrainConfig, kwar
         {"params": [p for p in rest if p.ndim >= 2], "weight_decay": cfg.weight_decay, "adamw": True},
         {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0, "adamw": True},
     ]
-    return SubsetNormSM(groups, master_weights=cfg.master_weights, **kwargs)
+    return SubsetNormSM(groups, master_weights=cfg.master_weights, proj_type=cfg.snsm_proj, **kwargs)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

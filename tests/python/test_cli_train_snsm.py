@@ -27,6 +27,21 @@ def test_builds_snsm_and_describes_its_states() -> None:
     assert embedded and embedded <= {id(p) for p in opt.param_groups[1]["params"]}
     assert all(p.ndim == 2 and id(p) not in embedded for p in opt.param_groups[0]["params"])
     assert any("Subset-Norm" in line for line in describe_precision(model, opt, cfg)["not_fp8"])
+    assert opt.param_groups[0]["proj_type"] == "svd"
+    rand = build_optimizer(model, resolve_config(TrainConfig(model="tiny", activations="bf16", optim="snsm",
+                                                             compare=False, device="cpu", snsm_proj="randomized")))
+    assert all(g["proj_type"] == "randomized" for g in rand.param_groups)
+
+
+def test_the_refresh_is_part_of_a_runs_identity() -> None:
+    """A checkpoint of a randomized-refresh run is not resumed with the SVD refresh (nor the reverse);
+    runs from before the flag existed are SVD runs."""
+    from coat.cli.checkpoint import run_identity
+
+    train = {"recipe": None, "optim": "snsm", "master_weights": "fp32"}
+    old = run_identity({"run_id": "r", "train": train, "model": {}})
+    assert run_identity({"run_id": "r", "train": {**train, "snsm_proj": "svd"}, "model": {}}) == old
+    assert run_identity({"run_id": "r", "train": {**train, "snsm_proj": "randomized"}, "model": {}}) != old
 
 
 def test_n_steps_resume_n_steps_equals_2n_steps(tmp_path: Path) -> None:
@@ -51,10 +66,12 @@ def test_lean_release_run_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert states and not any("master" in st for st in states)  # bf16_sr: no fp32 master copies
 
 
-@pytest.mark.parametrize("flags,flag", [({"cuda_graph": True}, "--cuda-graph")])
+@pytest.mark.parametrize("flags,flag", [({"cuda_graph": True}, "--cuda-graph"),
+                                        ({"optim": "coat", "snsm_proj": "randomized"}, "--snsm-proj"),
+                                        ({"snsm_proj": "qr"}, "--snsm-proj")])
 def test_refused_flags(flags: dict, flag: str) -> None:
-    cfg = resolve_config(TrainConfig(model="tiny", activations="bf16", optim="snsm", compare=False, device="cpu",
-                                     **flags))
+    cfg = resolve_config(TrainConfig(model="tiny", **{"activations": "bf16", "optim": "snsm", "compare": False,
+                                                      "device": "cpu", **flags}))
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert flag in str(e.value)

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from _emu import rel
 from test_convert import V, _cfg
 
 import coat
@@ -179,3 +180,76 @@ def test_bad_input():
             SideTuned(base, **kw)
     with pytest.raises(ValueError, match="base"):
         SideTuned(torch.nn.Linear(2, 2))
+
+
+# ---- generate: KV-cached decoding through the base and the side network ------------------------------
+
+STEP_TOL = 0.15  # test_generate.py's: a cached step and the full forward differ by FP8 rounding only
+
+
+def _decoder(arch, gen):
+    """A side-tuned model whose side network matters (trained a little, top gate at 0.5)."""
+    st = SideTuned(_base(arch), r=4)
+    _train(st, _ids(gen, seq=5), 3)
+    with torch.no_grad():
+        st.top_gate.fill_(0.5)
+    return st.eval()
+
+
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_cached_generate_matches_full_forwards(arch, gen):
+    """Greedy decoding with the caches against the whole sequence's forward without one: each step's
+    logits within FP8 rounding, the tokens the full forward's argmax (a cache read past, or not read,
+    gives logits ~100% off)."""
+    st = _decoder(arch, gen)
+    prompt = _ids(gen, seq=5)
+    seq, logits = st.generate(prompt, max_new_tokens=6, output_logits=True)
+    assert seq.shape == (2, 11) and torch.equal(seq[:, :5], prompt) and logits.shape == (2, 6, V)
+    with torch.no_grad():
+        full = st(seq).logits[:, 4:-1].float()  # position 4 + i predicts generated token i
+    errs = [rel(logits[:, i], full[:, i]) for i in range(6)]
+    assert max(errs) < STEP_TOL, errs
+    assert (full.argmax(-1) == seq[:, 5:]).float().mean() >= 0.5
+
+
+def test_generate_with_left_padding(gen):
+    st = _decoder("llama", gen)
+    prompt = _ids(gen, seq=6)
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    seq, logits = st.generate(prompt, attention_mask=mask, max_new_tokens=4, output_logits=True)
+    whole = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], 1)
+    pos = (whole.cumsum(-1) - 1).clamp_min(0)  # as generate places a left-padded row's tokens
+    with torch.no_grad():
+        full = st(seq, attention_mask=whole, position_ids=pos).logits[:, 5:-1].float()
+    assert max(rel(logits[:, i], full[:, i]) for i in range(4)) < STEP_TOL
+    with pytest.raises(ValueError, match="left padding"):
+        st.generate(prompt, attention_mask=torch.flip(mask, [1]))
+
+
+def test_generate_stops_at_eos_and_samples_reproducibly(gen):
+    st = _decoder("llama", gen)
+    prompt = _ids(gen, seq=5)
+    greedy = st.generate(prompt, max_new_tokens=6)
+    first = int(greedy[0, 5])  # row 0's first token as the eos id: row 0 stops there, row 1 goes on
+    stopped = st.generate(prompt, max_new_tokens=6, eos_token_id=first, pad_token_id=V - 1)
+    assert stopped[0, 5] == first and (stopped[0, 6:] == V - 1).all()
+    if first not in greedy[1, 5:].tolist():
+        assert torch.equal(stopped[1], greedy[1])
+    draws = [st.generate(prompt, max_new_tokens=5, do_sample=True, temperature=0.7, top_k=8,
+                         generator=torch.Generator().manual_seed(4)) for _ in range(2)]
+    assert torch.equal(draws[0], draws[1])  # the same generator state: the same tokens
+    assert torch.equal(st.generate(prompt, max_new_tokens=5, do_sample=True, top_k=1), greedy[:, :10])
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": 0.0}, "temperature"), ({"top_k": 0}, "top_k"),
+    ({"eos_token_id": "x"}, "eos_token_id"), ({"attention_mask": torch.ones(2, 3)}, "attention_mask"),
+])
+def test_generate_refuses_bad_arguments(kw, match, gen):
+    st = SideTuned(_base(), r=4)
+    with pytest.raises(ValueError, match=match):
+        st.generate(_ids(gen, seq=5), **kw)
+    with pytest.raises(ValueError, match="input_ids"):
+        st.generate(_ids(gen, seq=5).float())
+
