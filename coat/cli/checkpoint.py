@@ -318,13 +318,11 @@ def fingerprint(obj: Any) -> str:
 
 
 def run_identity(run_info: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint's state belongs to, from a run's config.json: the run's id, its model and
-    the parts of the recipe that shape the optimizer state. A resume refuses a checkpoint of another."""
-    train, keys = run_info.get("train", {}), ("recipe", "activations", "optim", "master_weights", "lora",
-                                              "lora_targets", "release_grads")
-    extra = {"side_tuning": train["side_tuning"]} if train.get("side_tuning") else {}  # older runs: no key
-    if train.get("snsm_proj", "svd") != "svd":  # the randomized refresh's runs (older runs: no key, svd)
-        extra["snsm_proj"] = train["snsm_proj"]
+    """What a checkpoint's state belongs to (from config.json): run id, model, the recipe parts that
+    shape the optimizer state (later flags only where not default). A resume refuses another's."""
+    train = run_info.get("train", {})
+    keys = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
+    extra = {k: train[k] for k, dflt in (("side_tuning", 0), ("snsm_proj", "svd")) if train.get(k, dflt) != dflt}
     return {"run_id": run_info.get("run_id"), **{k: train.get(k) for k in keys}, **extra,
             "model": fingerprint(run_info.get("model"))}
 
