@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "adamw_math.h"
+#include "fp8_states.h"
 #include "coat/adamw.h"
 #include "common/cuda_utils.cuh"
 #include "common/dre.h"

@@ -1,5 +1,6 @@
 // Scalar pieces of the fused AdamW step, shared by the CPU reference and the CUDA kernel (plain
-// IEEE arithmetic for the update, no contraction on either side; see below for the states).
+// IEEE arithmetic for the update, no contraction on either side) and by both state codecs: FP8 +
+// DRE (fp8_states.h) and 4-bit (csrc/adamw4/adamw4_math.h).
 #pragma once
 
 #include <cmath>
@@ -7,7 +8,7 @@
 #include <string>
 
 #include "coat/adamw.h"
-#include "common/dre.h"
+#include "common/dre.h"  // fast_div: the hardware-approximate division of the update
 #include "common/fp8.h"
 
 namespace coat {
@@ -86,46 +87,6 @@ COAT_HD float update(float p, float g, float& m, float& v, const Scalars& s) {
   v = fabsf(v) < 1.17549435e-38f ? copysignf(0.0f, v) : v;
 #endif
   return p;
-}
-
-// Fold |x| into a group's max and non-zero min: finite values only (NaN and inf never enter).
-COAT_HD void group_minmax(float x, float& mx, float& mn) {
-  float a = fabsf(x);
-  a = dre_counts(a) ? a : 0.0f;
-  mx = fmaxf(mx, a);
-  mn = fminf(mn, a > 0.0f ? a : INFINITY);
-}
-
-// Fold |x| into the largest |x| below the group max hi (what splits a group, dre.h): NaN and inf
-// never enter (they do not compare below a finite hi).
-COAT_HD void group_second(float x, float hi, float& mx2) {
-  const float a = fabsf(x);
-  mx2 = a < hi ? fmaxf(mx2, a) : mx2;
-}
-
-// The states use dre.h's fast variants (hardware log2/exp2 on the GPU, libm on the CPU): the exact
-// variants cost ~100 instructions per element each way and would make the step compute-bound.
-// CPU and GPU steps therefore agree to ~1e-7 relative in the fp32 math; a code differs by one step
-// only where a value sits within an ulp of an FP8 rounding boundary.
-// A group's new gmax word, k16 and encoding parameters from its statistics (hi, mx2, mn: see
-// dre_new_group_fast). Without expansion k is 1, or below 1 where the group is wider than the
-// format (compression).
-COAT_HD DreNewGroupFast new_group(float hi, float mx2, float mn, bool expansion, float log2_range, Fp8Format fmt) {
-  return dre_new_group_fast(hi, mx2, mn, expansion ? log2_range : 0.0f, fmt);
-}
-
-// The decode table of a format (dre_fast_lut_entry: identical on host and device).
-COAT_HD float code_log2(int mag, Fp8Format fmt) { return dre_fast_lut_entry(mag, fmt); }
-
-// Decode one state element of a group (lq = the code_log2 table of fmt).
-COAT_HD float decode_state(uint8_t c, const DreGroupFast& g, const float* lq) {
-  return dre_decode_fast(c, g, lq);
-}
-
-// Encode one state element; NaN and +-Inf become the NaN code (saturating Inf to gmax would hide
-// an overflow of the moments).
-COAT_HD uint8_t encode_state(float x, const DreGroupFast& g, Fp8Format fmt) {
-  return dre_encode_fast(dre_counts(fabsf(x)) ? x : float_of(0x7FC00000u), g, fmt);
 }
 
 // 64 random bits for the four consecutive elements 4q .. 4q+3 of a tensor at step t: a

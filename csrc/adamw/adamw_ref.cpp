@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "adamw_math.h"
+#include "fp8_states.h"
 #include "coat/adamw.h"
 #include "common/dre.h"
 #include "common/fp8.h"

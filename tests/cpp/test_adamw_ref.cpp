@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "adamw/adamw_math.h"
+#include "adamw/fp8_states.h"
 #include "coat/adamw.h"
 #include "coat/quantize.h"
 #include "common/fp8.h"
