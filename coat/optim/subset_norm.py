@@ -25,14 +25,15 @@ def _finite(x: Any) -> bool:
 
 class _Matrices(NamedTuple):
     """Planned steps of SN-SM matrices (gradient release's launch of them): ``(param, grad, group,
-    new projection or None)`` per matrix, and each one's position in the whole parameter list."""
+    new projection or None, the matrix's seed)`` per matrix, and each one's position in the whole
+    parameter list."""
 
     items: list
     positions: list[int]
 
     @property
     def grads(self) -> list[torch.Tensor]:
-        return [g for _, g, _, _ in self.items]
+        return [g for _, g, *_ in self.items]
 
 
 class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
@@ -242,7 +243,7 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         return self._adamw.nonfinite
 
     def _plan_matrices(self, todo: list[tuple[torch.Tensor, dict[str, Any]]]) -> list[tuple]:
-        """(param, grad, group, new projection or None) of SN-SM matrices holding a gradient: every
+        """(param, grad, group, new projection or None, seed) of SN-SM matrices holding a gradient: every
         check and every refresh's SVD before anything is written (a failing SVD, from a non-finite
         gradient, changes nothing)."""
         out = []
@@ -259,7 +260,8 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 state.update(_snsm.new_state(p, group["rank"], self.state_dtype, self.master_weights))
-            out.append((p, g, group, _snsm.next_projection(g, state, group, self._matrix_seed(index[id(p)]))))
+            seed = self._matrix_seed(index[id(p)])
+            out.append((p, g, group, _snsm.next_projection(g, state, group, seed), seed))
         return out
 
     def _positions(self) -> dict[int, int]:
@@ -271,13 +273,12 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         return self.seed * 1_000_003 + position
 
     def _run_matrices(self, items: list[tuple], clip_scale: torch.Tensor | None) -> None:
-        index = self._positions()
-        for p, g, group, proj in items:
+        for p, g, group, proj, seed in items:
             state = self.state[p]
             state["step"] += 1
-            # bf16_sr: the rounding bits of a matrix come from the seed and its position in the list
-            seed = self._matrix_seed(index[id(p)]) if self.master_weights == "bf16_sr" else None
-            _snsm.update(p, g, state, group, proj, clip_scale=clip_scale, sr_seed=seed)
+            # bf16_sr: the rounding bits of a matrix come from its seed (the optimizer's and its position)
+            sr_seed = seed if self.master_weights == "bf16_sr" else None
+            _snsm.update(p, g, state, group, proj, clip_scale=clip_scale, sr_seed=sr_seed)
 
     def _inner_positions(self) -> dict[int, int]:
         """Position in the whole parameter list -> position in the AdamW part's list."""
