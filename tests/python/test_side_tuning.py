@@ -253,3 +253,14 @@ def test_generate_refuses_bad_arguments(kw, match, gen):
     with pytest.raises(ValueError, match="input_ids"):
         st.generate(_ids(gen, seq=5).float())
 
+
+def test_a_saved_side_network_generates_as_before(tmp_path, gen):
+    """save_side / load_side on the same base: generate() gives the same tokens and logits."""
+    st = _decoder("qwen3", gen)
+    prompt = _ids(gen, seq=5)
+    seq, logits = st.generate(prompt, max_new_tokens=4, output_logits=True)
+    st.save_side(tmp_path / "side")
+    again = SideTuned.load_side(tmp_path / "side", st.base).eval()
+    seq2, logits2 = again.generate(prompt, max_new_tokens=4, output_logits=True)
+    assert torch.equal(seq, seq2) and torch.equal(logits, logits2)
+
