@@ -103,21 +103,6 @@ def _downsampler(hidden: int, downsample: int, width: int, eps: float) -> nn.Seq
                          nn.RMSNorm(width, eps=eps))
 
 
-def _causal_mask(attention_mask: torch.Tensor | None, seq: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """None (SDPA's own causal mask) without padding; else an additive [batch, 1, seq, seq] mask,
-    causal and hiding padded keys. Called once per forward, before the side layers run: with an
-    ``attention_mask`` it reads on the host whether any key is padded (one device sync per call,
-    as the base's own Hugging Face mask code does), because a mask of no padding would keep SDPA
-    off its causal flash kernel in every side layer; without one (coat train, coat bench) no sync."""
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
-    dev = attention_mask.device
-    allowed = torch.ones(seq, seq, dtype=torch.bool, device=dev).tril()[None, None] \
-        & attention_mask[:, None, None, :].bool()
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
-
-
 def _check_tensors(tensors: dict, want: dict, where: str) -> None:
     """``tensors`` has exactly ``want``'s names, each a floating-point tensor of its shape."""
     if not isinstance(tensors, dict) or set(tensors) != set(want):
@@ -318,7 +303,8 @@ class SideTuned(nn.Module):
         ``logits=None``; without, the logits and ``loss=None``. Other keyword arguments of a causal
         LM's forward are accepted and ignored, except those asking for what the side network does
         not do (a KV cache: ``past_key_values``, ``use_cache=True``; ``inputs_embeds``;
-        ``output_hidden_states`` / ``output_attentions``), which are refused; ``generate`` too."""
+        ``output_hidden_states`` / ``output_attentions``), which are refused (cached decoding is
+        ``generate``'s)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         _refuse_unsupported(kwargs)
@@ -326,14 +312,11 @@ class SideTuned(nn.Module):
         seq = input_ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
-        s = self.down[0](states[0])
-        pos = self.rotary(s, position_ids)
-        mask = _causal_mask(attention_mask, seq, s.dtype)
-        gates = torch.sigmoid(self.alpha)
-        for i, layer in enumerate(self.layers):
-            s = layer(s, attention_mask=mask, position_ids=position_ids, position_embeddings=pos)
-            s = s[0] if isinstance(s, tuple) else s
-            s = gates[i] * self.down[i + 1](states[i + 1]) + (1 - gates[i]) * s
+        # With an attention_mask, whether any key is padded is read on the host (one device sync per
+        # call, as the base's own Hugging Face mask code does): a mask of no padding would keep SDPA
+        # off its causal flash kernel in every side layer. Without one (coat train, coat bench) no sync.
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        s = self._side_stream(states, position_ids, attention_mask if padded else None)
         w = self.top_gate
         h = w * states[-1] + (1 - w) * self.up(s)
         norm, head = self.base.model.norm, self.base.lm_head
@@ -344,14 +327,30 @@ class SideTuned(nn.Module):
                                   num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
+    def _side_stream(self, states: list[torch.Tensor], pos: torch.Tensor, mask: torch.Tensor | None,
+                     caches: "_Caches | None" = None) -> torch.Tensor:
+        """The side stream after the last side layer, from the base's recorded states (the new
+        tokens' only, with ``caches``). ``mask``: the whole sequence's attention mask when a key is
+        padded, else None (SDPA's own causal mask); ``pos``: the states' positions."""
+        s = self.down[0](states[0])
+        pe = self.rotary(s, pos)
+        side_mask = None if mask is None else _step_mask(mask, s.shape[1], s.dtype)
+        cache = {} if caches is None else {"use_cache": True, caches.side_kw: caches.side}
+        gates = torch.sigmoid(self.alpha)
+        for i, layer in enumerate(self.layers):
+            s = layer(s, attention_mask=side_mask, position_ids=pos, position_embeddings=pe, **cache)
+            s = s[0] if isinstance(s, tuple) else s
+            s = gates[i] * self.down[i + 1](states[i + 1]) + (1 - gates[i]) * s
+        return s
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, generator: torch.Generator | None = None,
                  output_logits: bool = False):
-        """Decoding with KV caches through the base and the side network (``coat/side_decode.py``):
-        the [batch, prompt + new] token ids, and with ``output_logits`` also the [batch, new, vocab]
+        """Decoding with KV caches through the base and the side network: the prompt in one pass,
+        then one token a step. Returns the [batch, prompt + new] token ids, and with ``output_logits`` also the [batch, new, vocab]
         logits each token was chosen from. Greedy, or sampled (``do_sample``: ``temperature``,
         ``top_k``, ``generator``); a row stops at ``eos_token_id`` (an id or a list) and is padded
         with ``pad_token_id`` (default: the first eos id) while the others go on; the whole batch
@@ -361,40 +360,34 @@ class SideTuned(nn.Module):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
         caches = _Caches(self)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)  # positions of left-padded rows start at their first token
+        padded = not bool(mask.all())  # once: the tokens that follow are never padding
         ids, new, logits = input_ids, input_ids, []
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        eos_ids = torch.tensor(eos, device=input_ids.device)
         for _ in range(max_new_tokens):
-            step = self._cached_logits(new, mask, pos, caches)
+            step = self._cached_logits(new, mask if padded else None, pos, caches)
             logits.append(step)
             nxt = _pick(step, do_sample, temperature, top_k, generator)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             ids = torch.cat([ids, nxt[:, None]], 1)
             if eos:
-                done |= torch.isin(nxt, torch.tensor(eos, device=nxt.device))
+                done |= torch.isin(nxt, eos_ids)
                 if bool(done.all()):
                     break
             new, pos = nxt[:, None], pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones_like(new)], 1)
         return (ids, torch.stack(logits, 1)) if output_logits else ids
 
-    def _cached_logits(self, new: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, caches: "_Caches"):
+    def _cached_logits(self, new: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor, caches: "_Caches"):
         """The last position's logits [batch, vocab] after running ``new`` tokens (the prompt, then
         one token a step) through the base and the side network, each with its KV cache. ``mask``:
-        the whole sequence's attention mask so far; ``pos``: the new tokens' positions."""
-        padded = not bool(mask.all())
+        the whole sequence's attention mask so far when a key is padded, else None; ``pos``: the new
+        tokens' positions."""
         with _Recorder(self.base.model.layers) as rec:
-            self.base.model(input_ids=new, attention_mask=mask if padded else None, position_ids=pos,
-                            use_cache=True, **{caches.base_kw: caches.base})
+            self.base.model(input_ids=new, attention_mask=mask, position_ids=pos, use_cache=True,
+                            **{caches.base_kw: caches.base})
         states = rec.states
-        s = self.down[0](states[0])
-        pe = self.rotary(s, pos)
-        side_mask = _step_mask(mask, new.shape[1], s.dtype) if padded else None
-        gates = torch.sigmoid(self.alpha)
-        for i, layer in enumerate(self.layers):
-            s = layer(s, attention_mask=side_mask, position_ids=pos, position_embeddings=pe, use_cache=True,
-                      **{caches.side_kw: caches.side})
-            s = s[0] if isinstance(s, tuple) else s
-            s = gates[i] * self.down[i + 1](states[i + 1]) + (1 - gates[i]) * s
+        s = self._side_stream(states, pos, mask, caches)
         w = self.top_gate
         h = w * states[-1][:, -1:] + (1 - w) * self.up(s[:, -1:])
         return self.base.lm_head(self.base.model.norm(h))[:, 0].float()

@@ -56,11 +56,9 @@ class Fp8Recipe:
                              "activations' format and FP8 tensor cores do not multiply two E5M2 operands")
         if self.grad_format not in DTYPES:
             raise ValueError(f"grad_format must be 'e5m2' or 'e4m3', got {self.grad_format!r}")
-        if self.granularity in _PLANNED_GRANULARITIES:
-            raise ValueError(f"granularity={self.granularity!r} is not implemented yet: coat's FP8 GEMMs scale "
-                             "per tensor (granularity='tensor')")
         if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+            why = ": row and block scaling are not implemented yet" if self.granularity in _PLANNED_GRANULARITIES else ""
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}{why}")
 
     @property
     def e8m0(self) -> bool:

@@ -179,6 +179,26 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
   const bool recomputed = wgrad_input_.has_value();
   const Saved s = saved_args(pre, pre != Pre::kNone || (need_w && !recomputed), s0_, s1_, s2_, norm_w_);
   BlockWeight w = weight_arg(weights_, w_codes_t_, &w_scale_, "w_codes_t");
+  // The weight's [N, K] (w_codes_t is [K, N]): dout must have its N columns, wgrad_input its K.
+  int64_t n = 0, k = 0;
+  if (w_codes_t_) {
+    expect_2d(w.codes);
+    k = w.codes.shape[0], n = w.codes.shape[1];
+  } else {
+    for (const View& p : w.parts) {
+      expect_2d(p);
+      n += p.shape[0];
+    }
+    k = w.parts[0].shape[1];
+  }
+  COAT_CHECK_ARG(d.shape[1] == n, "dout has shape " + shape_str(d.shape) + " but the weight has N = " +
+                                      std::to_string(n) + " rows: dout must be [M, " + std::to_string(n) + "]");
+  if (wgrad_input_) {
+    const View in = view_of(*wgrad_input_, "wgrad_input");
+    COAT_CHECK_ARG(in.shape.size() == 2 && in.shape[0] == d.shape[0] && in.shape[1] == k,
+                   "wgrad_input has shape " + shape_str(in.shape) + " but must be [M, K] = [" +
+                       std::to_string(d.shape[0]) + ", " + std::to_string(k) + "]");
+  }
   const cudaStream_t stream = stream_of(stream_);
   View ws;
   const GemmOptions opt = gemm_options(workspace_, ws, force_bf16);

@@ -134,10 +134,15 @@ Created gemm_fp8_any(const View& a, Fp8Format a_fmt, const View& sa, const View&
   expect_2d(a);
   expect_2d(b);
   const int64_t m = a.shape[0], n = b.shape[0], k = a.shape[1];
+  // Checked here, before any padding: zero columns padded onto the shorter operand would hide it.
+  COAT_CHECK_ARG(b.shape[1] == k, "b must have the K of a (" + std::string(a.name) + " is " + shape_str(a.shape) +
+                                      " = [M, K], " + b.name + " is " + shape_str(b.shape) + " = [N, K])");
   const int64_t kp = (k + 15) / 16 * 16, np = (n + 15) / 16 * 16;
   auto aligned = [](const View& v) { return reinterpret_cast<uintptr_t>(v.data) % 16 == 0; };
   Created r;
-  if (!a.cuda || (kp == k && np == n && aligned(a) && aligned(b))) {
+  // An empty product needs no cuBLASLt call (gemm_fp8 writes the [M, N] zeros itself), and an empty
+  // operand has no memory a torch view could wrap.
+  if (!a.cuda || m == 0 || n == 0 || k == 0 || (kp == k && np == n && aligned(a) && aligned(b))) {
     r = gemm_fp8(a, a_fmt, sa, b, b_fmt, sb, t, opt, stream).out;
   } else {
     Created ap = pad_2d(a, m, kp, a.name), bp = pad_2d(b, np, kp, b.name);

@@ -156,9 +156,9 @@ def test_block_op_matches_single_ops_cpu(gen, pre, need_w, stats):
 
 
 # (m, k, rows, out dtype): odd GEMM shapes (no dimension a multiple of 16 but the FP8 groups'),
-# one token, no tokens, a float16 compute dtype.
+# one token, no tokens (also with N padded and a float16 output: nothing to pad), a float16 compute dtype.
 ODD = [(21, 48, (40,), torch.float32), (1, 32, (8, 3), torch.bfloat16), (0, 32, (16,), torch.float32),
-       (37, 64, (24, 24), torch.float16)]
+       (0, 32, (8, 3), torch.float16), (37, 64, (24, 24), torch.float16)]
 
 
 @pytest.mark.parametrize("pre", [blk.NONE, blk.NORM, blk.SWIGLU])
@@ -283,6 +283,10 @@ def test_binding_errors_name_the_argument():
         bwd(torch.randn(4, 16), blk.NONE, True)
     with pytest.raises(ValueError, match="wgrad_input is only taken with pre=0"):
         bwd(torch.randn(4, 16), blk.NORM, True, wgrad_input=x)
+    with pytest.raises(ValueError, match=r"dout has shape \[4, 12\] but the weight has N = 16 rows"):
+        bwd(torch.randn(4, 12), blk.NONE, True, wgrad_input=x)
+    with pytest.raises(ValueError, match=r"wgrad_input has shape \[4, 30\] but must be \[M, K\] = \[4, 32\]"):
+        bwd(torch.randn(4, 16), blk.NONE, True, wgrad_input=torch.randn(4, 30))
     with pytest.raises(ValueError, match="norm_kind must be 0"):
         fwd(x, blk.NORM, torch.ones(32), w, norm_kind=2)
     with pytest.raises(ValueError, match="act must be 0"):

@@ -21,8 +21,8 @@ E4GRAD = Fp8Recipe(grad_format="e4m3")
 @pytest.mark.parametrize("kw,match", [
     ({"act_format": "e5m2"}, "act_format must be 'e4m3'.*two E5M2 operands"),
     ({"grad_format": "fp16"}, "grad_format must be 'e5m2' or 'e4m3', got 'fp16'"),
-    ({"granularity": "block"}, "granularity='block' is not implemented yet"),
-    ({"granularity": "row"}, "granularity='row' is not implemented yet"),
+    ({"granularity": "block"}, "got 'block': row and block scaling are not implemented yet"),
+    ({"granularity": "row"}, "got 'row': row and block scaling are not implemented yet"),
     ({"granularity": "channel"}, r"granularity must be one of \('tensor',\), got 'channel'"),
     ({"act_scale": "fp16"}, "act_scale must be 'fp32' or 'e8m0'"),
     ({"fast_accum_fwd": 1}, "fast_accum_fwd must be True or False"),
