@@ -23,9 +23,9 @@ import torch
 
 from .. import _C
 from . import gemm as _gemm
-from ._util import custom_op, dev_ctx, dtype_id, eager_plain
+from ._util import custom_op, dev_ctx, eager_plain
 from ._util import stream as _stream
-from .enums import BLOCK_PRE, FP8_DTYPE_IDS as _FMT, NORM_KINDS
+from .enums import BLOCK_PRE, DTYPE_IDS, FP8_DTYPE_IDS as _FMT, NORM_KINDS
 from .norm import GROUP
 from .swiglu import SILU
 
@@ -37,6 +37,15 @@ _FP8 = {i: dt for dt, i in _FMT.items()}  # the core's format id -> torch FP8 dt
 def _ws(t: torch.Tensor, stream: int) -> Optional[torch.Tensor]:
     """cuBLASLt's workspace of t's device and ``stream`` (the CPU reference reads none)."""
     return _gemm._workspace(t.get_device(), stream) if t.is_cuda else None
+
+
+def _dtype_id(dtype: torch.dtype, arg: str) -> int:
+    """_util.dtype_id with torch's short dtype names in the message, as the core's messages write them
+    (a layer's forward in float64 is refused with the same words as the core's checks)."""
+    i = DTYPE_IDS.get(dtype)
+    if i is None:
+        raise ValueError(f"{arg} must be float32, bfloat16 or float16, got {str(dtype).removeprefix('torch.')}")
+    return i
 
 
 def _or_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -65,7 +74,7 @@ def _fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t
     with dev_ctx(x):
         st = _stream(x)
         return _C.block_fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t,
-                            dtype_id(out_dtype, "out_dtype"), fast_accum, _ws(x, st), _gemm.forced_bf16(), st,
+                            _dtype_id(out_dtype, "out_dtype"), fast_accum, _ws(x, st), _gemm.forced_bf16(), st,
                             norm_kind, act, want_stats, act_fmt)
 
 
@@ -106,7 +115,7 @@ def _bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight
     with dev_ctx(dout):
         st = _stream(dout)
         return _C.block_bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input,
-                            dtype_id(y_dtype, "y_dtype"), dtype_id(wgrad_dtype, "wgrad_dtype"), _ws(dout, st),
+                            _dtype_id(y_dtype, "y_dtype"), _dtype_id(wgrad_dtype, "wgrad_dtype"), _ws(dout, st),
                             _gemm.forced_bf16(), st, norm_kind, act, want_stats, act_fmt, grad_fmt)
 
 
