@@ -83,3 +83,23 @@ def test_loss_falls_on_the_gpu():
     with torch.no_grad():
         final = st(ids, labels=ids).loss.item()
     assert final < 0.8 * losses[0], (losses[0], final)
+
+
+def test_cached_generate_matches_full_forwards_on_the_gpu():
+    """generate() with KV caches through the FP8 base (coat's CUDA GEMMs) and the side network, against
+    the whole sequence's forward without caches: each step's logits within FP8 rounding (15%, as
+    tests/python/test_generate.py states), the tokens mostly the full forward's argmax."""
+    st = SideTuned(_base(), r=8)
+    with torch.no_grad():
+        st.top_gate.fill_(0.5)  # the side network counts
+    st.eval()
+    prompt = _ids(seq=16)
+    seq, logits = st.generate(prompt, max_new_tokens=8, output_logits=True)
+    assert seq.shape == (2, 24) and torch.equal(seq[:, :16], prompt)
+    with torch.no_grad():
+        full = st(seq).logits[:, 15:-1].float()
+    for i in range(8):
+        err = (logits[:, i] - full[:, i]).norm() / full[:, i].norm()
+        assert err < 0.15, (i, float(err))
+    assert (full.argmax(-1) == seq[:, 16:]).float().mean() >= 0.5
+
