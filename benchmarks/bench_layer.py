@@ -165,6 +165,9 @@ def main():
     rows.append(r)
     # The layer blocks run coat's GEMM inside the block op: no torch._scaled_mm variant.
     variants = [("coat fp8 (fp32 group scales)", "fp8"), ("coat fp8 (e8m0 group scales)", "fp8-e8m0")]
+    if torch.cuda.get_device_capability() == (9, 0):  # row and block scaling: sm_90 only
+        variants += [("coat fp8, row scaling", coat.Fp8Recipe(granularity="row")),
+                     ("coat fp8, block scaling (1x128, 128x128)", coat.Fp8Recipe(granularity="block"))]
     for name, recipe in variants:
         coat.nn.invalidate_weight_cache()
         layer = coat.convert(copy.deepcopy(hf), recipe=recipe)

@@ -17,6 +17,7 @@ try:  # importing torch takes seconds: a Ctrl-C then ends the coat command as it
     from .convert import convert  # noqa: E402
     from .fp8.tensor import DreTensor, Fp8Tensor  # noqa: E402
     from .graphs import CudaGraphStep  # noqa: E402
+    from .nn.recipe import Fp8Recipe  # noqa: E402
     from .nn.stats import Fp8Stats, fp8_stats  # noqa: E402
     from .side_tuning import SideTuned  # noqa: E402
 except KeyboardInterrupt:
@@ -27,6 +28,6 @@ except KeyboardInterrupt:
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "CudaGraphStep", "Fp8Stats", "fp8_stats", "functional", "Fp8Tensor", "DreTensor", "SideTuned",
+__all__ = ["convert", "Fp8Recipe", "CudaGraphStep", "Fp8Stats", "fp8_stats", "functional", "Fp8Tensor", "DreTensor", "SideTuned",
            "built_with_cuda", "__version__"]
 

@@ -113,6 +113,9 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
             raise ValueError("frozen_weights='fp8' needs an FP8 recipe (the bf16 recipe leaves the model as it is)")
         return model
     rec = resolve(recipe)
+    if rec.granularity != "tensor" and frozen_weights == "fp8":
+        raise ValueError(f"frozen_weights='fp8' stores per-tensor FP8 codes: it needs granularity 'tensor', got "
+                         f"{rec.granularity!r} (keep the frozen weights with frozen_weights='keep')")
     fam = models.of_layer(model)
     if fam is not None:
         layers = [("", model)]

@@ -27,9 +27,14 @@ from ._util import custom_op, dev_ctx, eager_plain
 from ._util import stream as _stream
 from .enums import BLOCK_PRE, DTYPE_IDS, FP8_DTYPE_IDS as _FMT, NORM_KINDS
 from .norm import GROUP
+from .quantize import scale_count
 from .swiglu import SILU
 
 NONE, NORM, SWIGLU = BLOCK_PRE["none"], BLOCK_PRE["norm"], BLOCK_PRE["swiglu"]  # the pre-op of a block
+#: The block op's granularity ids (csrc/bindings/block.cpp) by recipe name, and the scale modes each
+#: gives (activations and gradients, weight).
+GRANULARITY_IDS = {"tensor": 0, "row": 1, "block": 2}
+_MODES = {1: ("row", "row"), 2: ("1x128", "128x128")}
 _U8, _F32, _E4M3 = torch.uint8, torch.float32, torch.float8_e4m3fn
 _FP8 = {i: dt for dt, i in _FMT.items()}  # the core's format id -> torch FP8 dtype
 
@@ -60,30 +65,47 @@ def _group_scales(shape, e8m0: bool, like: torch.Tensor) -> torch.Tensor:
 def block_fwd(x: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps: float, e8m0: bool,
               weights: list[torch.Tensor], w_codes: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
               save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool, norm_kind: int, act: int,
-              want_stats: bool, act_fmt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor, torch.Tensor]:
+              want_stats: bool, act_fmt: int, granularity: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor]:
     """(out, w_scale or empty, s0, s1, s2, stat_in, stat_scale), block.cpp's block_fwd."""
     r = _fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
-             act, want_stats, act_fmt)
+             act, want_stats, act_fmt, granularity)
     return tuple(_or_empty(t, x) for t in r)
 
 
 def _fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
-         act, want_stats, act_fmt):
+         act, want_stats, act_fmt, granularity=0):
     """The binding's call: None where block_fwd returns an empty tensor."""
     with dev_ctx(x):
         st = _stream(x)
         return _C.block_fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t,
                             _dtype_id(out_dtype, "out_dtype"), fast_accum, _ws(x, st), _gemm.forced_bf16(), st,
-                            norm_kind, act, want_stats, act_fmt)
+                            norm_kind, act, want_stats, act_fmt, granularity)
+
+
+def _pad(n: int, t: torch.Tensor) -> int:
+    """A scaled operand's padded extent (block.cpp scaled_pad): multiples of 16 on CUDA."""
+    return -(-n // 16) * 16 if t.device.type == "cuda" else n
 
 
 @block_fwd.register_fake
 def _(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
-      act, want_stats, act_fmt):
+      act, want_stats, act_fmt, granularity=0):
     m, k = x.shape
     gk = k // 2 if pre == SWIGLU else k  # the GEMM's K
     n = w_codes.shape[0] if w_codes is not None else sum(w.shape[0] for w in weights)
+    if granularity:
+        act_mode, w_mode = _MODES[granularity]
+        mp, kp, np_ = _pad(m, x), _pad(gk, x), _pad(n, x)
+        ws = x.new_empty(scale_count(w_mode, np_, kp), dtype=_F32)
+        if pre == NONE:
+            s = ((x.new_empty((kp, mp), dtype=_U8), x.new_empty(scale_count(act_mode, kp, mp), dtype=_F32))
+                 if save_input_t else (x.new_empty(0), x.new_empty(0))) + (x.new_empty(0),)
+        else:
+            s = (x.new_empty((m, k), dtype=_FP8[act_fmt]), _group_scales((m, k), e8m0, x),
+                 x.new_empty(m, dtype=_F32) if pre == NORM else x.new_empty(0))
+        return (x.new_empty((m, n), dtype=out_dtype), ws, *s, x.new_empty(0), x.new_empty(0))
     stats = want_stats and pre != NONE
     ws = x.new_empty(0) if w_codes is not None else x.new_empty(1, dtype=_F32)
     stat_in = x.new_empty((m, gk)) if stats else x.new_empty(0)
@@ -101,27 +123,27 @@ def block_bwd(dout: torch.Tensor, pre: int, need_w: bool, weights: list[torch.Te
               w_codes_t: Optional[torch.Tensor], s0: Optional[torch.Tensor], s1: Optional[torch.Tensor],
               s2: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], wgrad_input: Optional[torch.Tensor],
               y_dtype: torch.dtype, wgrad_dtype: torch.dtype, norm_kind: int, act: int, want_stats: bool,
-              act_fmt: int, grad_fmt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    torch.Tensor, torch.Tensor]:
-    """(dx, dnorm or empty, dw or empty, d_scale, stat_in, stat_scale), block.cpp's block_bwd."""
+              act_fmt: int, grad_fmt: int, granularity: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dnorm or empty, dw or empty, d_scale or empty, stat_in, stat_scale), block.cpp's block_bwd."""
     r = _bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype,
-             wgrad_dtype, norm_kind, act, want_stats, act_fmt, grad_fmt)
+             wgrad_dtype, norm_kind, act, want_stats, act_fmt, grad_fmt, granularity)
     return tuple(_or_empty(t, dout) for t in r)
 
 
 def _bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype, wgrad_dtype,
-         norm_kind, act, want_stats, act_fmt, grad_fmt):
+         norm_kind, act, want_stats, act_fmt, grad_fmt, granularity=0):
     """The binding's call: None where block_bwd returns an empty tensor."""
     with dev_ctx(dout):
         st = _stream(dout)
         return _C.block_bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input,
                             _dtype_id(y_dtype, "y_dtype"), _dtype_id(wgrad_dtype, "wgrad_dtype"), _ws(dout, st),
-                            _gemm.forced_bf16(), st, norm_kind, act, want_stats, act_fmt, grad_fmt)
+                            _gemm.forced_bf16(), st, norm_kind, act, want_stats, act_fmt, grad_fmt, granularity)
 
 
 @block_bwd.register_fake
 def _(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype, wgrad_dtype,
-      norm_kind, act, want_stats, act_fmt, grad_fmt):
+      norm_kind, act, want_stats, act_fmt, grad_fmt, granularity=0):
     m, n = dout.shape
     k = w_codes_t.shape[0] if w_codes_t is not None else weights[0].shape[1]  # the GEMM's K
     dx = dout.new_empty((m, 2 * k) if pre == SWIGLU else (m, k))
@@ -131,7 +153,8 @@ def _(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, w
     # the recomputed GEMM input: the norm's in y_dtype, SwiGLU's in the gradient's dtype
     stat_in = dout.new_empty((m, k) if stats and pre != NONE else 0, dtype=y_dtype if pre == NORM else dout.dtype)
     stat_scale = dout.new_empty(1 if stats and (pre != NONE or wgrad_input is not None) else 0, dtype=_F32)
-    return dx, dnorm, dw, dout.new_empty(1, dtype=_F32), stat_in, stat_scale
+    d_scale = dout.new_empty(0 if granularity else 1, dtype=_F32)
+    return dx, dnorm, dw, d_scale, stat_in, stat_scale
 
 
 def _plain(t: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
@@ -156,16 +179,18 @@ class Fwd(NamedTuple):
 def forward(x2: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps: float, e8m0: bool,
             weights: Sequence[torch.Tensor], w_codes: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
             save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool, unit_offset: bool = False,
-            act: int = SILU, want_stats: bool = False, act_dtype: torch.dtype = _E4M3) -> Fwd:
-    """The forward of a block; ``act_dtype``: the FP8 format of its activations and weight."""
+            act: int = SILU, want_stats: bool = False, act_dtype: torch.dtype = _E4M3, granularity: int = 0) -> Fwd:
+    """The forward of a block; ``act_dtype``: the FP8 format of its activations and weight;
+    ``granularity``: ``GRANULARITY_IDS``' id of the recipe's scaling."""
     kind = NORM_KINDS["unit_offset" if unit_offset else "scaled"]
     op = _fwd if _plain(x2, weights) else block_fwd  # eager: no dispatcher, no empty placeholders
     out, ws, s0, s1, s2, st_in, st_scale = op(x2, pre, norm_weight, eps, e8m0, list(weights), w_codes, w_scale,
                                               save_input_t, out_dtype, fast_accum, kind, act, want_stats,
-                                              _FMT[act_dtype])
+                                              _FMT[act_dtype], granularity)
     stats = want_stats and pre != NONE
     if pre == NONE:  # the transposed input codes come as bytes: saved as what they are
         s0 = s0.view(act_dtype) if save_input_t else None
+        s1 = s1 if save_input_t or not granularity else None
     saved = (s0, s1, s2 if pre == NORM else None)
     return Fwd(out, None if w_codes is not None else ws, saved, st_in if stats else None, st_scale if stats else None)
 
@@ -174,7 +199,7 @@ class Bwd(NamedTuple):
     dx: torch.Tensor
     dnorm: Optional[torch.Tensor]  # fp32, with a norm
     dw: Optional[torch.Tensor]
-    d_scale: torch.Tensor  # the output gradient's E5M2 scale
+    d_scale: Optional[torch.Tensor]  # the output gradient's per-tensor scale (None with row/block scaling)
     stat_in: Optional[torch.Tensor]  # with stats and dW: the recomputed GEMM input (pre-ops only)
     stat_scale: Optional[torch.Tensor]  # ... and its scale
 
@@ -183,7 +208,7 @@ def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.T
              w_codes_t: Optional[torch.Tensor], saved: Sequence[Optional[torch.Tensor]],
              norm_weight: Optional[torch.Tensor], wgrad_input: Optional[torch.Tensor], y_dtype: torch.dtype,
              wgrad_dtype: torch.dtype, unit_offset: bool = False, act: int = SILU, want_stats: bool = False,
-             act_dtype: torch.dtype = _E4M3, grad_dtype: torch.dtype = torch.float8_e5m2) -> Bwd:
+             act_dtype: torch.dtype = _E4M3, grad_dtype: torch.dtype = torch.float8_e5m2, granularity: int = 0) -> Bwd:
     """The backward of a block; ``act_dtype``, ``grad_dtype``: the FP8 formats of its forward's
     activations and weight, and of its output gradient."""
     kind = NORM_KINDS["unit_offset" if unit_offset else "scaled"]
@@ -191,8 +216,8 @@ def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.T
     op = _bwd if _plain(d2, weights) else block_bwd
     dx, dnorm, dw, ds, st_in, st_scale = op(d2, pre, need_w, list(weights), w_scale, w_codes_t, s0, s1, s2,
                                             norm_weight, wgrad_input, y_dtype, wgrad_dtype, kind, act, want_stats,
-                                            _FMT[act_dtype], _FMT[grad_dtype])
+                                            _FMT[act_dtype], _FMT[grad_dtype], granularity)
     stats = want_stats and need_w
-    return Bwd(dx, dnorm if pre == NORM else None, dw if need_w else None, ds,
+    return Bwd(dx, dnorm if pre == NORM else None, dw if need_w else None, None if granularity else ds,
                st_in if stats and pre != NONE else None,
                st_scale if stats and (pre != NONE or wgrad_input is not None) else None)

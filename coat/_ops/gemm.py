@@ -186,6 +186,28 @@ def _(a, b, scale_a, scale_b, bias, out_dtype, out_scale):
     )
 
 
+def fp8_gemm_scaled(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, a_mode: str,
+                    b_mode: str, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b).T`` with row or block scales (``quantize.SCALE_MODES``: "row" x
+    "row", or "1x128" with "1x128" or "128x128"), codes from ``quantize.quantize_scaled``; float32 or
+    bfloat16 out. On CUDA: an sm_90 GPU, M, N and K multiples of 16 (quantize_scaled pads)."""
+    from .quantize import SCALE_MODES
+    for name, m in (("a_mode", a_mode), ("b_mode", b_mode)):
+        if m not in SCALE_MODES:
+            raise ValueError(f"{name} must be one of {sorted(SCALE_MODES)}, got {m!r}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in _FMT:
+            raise ValueError(f"{name} must be float8_e4m3fn or float8_e5m2 codes (view uint8 codes as their format), "
+                             f"got {t.dtype}")
+    st = _stream(a)
+    ws = _workspace(a.get_device(), st) if a.is_cuda else None
+    with _dev_ctx(a):
+        return _C.gemm_fp8(a, _FMT[a.dtype], scale_a, b, _FMT[b.dtype], scale_b, None, _OUT[out_dtype], None, False, ws,
+                           _force_bf16, fast_accum, st, SCALE_MODES[a_mode], SCALE_MODES[b_mode])[0]
+
+
 def native_fp8(device: torch.device) -> bool:
     """Whether GEMMs on this CUDA device run on FP8 tensor cores (else the bf16 path)."""
     device = torch.device(device)

@@ -235,3 +235,36 @@ def fp8_operand_stats(x: torch.Tensor, scale: torch.Tensor, half_sub: float, cli
 @fp8_operand_stats.register_fake
 def _(x, scale, half_sub, clip, counts, amax):
     return None
+
+
+# ---- scaled GEMM operands (row and block granularity) ------------------------------------------
+
+#: coat::ScaleMode by name: "tensor", "row", "1x128", "128x128" (layouts: csrc/include/coat/common.h).
+SCALE_MODES: dict[str, int] = dict(_C.SCALE_MODES)
+_BLOCK = 128
+
+
+def scale_count(mode: str, rows: int, k: int) -> int:
+    """The number of fp32 scales of an operand [rows, k] in ``mode`` (coat::scale_count)."""
+    kb = -(-k // _BLOCK)
+    return {"tensor": 1, "row": rows, "1x128": kb * rows, "128x128": -(-rows // _BLOCK) * (-(-kb // 4) * 4)}[mode]
+
+
+def _scaled_shapes(rows_pad: int, cols_pad: int, mode: str | None, mode_t: str | None):
+    return (((rows_pad, cols_pad), (scale_count(mode, rows_pad, cols_pad),)) if mode else (None, None),
+            ((cols_pad, rows_pad), (scale_count(mode_t, cols_pad, rows_pad),)) if mode_t else (None, None))
+
+
+def quantize_scaled(parts: list[torch.Tensor], rows_pad: int, cols_pad: int, fmt: int, mode: str | None,
+                    mode_t: str | None):
+    """(q, scale, q_t, scale_t): the stacked float ``parts`` ([R, cols] together) as a GEMM operand
+    q [rows_pad, cols_pad] in ``mode`` and/or its transpose q_t [cols_pad, rows_pad] in ``mode_t``
+    ("row", "1x128", "128x128"; None: not made, None returned), zero-padded; scales fp32 in the
+    modes' layouts (``scale_count``). See coat::quantize_scaled."""
+    for name, m in (("mode", mode), ("mode_t", mode_t)):
+        if m is not None and m not in SCALE_MODES:
+            raise ValueError(f"{name} must be one of {sorted(SCALE_MODES)} or None, got {m!r}")
+    x = parts[0]
+    with dev_ctx(x):
+        return _C.quantize_scaled(list(parts), rows_pad, cols_pad, fmt, SCALE_MODES[mode] if mode else -1,
+                                  SCALE_MODES[mode_t] if mode_t else -1, stream(x))

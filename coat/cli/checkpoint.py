@@ -322,7 +322,7 @@ def run_identity(run_info: dict[str, Any]) -> dict[str, Any]:
     shape the optimizer state (later flags only where not default). A resume refuses another's."""
     train = run_info.get("train", {})
     keys = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
-    extra = {k: train[k] for k, dflt in (("side_tuning", 0), ("snsm_proj", "svd")) if train.get(k, dflt) != dflt}
+    extra = {k: train[k] for k, dflt in (("side_tuning", 0), ("snsm_proj", "svd"), ("fp8_granularity", "tensor")) if train.get(k, dflt) != dflt}
     return {"run_id": run_info.get("run_id"), **{k: train.get(k) for k in keys}, **extra,
             "model": fingerprint(run_info.get("model"))}
 

@@ -40,6 +40,7 @@ def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainCo
     return replace(flags, recipe=None, activations=act, optim=opt, compare=False, out=str(out), resume=None,
                    master_weights=flags.master_weights if opt in COAT_OPTIMIZERS else "fp32",
                    snsm_proj=flags.snsm_proj if opt == "snsm" else "svd",
+                   fp8_granularity=flags.fp8_granularity if act == "fp8" else "tensor",
                    release_grads=flags.release_grads and opt in COAT_OPTIMIZERS,
                    frozen_fp8=flags.frozen_fp8 and act == "fp8", fp8_stats=flags.fp8_stats and act == "fp8")
 

@@ -33,6 +33,7 @@ COAT_OPTIMIZERS = ("coat", "coat4bit", "snsm")
 MASTER_WEIGHTS = ("fp32", "bf16_sr")
 #: --optim snsm's projection refresh (coat.optim.SubsetNormSM's proj_type).
 SNSM_PROJ = ("svd", "randomized")
+from coat.nn.recipe import GRANULARITIES as FP8_GRANULARITIES  # noqa: E402  (the FP8 layers' scaling choices)
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_SEED = 2**32 - 1
 MODEL_FLAGS = ("model", "hidden_size", "layers", "heads", "intermediate_size", "max_positions")
@@ -119,6 +120,7 @@ class TrainConfig:
     optim: str | None = None
     master_weights: str = "fp32"
     snsm_proj: str = "svd"
+    fp8_granularity: str = "tensor"  # the FP8 layers' scaling (coat.nn.recipe.GRANULARITIES)
     release_grads: bool = False
     lora: int = 0  # LoRA rank; 0: full fine-tuning
     lora_alpha: int = 8
@@ -321,7 +323,7 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     reads no data and writes nothing (the checks that need the data or the file system are in
     ``coat.cli.train``)."""
     choices = {"device": DEVICES[1:], "dtype": DTYPES[1:], "activations": ACTIVATIONS, "optim": OPTIMIZERS,
-               "master_weights": MASTER_WEIGHTS, "snsm_proj": SNSM_PROJ, "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
+               "master_weights": MASTER_WEIGHTS, "snsm_proj": SNSM_PROJ, "fp8_granularity": FP8_GRANULARITIES, "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
     if cfg.init is None:
         choices["model"] = tuple(MODEL_PRESETS)
     for name, allowed in choices.items():
@@ -403,6 +405,12 @@ def _validate_fine_tuning(cfg: TrainConfig) -> None:
         raise ConfigError("--lora-dropout", f"must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.lora_targets is not None and not all(t.strip() for t in cfg.lora_targets.split(",")):
         raise ConfigError("--lora-targets", f"must be comma-separated module names, got {cfg.lora_targets!r}")
+    if cfg.fp8_granularity != "tensor" and cfg.activations != "fp8":
+        raise ConfigError("--fp8-granularity", f"only applies to the FP8 layers (this run's activations are "
+                                               f"{cfg.activations})")
+    if cfg.fp8_granularity != "tensor" and (cfg.frozen_fp8 or cfg.side_tuning):
+        raise ConfigError("--fp8-granularity", "row and block scaling quantize the weights in each call: the FP8-frozen "
+                                               "base of --frozen-fp8 and --side-tuning needs 'tensor'")
     if cfg.frozen_fp8 and cfg.activations != "fp8":
         raise ConfigError("--frozen-fp8", "needs the FP8 layers (--recipe coat or fp8): it keeps the frozen base "
                                           "weights as FP8 codes those layers read")

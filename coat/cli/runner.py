@@ -199,7 +199,7 @@ class _Training:
         if cfg.activations == "fp8":
             import coat
 
-            coat.convert(model, recipe="fp8")
+            coat.convert(model, recipe=coat.Fp8Recipe(granularity=cfg.fp8_granularity))
         if cfg.lora:
             model = add_lora(model, cfg)
         if cfg.side_tuning:  # the frozen base in FP8 beside the side network (coat.SideTuned)

@@ -23,7 +23,7 @@ from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import (ACTIVATIONS, COAT_OPTIMIZERS, DEVICE_DEFAULTS, DEVICES, DTYPES, INIT_LR, LORA_LR,
-                             MASTER_WEIGHTS, MODEL_PRESETS, OPTIMIZERS, SCHEDULES, SIDE_LR, SIDE_R, SNSM_PROJ,
+                             MASTER_WEIGHTS, MODEL_PRESETS, OPTIMIZERS, SCHEDULES, SIDE_LR, SIDE_R, SNSM_PROJ, FP8_GRANULARITIES,
                              TRAIN_SETUPS,
                              ConfigError, TrainConfig, artifact, check_init_flags, expand_setup, explicit_fields,
                              flag, lr_lambda, resolve_config, validate)
@@ -467,6 +467,11 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
                         f"writes only the side network to OUT/side; the default --lr is then {SIDE_LR}; --compare "
                         "also trains LoRA (rank 16, alpha 32, every projection) on the same FP8 base (default: 0, "
                         "no side tuning)")
+    g.add_argument("--fp8-granularity", choices=FP8_GRANULARITIES,
+                   help="how the FP8 layers scale their GEMM operands: tensor (one scale each), row (per token and "
+                        "per output channel) or block (DeepSeek-V3's 1x128 activation and gradient groups, 128x128 "
+                        "weight tiles, E4M3 gradients); row and block need an sm_90 GPU (Hopper) or the CPU "
+                        "(docs/scaling.md)" + _default("fp8_granularity"))
     g.add_argument("--frozen-fp8", action="store_true", help="with --lora and the FP8 layers: keep the frozen "
                    "base weights only as FP8 codes (1 byte per parameter instead of 2)")
     g.add_argument("--release-grads", action="store_true",

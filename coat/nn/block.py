@@ -121,7 +121,8 @@ class _BlockFn(torch.autograd.Function):
         save_t = spec.pre == NONE and any(w.requires_grad for w in weights)
         f = blk.forward(gemm_in, pre, norm_w if pre == NORM else None, spec.eps, spec.recipe.e8m0,
                         weights if codes is None else [], *(codes or (None, None)), save_t, spec.cdt,
-                        spec.recipe.fast_accum_fwd, spec.unit_offset, ACT_IDS[spec.act], stats, spec.recipe.act_dtype)
+                        spec.recipe.fast_accum_fwd, spec.unit_offset, ACT_IDS[spec.act], stats, spec.recipe.act_dtype,
+                        blk.GRANULARITY_IDS[spec.recipe.granularity])
         w_scale = f.w_scale if codes is None else codes[1]
         if stats:
             fmt = spec.recipe.act_dtype
@@ -177,7 +178,7 @@ def _block_backward(ctx, d2, pre, need_w, saved, w_scale, norm_w, weights, wgrad
     r = spec.recipe
     b = blk.backward(d2, pre, need_w, weights if codes_t is None else [], w_scale, codes_t, saved, norm_w,
                      wgrad_input, ctx.x_dtype, wgrad_dtype(weights[0]), spec.unit_offset, ACT_IDS[spec.act], stats,
-                     r.act_dtype, r.grad_dtype)
+                     r.act_dtype, r.grad_dtype, blk.GRANULARITY_IDS[r.granularity])
     if stats:
         S.active.record(weights, "dy", d2, b.d_scale, r.grad_dtype)
         if b.stat_scale is not None:  # the weight gradient's input, recomputed and quantized anew

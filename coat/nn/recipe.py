@@ -9,10 +9,11 @@ import torch
 from ..fp8.formats import DTYPES, SCALE_KINDS
 
 
-#: Scaling granularities of the GEMM operands: "tensor" (one scale per tensor) is what the kernels
-#: do today; "row" and "block" are named so that a recipe asking for them is refused, not ignored.
-GRANULARITIES = ("tensor",)
-_PLANNED_GRANULARITIES = ("row", "block")
+#: Scaling granularities of the GEMM operands (docs/scaling.md): "tensor", one scale per operand;
+#: "row", one per token of activations and output gradients and one per output channel of the
+#: weight; "block", DeepSeek-V3's 1 x 128 groups of activations and gradients and 128 x 128 tiles of
+#: the weight. Row and block scaling run on sm_90 (Hopper) GPUs and on the CPU.
+GRANULARITIES = ("tensor", "row", "block")
 
 
 @dataclass(frozen=True)
@@ -21,11 +22,15 @@ class Fp8Recipe:
     FP8 formats and scaling that every quantizer of a converted model reads (the block op, the
     standalone norm and SwiGLU, frozen FP8 weights, the LM head's FP8 backward).
 
-    - GEMM operands (``granularity`` "tensor": one scale each): activations and weights in
-      ``act_format``, output gradients in ``grad_format``; fp32 accumulation (``fast_accum_fwd``
-      lets the forward GEMM use Hopper's faster accumulation, as TransformerEngine does for fprop).
-      ``act_format`` must be "e4m3": the weights share it, and FP8 tensor cores do not multiply two
-      E5M2 operands. ``grad_format`` "e5m2" (range, the default) or "e4m3" (precision).
+    - GEMM operands: activations and weights in ``act_format``, output gradients in
+      ``grad_format``, scaled at ``granularity`` (``GRANULARITIES``); fp32 accumulation
+      (``fast_accum_fwd`` lets the forward GEMM use Hopper's faster accumulation, as
+      TransformerEngine does for fprop; "block" GEMMs always accumulate in split fp32, cuBLASLt has
+      no other). ``act_format`` must be "e4m3": the weights share it, and FP8 tensor cores do not
+      multiply two E5M2 operands. ``grad_format`` "e5m2" (range) or "e4m3" (precision); by default
+      "e5m2", and "e4m3" with "block" scaling (DeepSeek-V3's choice: a 1 x 128 group needs range
+      less than precision). Row and block scaling quantize the weight in each call:
+      ``weight_cache`` and FP8-frozen weights need "tensor".
     - Saved activations: non-linear op inputs (RMSNorm, SwiGLU) in ``act_format`` with one scale
       per 1 x 16 group, ``act_scale`` = "fp32" (4 bytes per group) or "e8m0" (a power of two, 1 byte).
       Norm outputs, the SwiGLU output and RoPE are recomputed in backward, never saved.
@@ -42,7 +47,7 @@ class Fp8Recipe:
     fast_accum_fwd: bool = True
     weight_cache: bool = False
     act_format: str = "e4m3"
-    grad_format: str = "e5m2"
+    grad_format: str | None = None
     granularity: str = "tensor"
 
     def __post_init__(self) -> None:
@@ -54,11 +59,15 @@ class Fp8Recipe:
         if self.act_format != "e4m3":
             raise ValueError(f"act_format must be 'e4m3', got {self.act_format!r}: the weights share the "
                              "activations' format and FP8 tensor cores do not multiply two E5M2 operands")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.grad_format is None:
+            object.__setattr__(self, "grad_format", "e4m3" if self.granularity == "block" else "e5m2")
         if self.grad_format not in DTYPES:
             raise ValueError(f"grad_format must be 'e5m2' or 'e4m3', got {self.grad_format!r}")
-        if self.granularity not in GRANULARITIES:
-            why = ": row and block scaling are not implemented yet" if self.granularity in _PLANNED_GRANULARITIES else ""
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}{why}")
+        if self.weight_cache and self.granularity != "tensor":
+            raise ValueError(f"weight_cache needs granularity 'tensor', got {self.granularity!r}: row and block "
+                             "scaling quantize the weight in each call")
 
     @property
     def e8m0(self) -> bool:

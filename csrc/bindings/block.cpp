@@ -24,6 +24,13 @@
 // The quantizers come from the caller's recipe: act_fmt for activations, weights and the saved
 // pre-op inputs (E4M3 by default), grad_fmt for output gradients (E5M2); e8m0 picks the saved
 // inputs' group scale kind.
+// granularity (coat.nn.recipe GRANULARITIES): 0 "tensor", one scale per GEMM operand; 1 "row", per
+// token for activations and gradients and per output channel for the weight (per input channel
+// for the transposed weight of dX); 2 "block", 1 x 128 groups along K for activations and
+// gradients and 128 x 128 tiles for the weight (DeepSeek-V3's). Row and block operands come from
+// one read of their bf16 source (quantize_scaled), zero-padded to multiples of 16 on CUDA; the
+// transposed ones for the backward GEMMs are quantized from that source too, never requantized
+// from codes. They quantize the weight in each call (no caller's codes).
 // want_stats: also return what coat.Fp8Stats reads that the block would otherwise free (the GEMM
 // inputs made here and their scales); it changes no result.
 #include <nanobind/stl/vector.h>
@@ -40,6 +47,20 @@ namespace {
 using nb::arg;
 
 enum class Pre : int { kNone = 0, kNorm = 1, kSwiglu = 2 };
+
+// The scale modes of a granularity: activations and gradients, and the weight.
+struct Modes {
+  ScaleMode act = ScaleMode::kTensor, weight = ScaleMode::kTensor;
+  bool scaled() const { return act != ScaleMode::kTensor; }
+};
+Modes modes_of(int g, bool caller_codes, bool want_stats) {
+  COAT_CHECK_ARG(g >= 0 && g <= 2, "granularity must be 0 (tensor), 1 (row) or 2 (block), got " + std::to_string(g));
+  if (g == 0) return {};
+  COAT_CHECK_ARG(!caller_codes, "row and block scaling quantize the weight in each call: the weight cache and "
+                                "FP8-frozen weights take per-tensor scaling (granularity 'tensor')");
+  COAT_CHECK_ARG(!want_stats, "coat.Fp8Stats reads per-tensor scales: record statistics with granularity 'tensor'");
+  return g == 1 ? Modes{ScaleMode::kRow, ScaleMode::kRow} : Modes{ScaleMode::kVec128, ScaleMode::kBlock128};
+}
 
 Pre pre_arg(int p) {
   COAT_CHECK_ARG(p >= 0 && p <= 2, "pre must be 0 (none), 1 (norm) or 2 (swiglu), got " + std::to_string(p));
@@ -86,8 +107,9 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
                        const std::vector<Array>& weights_, std::optional<Array> w_codes_,
                        std::optional<Array> w_scale_, bool save_input_t, int out_dtype, bool fast_accum,
                        std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
-                       bool want_stats, int act_fmt) {
+                       bool want_stats, int act_fmt, int granularity) {
   const Pre pre = pre_arg(pre_);
+  const Modes md = modes_of(granularity, w_codes_.has_value(), want_stats);
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
   const DType out_type = dtype_arg(out_dtype);
@@ -118,6 +140,22 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
     s0 = std::move(sw.saved.q), s1 = std::move(sw.saved.scales);
   }
   const View& in = pre == Pre::kNone ? x : y.view;
+  if (md.scaled()) {
+    const int64_t m = in.shape[0], n = [&] {
+      int64_t r = 0;
+      for (const View& p : w.parts) r += p.shape[0];
+      return r;
+    }();
+    const int64_t mp = scaled_pad(m, in.cuda), kp = scaled_pad(k, in.cuda), np = scaled_pad(n, in.cuda);
+    ScaledFp8 xq = quantize_scaled({in}, mp, kp, fa, md.act, md.act, true, pre == Pre::kNone && save_input_t, stream);
+    y = Created();
+    if (pre == Pre::kNone) s0 = std::move(xq.q_t), s1 = std::move(xq.scale_t);
+    ScaledFp8 wq = quantize_scaled(w.parts, np, kp, fa, md.weight, md.weight, true, false, stream);
+    opt.fast_accum = fast_accum && md.act != ScaleMode::kVec128;  // block GEMMs accumulate in split fp32 only
+    Created out = gemm_scaled({xq.q.view, xq.scale.view, md.act, fa}, {wq.q.view, wq.scale.view, md.weight, fa}, m, n,
+                              out_type, opt, stream);
+    return nb::make_tuple(out.tensor, wq.scale.tensor, or_none(s0), or_none(s1), or_none(s2), nb::none(), nb::none());
+  }
   PerTensorFp8 q = quantize_amax(in, fa, pre == Pre::kNone && save_input_t, stream);
   // Not needed after its quantization: freed before the weight's codes are made (unless read by stats).
   Created stat_in = want_stats ? std::move(y) : Created();
@@ -165,8 +203,9 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
                        std::optional<Array> s1_, std::optional<Array> s2_, std::optional<Array> norm_w_,
                        std::optional<Array> wgrad_input_, int y_dtype, int wgrad_dtype,
                        std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
-                       bool want_stats, int act_fmt, int grad_fmt) {
+                       bool want_stats, int act_fmt, int grad_fmt, int granularity) {
   const Pre pre = pre_arg(pre_);
+  const Modes md = modes_of(granularity, w_codes_t_.has_value(), want_stats);
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
   const DType wgrad_type = dtype_arg(wgrad_dtype);
@@ -203,22 +242,45 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
   View ws;
   const GemmOptions opt = gemm_options(workspace_, ws, force_bf16);
 
-  PerTensorFp8 dq = quantize_amax(d, fg, need_w, stream);
+  // The output gradient for dX = dq @ W (dq_a, W^T as wt) and for dW = dq^T @ (the GEMM input).
+  const bool cuda = d.cuda;
+  const int64_t m = d.shape[0], mp = scaled_pad(m, cuda), np = scaled_pad(n, cuda), kp = scaled_pad(k, cuda);
+  PerTensorFp8 dq;
+  ScaledFp8 dqs;
+  Fp8Operand dq_a, dq_t;
+  if (md.scaled()) {
+    dqs = quantize_scaled({d}, mp, np, fg, md.act, md.act, true, need_w, stream);
+    dq_a = {dqs.q.view, dqs.scale.view, md.act, fg};
+    if (need_w) dq_t = {dqs.q_t.view, dqs.scale_t.view, md.act, fg};
+  } else {
+    dq = quantize_amax(d, fg, need_w, stream);
+    dq_a = {dq.q.view, dq.scale.view, ScaleMode::kTensor, fg};
+    if (need_w) dq_t = {dq.q_t.view, dq.scale.view, ScaleMode::kTensor, fg};
+  }
   Created dy;  // dX of the GEMM: [M, K]
-  {
+  if (md.scaled()) {
+    ScaledFp8 wt = quantize_scaled(w.parts, np, kp, fa, md.weight, md.weight, false, true, stream);
+    dy = gemm_scaled(dq_a, {wt.q_t.view, wt.scale_t.view, md.weight, fa}, m, k, dt, opt, stream);
+    dqs.q = Created(), dqs.scale = Created();
+  } else {
     if (!w_codes_t_) w.made = quantize_stacked(w.parts, &w.scale, fa, false, true, stream);
     dy = gemm_fp8_any(dq.q.view, fg, dq.scale.view, w_codes_t_ ? w.codes : w.made.q_t.view, fa, w.scale, dt,
                       opt, stream);
-    w.made = StackedFp8();
-  }  // the transposed weight codes die with their GEMM
-  dq.q = Created();
+    w.made = StackedFp8();  // the transposed weight codes die with their GEMM
+    dq.q = Created();
+  }
 
   // dW = dq^T @ (the GEMM input), its FP8 transpose made from what was saved (or saved as is).
   Created stat_in, stat_scale;
   auto wgrad = [&](const View& in_t, const View& in_scale) {
-    return gemm_fp8_any(dq.q_t.view, fg, dq.scale.view, in_t, fa, in_scale, wgrad_type, opt, stream);
+    return gemm_scaled(dq_t, {in_t, in_scale, md.act, fa}, n, k, wgrad_type, opt, stream);
   };
   auto wgrad_of = [&](Created in) {
+    if (md.scaled()) {
+      ScaledFp8 t = quantize_scaled({in.view}, mp, kp, fa, md.act, md.act, false, true, stream);
+      in = Created();
+      return wgrad(t.q_t.view, t.scale_t.view);
+    }
     PerTensorFp8 t = quantize_amax(in.view, fa, true, stream);
     if (want_stats) stat_in = std::move(in), stat_scale = t.scale;
     in = Created(), t.q = Created();  // only the transposed codes are read
@@ -237,17 +299,27 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
   } else {
     if (need_w && recomputed) {
       const View in = view_of(*wgrad_input_, "wgrad_input");
-      PerTensorFp8 t = quantize_amax(in, fa, true, stream);
-      if (want_stats) stat_scale = t.scale;
-      t.q = Created();
-      dw = wgrad(t.q_t.view, t.scale.view);
+      if (md.scaled()) {
+        ScaledFp8 t = quantize_scaled({in}, mp, kp, fa, md.act, md.act, false, true, stream);
+        dw = wgrad(t.q_t.view, t.scale_t.view);
+      } else {
+        PerTensorFp8 t = quantize_amax(in, fa, true, stream);
+        if (want_stats) stat_scale = t.scale;
+        t.q = Created();
+        dw = wgrad(t.q_t.view, t.scale.view);
+      }
     } else if (need_w) {
+      if (md.scaled())
+        COAT_CHECK_ARG(s.s0.shape.size() == 2 && s.s0.shape[0] == kp && s.s0.shape[1] == mp,
+                       "saved[0] has shape " + shape_str(s.s0.shape) + " but this backward's input codes are [" +
+                           std::to_string(kp) + ", " + std::to_string(mp) + "]: pass the forward's outputs "
+                           "and the forward's granularity");
       dw = wgrad(s.s0, s.s1);
     }
     dx = std::move(dy);
   }
-  return nb::make_tuple(dx.tensor, or_none(dnorm), or_none(dw), dq.scale.tensor, or_none(stat_in),
-                        or_none(stat_scale));
+  return nb::make_tuple(dx.tensor, or_none(dnorm), or_none(dw), md.scaled() ? nb::none() : dq.scale.tensor,
+                        or_none(stat_in), or_none(stat_scale));
 }
 
 void register_block(nb::module_& m) {
@@ -257,12 +329,13 @@ void register_block(nb::module_& m) {
   m.def("block_fwd", &block_fwd_py, restore_device(), arg("x"), arg("pre"), arg("norm_weight").none(), arg("eps"),
         arg("e8m0"), arg("weights"), arg("w_codes").none(), arg("w_scale").none(), arg("save_input_t"),
         arg("out_dtype"), arg("fast_accum"), arg("workspace").none(), arg("force_bf16"), arg("stream"),
-        arg("norm_kind") = scaled, arg("act") = silu, arg("want_stats") = false, arg("act_fmt") = e4m3);
+        arg("norm_kind") = scaled, arg("act") = silu, arg("want_stats") = false, arg("act_fmt") = e4m3,
+        arg("granularity") = 0);
   m.def("block_bwd", &block_bwd_py, restore_device(), arg("dout"), arg("pre"), arg("need_w"), arg("weights"),
         arg("w_scale"), arg("w_codes_t").none(), arg("s0").none(), arg("s1").none(), arg("s2").none(),
         arg("norm_weight").none(), arg("wgrad_input").none(), arg("y_dtype"), arg("wgrad_dtype"),
         arg("workspace").none(), arg("force_bf16"), arg("stream"), arg("norm_kind") = scaled, arg("act") = silu,
-        arg("want_stats") = false, arg("act_fmt") = e4m3, arg("grad_fmt") = e5m2);
+        arg("want_stats") = false, arg("act_fmt") = e4m3, arg("grad_fmt") = e5m2, arg("granularity") = 0);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // nanobind registration of the FP8 GEMM family.
 #include "coat/gemm.h"
 #include "ops.h"
+#include "enums.h"
 #include "registry.h"
 #include "tensor_args.h"
 
@@ -20,7 +21,7 @@ NewDtype out_dtype(GemmOut t) {
 nb::tuple gemm_fp8_py(const Array& a_, int a_fmt, const Array& scale_a_, const Array& b_, int b_fmt,
                       const Array& scale_b_, std::optional<Array> bias_, int out_type, std::optional<Array> out_scale_,
                       bool want_amax, std::optional<MutArray> workspace_, bool force_bf16, bool fast_accum,
-                      uintptr_t stream) {
+                      uintptr_t stream, int a_mode, int b_mode) {
   const View a = view_of(a_, "a"), b = view_of(b_, "b"), sa = view_of(scale_a_, "scale_a"),
              sb = view_of(scale_b_, "scale_b");
   View bias, out_scale, ws;
@@ -31,6 +32,8 @@ nb::tuple gemm_fp8_py(const Array& a_, int a_fmt, const Array& scale_a_, const A
   opt.want_amax = want_amax;
   opt.force_bf16 = force_bf16;
   opt.fast_accum = fast_accum;
+  opt.a_mode = scale_mode_arg(a_mode, "a_mode");
+  opt.b_mode = scale_mode_arg(b_mode, "b_mode");
   const GemmResult r = gemm_fp8(a, fp8_format(a_fmt), sa, b, fp8_format(b_fmt), sb, gemm_out_type(out_type), opt,
                                 stream_of(stream));
   return nb::make_tuple(r.out.tensor, want_amax ? r.amax.tensor : nb::none());
@@ -49,7 +52,10 @@ void register_gemm(nb::module_& m) {
   m.attr("GEMM_WORKSPACE_BYTES") = kGemmDefaultWorkspace;
   m.def("gemm_fp8", &gemm_fp8_py, restore_device(), arg("a"), arg("a_fmt"), arg("scale_a"), arg("b"), arg("b_fmt"),
         arg("scale_b"), arg("bias").none(), arg("out_type"), arg("out_scale").none(), arg("want_amax"),
-        arg("workspace").none(), arg("force_bf16"), arg("fast_accum"), arg("stream"));
+        arg("workspace").none(), arg("force_bf16"), arg("fast_accum"), arg("stream"), arg("a_mode") = 0,
+        arg("b_mode") = 0);
+  m.attr("SCALE_MODES") = enum_dict<ScaleMode>({{"tensor", ScaleMode::kTensor}, {"row", ScaleMode::kRow},
+                                                {"1x128", ScaleMode::kVec128}, {"128x128", ScaleMode::kBlock128}});
   m.def("gemm_fp8_native", &gemm_fp8_native_py, restore_device(), arg("device"));
 }
 
@@ -70,9 +76,11 @@ GemmResult gemm_fp8(const View& a, Fp8Format a_fmt, const View& sa, const View& 
                                                shape_str(a.shape) + " = [M, K], " + b.name + " is " +
                                                shape_str(b.shape) + " = [N, K])");
   expect_kind(sa, Kind::kFloat32);
-  expect_numel(sa, 1, "one per-tensor scale");
+  expect_numel(sa, scale_count(opt.a_mode, a.shape[0], a.shape[1]),
+               std::string("its ") + scale_mode_name(opt.a_mode) + " scales for " + shape_str(a.shape));
   expect_kind(sb, Kind::kFloat32);
-  expect_numel(sb, 1, "one per-tensor scale");
+  expect_numel(sb, scale_count(opt.b_mode, b.shape[0], b.shape[1]),
+               std::string("its ") + scale_mode_name(opt.b_mode) + " scales for " + shape_str(b.shape));
   Fp8GemmArgs g;
   g.m = a.shape[0];
   g.n = b.shape[0];
@@ -107,6 +115,8 @@ GemmResult gemm_fp8(const View& a, Fp8Format a_fmt, const View& sa, const View& 
   g.out_scale = opt.out_scale ? static_cast<const float*>(opt.out_scale->data) : nullptr;
   g.amax = opt.want_amax ? static_cast<float*>(r.amax.view.data) : nullptr;
   g.fast_accum = opt.fast_accum;
+  g.a_mode = opt.a_mode;
+  g.b_mode = opt.b_mode;
   if (!a.cuda) {
     ref::gemm_fp8(g);
     return r;
@@ -147,8 +157,22 @@ Created gemm_fp8_any(const View& a, Fp8Format a_fmt, const View& sa, const View&
   } else {
     Created ap = pad_2d(a, m, kp, a.name), bp = pad_2d(b, np, kp, b.name);
     r = gemm_fp8(ap.view, a_fmt, sa, bp.view, b_fmt, sb, t, opt, stream).out;
-    if (np != n) r = narrow_cols(r.view, n, "out");
+    if (np != n) r = narrow_2d(r.view, m, n, "out");
   }
+  return out == DType::kFloat16 ? cast_to(r.view, NewDtype::kFloat16, "out") : r;
+}
+
+Created gemm_scaled(const Fp8Operand& a, const Fp8Operand& b, int64_t m, int64_t n, DType out, const GemmOptions& opt,
+                    cudaStream_t stream) {
+  if (a.mode == ScaleMode::kTensor && b.mode == ScaleMode::kTensor) {
+    COAT_CHECK(a.q.shape[0] == m && b.q.shape[0] == n, "per-tensor operands are not padded");
+    return gemm_fp8_any(a.q, a.fmt, a.scale, b.q, b.fmt, b.scale, out, opt, stream);
+  }
+  GemmOptions o = opt;
+  o.a_mode = a.mode, o.b_mode = b.mode;
+  const GemmOut t = out == DType::kBFloat16 ? GemmOut::kBFloat16 : GemmOut::kFloat32;
+  Created r = gemm_fp8(a.q, a.fmt, a.scale, b.q, b.fmt, b.scale, t, o, stream).out;
+  if (r.view.shape[0] != m || r.view.shape[1] != n) r = narrow_2d(r.view, m, n, "out");
   return out == DType::kFloat16 ? cast_to(r.view, NewDtype::kFloat16, "out") : r;
 }
 

@@ -37,6 +37,18 @@ std::vector<View> views_of_parts(const std::vector<Array>& parts);
 StackedFp8 quantize_stacked(const std::vector<View>& parts, const View* scale, Fp8Format fmt, bool rowmajor,
                             bool transpose, cudaStream_t stream);
 
+// Scaled (row / block) FP8 of the stacked row blocks `parts` (float dtypes) as a GEMM operand
+// [rows_pad, cols_pad] in `mode` and/or its transpose in `mode_t` (quantize.h quantize_scaled):
+// q / scale made with make_q, q_t / scale_t with make_qt.
+struct ScaledFp8 {
+  Created q, scale, q_t, scale_t;
+};
+ScaledFp8 quantize_scaled(const std::vector<View>& parts, int64_t rows_pad, int64_t cols_pad, Fp8Format fmt,
+                          ScaleMode mode, ScaleMode mode_t, bool make_q, bool make_qt, cudaStream_t stream);
+// The padded extent of a scaled operand's dimension: a multiple of 16 on CUDA (cuBLASLt's FP8
+// alignment of K and N, and of the tokens with row or block scales), as is on the CPU.
+inline int64_t scaled_pad(int64_t n, bool cuda) { return cuda ? (n + 15) / 16 * 16 : n; }
+
 // ---- gemm ----------------------------------------------------------------------------------------
 
 struct GemmOptions {
@@ -46,6 +58,7 @@ struct GemmOptions {
   const View* workspace = nullptr;  // cuBLASLt's, required on CUDA
   bool force_bf16 = false;
   bool fast_accum = false;
+  ScaleMode a_mode = ScaleMode::kTensor, b_mode = ScaleMode::kTensor;  // gemm_fp8's operands
 };
 struct GemmResult {
   Created out, amax;  // amax only with want_amax
@@ -60,6 +73,17 @@ GemmOut gemm_out_type(int t);
 // fp32 and bf16). On the CPU the reference takes every shape as it is.
 Created gemm_fp8_any(const View& a, Fp8Format a_fmt, const View& scale_a, const View& b, Fp8Format b_fmt,
                      const View& scale_b, DType out, const GemmOptions& opt, cudaStream_t stream);
+
+// An FP8 GEMM operand: codes [rows, K], their format, and the scales of their mode.
+struct Fp8Operand {
+  View q, scale;
+  ScaleMode mode = ScaleMode::kTensor;
+  Fp8Format fmt = Fp8Format::kE4M3;
+};
+// out [m, n] = a @ b.T: per tensor as gemm_fp8_any; row/block operands come padded (a [>= m, K],
+// b [>= n, K], from quantize_scaled) and the result is cut to [m, n].
+Created gemm_scaled(const Fp8Operand& a, const Fp8Operand& b, int64_t m, int64_t n, DType out, const GemmOptions& opt,
+                    cudaStream_t stream);
 
 // ---- norm ----------------------------------------------------------------------------------------
 

@@ -254,7 +254,23 @@ void fp8_operand_stats_py(const Array& x_, const Array& scale_, double half_sub,
     ref::fp8_operand_stats(x.data, dt, x.numel, s, static_cast<float>(half_sub), static_cast<float>(clip), c, a);
 }
 
+// (q or None, scale or None, q_t or None, scale_t or None): the stacked parts quantized as a GEMM
+// operand [rows_pad, cols_pad] in `mode` and/or its transpose in `mode_t` (ScaleMode ids; -1: not
+// made), zero-padded.
+nb::tuple quantize_scaled_py(const std::vector<Array>& parts_, int64_t rows_pad, int64_t cols_pad, int fmt, int mode,
+                             int mode_t, uintptr_t stream) {
+  const std::vector<View> parts = views_of_parts(parts_);
+  const bool make_q = mode >= 0, make_qt = mode_t >= 0;
+  ScaledFp8 r = quantize_scaled(parts, rows_pad, cols_pad, fp8_format(fmt), make_q ? scale_mode_arg(mode, "mode") : ScaleMode::kRow,
+                                make_qt ? scale_mode_arg(mode_t, "mode_t") : ScaleMode::kRow, make_q, make_qt,
+                                stream_of(stream));
+  auto obj = [](const Created& c) { return c.tensor.is_valid() ? c.tensor : nb::none(); };
+  return nb::make_tuple(obj(r.q), obj(r.scale), obj(r.q_t), obj(r.scale_t));
+}
+
 void register_quantize(nb::module_& m) {
+  m.def("quantize_scaled", &quantize_scaled_py, restore_device(), arg("parts"), arg("rows_pad"), arg("cols_pad"),
+        arg("fmt"), arg("mode"), arg("mode_t"), arg("stream"));
   m.attr("DRE_GROUP_SIZE") = kDreGroupSize;
   m.attr("DRE_LOG2_RANGE_E4M3") = kDreLog2RangeE4M3;
   m.attr("DRE_LOG2_RANGE_E5M2") = kDreLog2RangeE5M2;
@@ -335,6 +351,35 @@ StackedFp8 quantize_stacked(const std::vector<View>& parts, const View* scale, F
     COAT_GPU_CALL(::coat::quantize_stacked(x, fmt, sc, am, so, qd, qtd, stream));
   else
     ref::quantize_stacked(x, fmt, sc, am, so, qd, qtd);
+  return r;
+}
+
+ScaledFp8 quantize_scaled(const std::vector<View>& parts, int64_t rows_pad, int64_t cols_pad, Fp8Format fmt,
+                          ScaleMode mode, ScaleMode mode_t, bool make_q, bool make_qt, cudaStream_t stream) {
+  COAT_CHECK_ARG(make_q || make_qt, "ask for codes, transposed codes or both");
+  const StackedRows x = stacked_of(parts, false);
+  const View& p0 = parts[0];
+  const int64_t rows = total_rows(x);
+  COAT_CHECK_ARG(rows_pad >= rows && cols_pad >= x.cols,
+                 "rows_pad and cols_pad must be at least X's [" + std::to_string(rows) + ", " + std::to_string(x.cols) +
+                     "], got [" + std::to_string(rows_pad) + ", " + std::to_string(cols_pad) + "]");
+  ScaledFp8 r;
+  if (make_q) {
+    r.q = new_tensor({rows_pad, cols_pad}, NewDtype::kUInt8, p0, "q");
+    r.scale = new_tensor({scale_count(mode, rows_pad, cols_pad)}, NewDtype::kFloat32, p0, "scale");
+  }
+  if (make_qt) {
+    r.q_t = new_tensor({cols_pad, rows_pad}, NewDtype::kUInt8, p0, "q_t");
+    r.scale_t = new_tensor({scale_count(mode_t, cols_pad, rows_pad)}, NewDtype::kFloat32, p0, "scale_t");
+  }
+  auto* q = make_q ? static_cast<uint8_t*>(r.q.view.data) : nullptr;
+  auto* s = make_q ? static_cast<float*>(r.scale.view.data) : nullptr;
+  auto* qt = make_qt ? static_cast<uint8_t*>(r.q_t.view.data) : nullptr;
+  auto* st = make_qt ? static_cast<float*>(r.scale_t.view.data) : nullptr;
+  if (p0.cuda)
+    COAT_GPU_CALL(::coat::quantize_scaled(x, rows_pad, cols_pad, fmt, mode, q, s, mode_t, qt, st, stream));
+  else
+    ref::quantize_scaled(x, rows_pad, cols_pad, fmt, mode, q, s, mode_t, qt, st);
   return r;
 }
 

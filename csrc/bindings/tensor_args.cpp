@@ -119,6 +119,12 @@ Fp8Format fp8_format(int f) {
   return static_cast<Fp8Format>(f);
 }
 
+ScaleMode scale_mode_arg(int m, const char* name) {
+  COAT_CHECK_ARG(m >= 0 && m <= 3, std::string(name) + " must be 0 (tensor), 1 (row), 2 (1x128) or 3 (128x128), got " +
+                                       std::to_string(m));
+  return static_cast<ScaleMode>(m);
+}
+
 ScaleKind scale_kind(int k) {
   COAT_CHECK_ARG(k == 0 || k == 1, "scale kind must be 0 (fp32) or 1 (e8m0)");
   return static_cast<ScaleKind>(k);

@@ -74,9 +74,9 @@ struct Created {
 Created new_tensor(const std::vector<int64_t>& shape, NewDtype dtype, const View& like, const char* name);
 // Torch ops a layer block runs around coat's GEMM (csrc/bindings/block.cpp), on v's device and
 // torch's current stream: a zero-padded copy of 2-D v as [rows, cols] (rows, cols >= v's), a
-// contiguous copy of v[:, :cols], v converted to `dtype` (float or uint8 views only).
+// contiguous copy of v[:rows, :cols], v converted to `dtype` (float or uint8 views only).
 Created pad_2d(const View& v, int64_t rows, int64_t cols, const char* name);
-Created narrow_cols(const View& v, int64_t cols, const char* name);
+Created narrow_2d(const View& v, int64_t rows, int64_t cols, const char* name);
 Created cast_to(const View& v, NewDtype dtype, const char* name);
 // Scratch for one call: torch's caching allocator takes it back when the call returns, and hands
 // it out again only to work queued after this call's kernels on the same stream.
@@ -98,6 +98,8 @@ Fp8Format fp8_format(int f);
 // The core dtype for its id from Python (0 float32, 1 bfloat16, 2 float16).
 DType dtype_arg(int d);
 ScaleKind scale_kind(int k);
+// A ScaleMode (coat/common.h) for its id, the argument named in the message.
+ScaleMode scale_mode_arg(int m, const char* name);
 inline cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 // Scales of FP8 codes quantized in 1x`group` groups: fp32 or E8M0 bytes, one per group of `numel`.

@@ -170,10 +170,10 @@ Created pad_2d(const View& v, int64_t rows, int64_t cols, const char* name) {
   return created_of(std::move(out), name);
 }
 
-Created narrow_cols(const View& v, int64_t cols, const char* name) {
+Created narrow_2d(const View& v, int64_t rows, int64_t cols, const char* name) {
   // clone, not contiguous(): with one row the narrowed view already counts as contiguous, and
   // contiguous() would hand back a view of v's memory, which the caller frees (tensor_of owns nothing).
-  return created_of(tensor_of(v).narrow(1, 0, cols).clone(at::MemoryFormat::Contiguous), name);
+  return created_of(tensor_of(v).narrow(0, 0, rows).narrow(1, 0, cols).clone(at::MemoryFormat::Contiguous), name);
 }
 
 Created cast_to(const View& v, NewDtype dtype, const char* name) {

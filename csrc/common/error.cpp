@@ -16,6 +16,15 @@ const char* dtype_name(DType t) {
 }
 
 const char* fp8_name(Fp8Format f) { return f == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
+const char* scale_mode_name(ScaleMode m) {
+  switch (m) {
+    case ScaleMode::kTensor: return "tensor";
+    case ScaleMode::kRow: return "row";
+    case ScaleMode::kVec128: return "1x128";
+    case ScaleMode::kBlock128: return "128x128";
+  }
+  return "?";
+}
 
 Error::Error(const std::string& what, const char* file, int line)
     : std::runtime_error(what + " (" + file + ":" + std::to_string(line) + ")") {}

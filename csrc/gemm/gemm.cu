@@ -133,9 +133,20 @@ uint32_t alignment_of(const void* p) {
 
 cudaDataType_t fp8_type(Fp8Format f) { return f == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 
+// cuBLASLt's scale mode of a coat ScaleMode (the layouts are the same, coat/common.h).
+int32_t lt_scale_mode(ScaleMode m) {
+  switch (m) {
+    case ScaleMode::kTensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case ScaleMode::kRow: return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    case ScaleMode::kVec128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case ScaleMode::kBlock128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+
 // Everything the heuristic's choice depends on.
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, bool,
-                           uint32_t, uint32_t, uint32_t, uint32_t, size_t, bool>;
+                           uint32_t, uint32_t, uint32_t, uint32_t, size_t, bool, int, int>;
 
 // Descriptors and the chosen algorithm of one problem. The descriptor carries per-call pointers
 // (scales, bias, amax), so a call holds `mu` from setting them until cublasLtMatmul is enqueued.
@@ -206,6 +217,10 @@ std::shared_ptr<Plan> get_plan(const PlanKey& key, const Fp8GemmArgs& g, const L
     set_attr(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum);
     set_attr(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(c.a_op_scale));
     set_attr(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(c.b_op_scale));
+    if (g.a_mode != ScaleMode::kTensor) {  // cuBLASLt's A is our b
+      set_attr(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, lt_scale_mode(g.b_mode));
+      set_attr(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, lt_scale_mode(g.a_mode));
+    }
     if (c.d_type == CUDA_R_8F_E4M3)
       set_attr(p->desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void*>(c.d_scale));
     if (c.amax) set_attr(p->desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void*>(c.amax));
@@ -274,7 +289,9 @@ void run_lt(const Fp8GemmArgs& g, const LtCall& c, DeviceState& ds, int dev, voi
                     alignment_of(c.d),
                     alignment_of(c.bias),
                     ws_bytes,
-                    !c.bf16_path && g.fast_accum};
+                    !c.bf16_path && g.fast_accum,
+                    static_cast<int>(g.a_mode),
+                    static_cast<int>(g.b_mode)};
   std::shared_ptr<Plan> p = get_plan(key, g, c, ds.handle, ws_bytes);
   std::lock_guard<std::mutex> lock(p->mu);
   if (!c.bf16_path) {
@@ -329,6 +346,12 @@ void gemm_fp8(const Fp8GemmArgs& g, void* workspace, size_t workspace_bytes, voi
   const int dev = device_now();
   DeviceState& ds = device_state(dev);
   const bool bf16_path = use_bf16_path(ds, force_bf16);
+  if (g.a_mode != ScaleMode::kTensor)
+    COAT_CHECK_ARG(!bf16_path && ds.cc == 90,
+                   std::string("row and block FP8 scaling run on sm_90 GPUs (Hopper) only: cuBLASLt has no ") +
+                       (bf16_path ? "bf16 fallback" : "such kernels on compute capability " +
+                                                          std::to_string(ds.cc / 10) + "." + std::to_string(ds.cc % 10)) +
+                       " for them; use per-tensor scaling (granularity='tensor')");
   const size_t need = gemm_fp8_scratch_bytes(dev, g.m, g.n, g.k, g.out_type, force_bf16);
   COAT_CHECK_ARG(scratch_bytes >= need && (need == 0 || scratch != nullptr),
                  "scratch must hold " + std::to_string(need) + " bytes for this GEMM on this device "

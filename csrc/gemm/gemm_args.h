@@ -29,6 +29,22 @@ inline void check_gemm(const Fp8GemmArgs& g) {
     COAT_CHECK_ARG(g.out_scale != nullptr, "out_scale is required for an FP8 (e4m3) output");
   else
     COAT_CHECK_ARG(g.out_scale == nullptr, "out_scale is only used with an FP8 (e4m3) output");
+  const bool tensor = g.a_mode == ScaleMode::kTensor && g.b_mode == ScaleMode::kTensor;
+  if (!tensor) {
+    const bool blockish_a = g.a_mode == ScaleMode::kVec128 || g.a_mode == ScaleMode::kBlock128;
+    const bool blockish_b = g.b_mode == ScaleMode::kVec128 || g.b_mode == ScaleMode::kBlock128;
+    const bool pair_ok = (g.a_mode == ScaleMode::kRow && g.b_mode == ScaleMode::kRow) ||
+                         (blockish_a && blockish_b &&
+                          !(g.a_mode == ScaleMode::kBlock128 && g.b_mode == ScaleMode::kBlock128));
+    COAT_CHECK_ARG(pair_ok, std::string("scale modes ") + scale_mode_name(g.a_mode) + " (a) x " +
+                                scale_mode_name(g.b_mode) + " (b) are not a pair cuBLASLt multiplies: use row x "
+                                "row, or 1x128 with 1x128 or 128x128 (not 128x128 on both sides)");
+    COAT_CHECK_ARG(g.out_type != GemmOut::kE4M3, "an FP8 (e4m3) output needs per-tensor scaling (cuBLASLt has no "
+                                                 "FP8 output with row or block scales)");
+    COAT_CHECK_ARG(g.bias == nullptr, "bias needs per-tensor scaling; add it separately");
+    COAT_CHECK_ARG(!(g.fast_accum && blockish_a), "fast accumulation is not available with 1x128/128x128 "
+                                                  "scaling (block GEMMs accumulate in split fp32)");
+  }
   COAT_CHECK_ARG(g.bias == nullptr || g.out_type != GemmOut::kFloat32,
                  "bias needs a bfloat16 or e4m3 output (cuBLASLt's FP8 kernels have no bias "
                  "epilogue for float32 output); add the bias separately");
@@ -46,6 +62,11 @@ inline void check_gemm_cuda(const Fp8GemmArgs& g) {
   COAT_CHECK_ARG(aligned16(g.b), "b must be 16-byte aligned (clone the view)");
   COAT_CHECK_ARG(aligned16(g.out), "out must be 16-byte aligned");
   COAT_CHECK_ARG(aligned16(g.bias), "bias must be 16-byte aligned (clone the view)");
+  if (g.a_mode != ScaleMode::kTensor) {
+    COAT_CHECK_ARG(g.m % 16 == 0, "M (the rows of a) must be a multiple of 16 for row or block scaling on "
+                                  "CUDA, got " + std::to_string(g.m) + " (pad the tokens)");
+    COAT_CHECK_ARG(aligned16(g.a_scale) && aligned16(g.b_scale), "scale_a and scale_b must be 16-byte aligned");
+  }
 }
 
 }  // namespace detail

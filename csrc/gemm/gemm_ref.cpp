@@ -1,7 +1,9 @@
 // CPU reference of the FP8 GEMM: decode both operands exactly to fp32 (table lookup), sum the
 // (exact) products over K in fp32, then alpha = a_scale * b_scale, bias and the output rounding --
 // the sequence cuBLASLt applies, so CPU and GPU differ by summation order only. Here every output
-// is the plain sequential sum over k = 0..K-1, whatever the blocking.
+// is the plain sequential sum over k = 0..K-1, whatever the blocking. Row scales multiply the
+// finished sum as alpha does (alpha = sa[i] * sb[j]); 1x128 and 128x128 scales vary along K, so
+// those operands are decoded with their scales applied (code * scale, rounded to fp32 once).
 //
 // Cache blocking: tiles of kMB rows of A x kNB rows of B x kKB of K are decoded into fp32 panels
 // (64 KiB each; B's transposed so the inner loop runs along N) and multiplied by a 4 x 8 register
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "common/fp8.h"
+#include "common/scale_grid.h"
 #include "gemm_args.h"
 
 namespace coat {
@@ -26,22 +29,37 @@ struct Lut {
   }
 };
 
-// Row panel: dst[r * kb + t] = value of q[r, k0 + t].
-void decode_rows(const uint8_t* q, int64_t ld, int64_t rows, int64_t k0, int64_t kb, const Lut& lut,
-                 float* dst) {
+// An operand's scales where they vary along K (1x128, 128x128): applied while decoding.
+struct KScales {
+  const float* s = nullptr;  // null: none (per-tensor or row scales, applied after the sum)
+  ScaleGrid g;
+  float at(int64_t r, int64_t k) const { return s[g.index(r, k)]; }
+};
+
+// Row panel: dst[r * kb + t] = value of q[r0 + r, k0 + t] (q points at row r0).
+void decode_rows(const uint8_t* q, int64_t ld, int64_t r0, int64_t rows, int64_t k0, int64_t kb, const Lut& lut,
+                 const KScales& ks, float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* src = q + r * ld + k0;
-    for (int64_t t = 0; t < kb; ++t) dst[r * kb + t] = lut.v[src[t]];
+    for (int64_t t = 0; t < kb; ++t)
+      dst[r * kb + t] = ks.s ? lut.v[src[t]] * ks.at(r0 + r, k0 + t) : lut.v[src[t]];
   }
 }
 
-// Transposed panel: dst[t * kNB + r] = value of q[r, k0 + t], so the inner loop runs along N.
-void decode_cols(const uint8_t* q, int64_t ld, int64_t rows, int64_t k0, int64_t kb, const Lut& lut,
-                 float* dst) {
+// Transposed panel: dst[t * kNB + r] = value of q[r0 + r, k0 + t], so the inner loop runs along N.
+void decode_cols(const uint8_t* q, int64_t ld, int64_t r0, int64_t rows, int64_t k0, int64_t kb, const Lut& lut,
+                 const KScales& ks, float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* src = q + r * ld + k0;
-    for (int64_t t = 0; t < kb; ++t) dst[t * kNB + r] = lut.v[src[t]];
+    for (int64_t t = 0; t < kb; ++t)
+      dst[t * kNB + r] = ks.s ? lut.v[src[t]] * ks.at(r0 + r, k0 + t) : lut.v[src[t]];
   }
+}
+
+KScales k_scales(ScaleMode m, const float* s, int64_t rows, int64_t k) {
+  KScales ks;
+  if (m == ScaleMode::kVec128 || m == ScaleMode::kBlock128) ks.s = s, ks.g = scale_grid(m, false, rows, k);
+  return ks;
 }
 
 // acc[i][j] += sum_t a[i][t] * b[t][j] for a 4 x 8 block, t in order: eight independent
@@ -82,7 +100,10 @@ void gemm_fp8(const Fp8GemmArgs& g) {
     return;
   }
   const Lut lut_a(g.a_fmt), lut_b(g.b_fmt);
-  const float alpha = g.a_scale[0] * g.b_scale[0];
+  const bool row = g.a_mode == ScaleMode::kRow;
+  const bool along_k = !row && g.a_mode != ScaleMode::kTensor;
+  const float alpha = along_k ? 1.0f : row ? 0.0f : g.a_scale[0] * g.b_scale[0];
+  const KScales ks_a = k_scales(g.a_mode, g.a_scale, M, K), ks_b = k_scales(g.b_mode, g.b_scale, N, K);
   const float inv_out = g.out_type == GemmOut::kE4M3 ? 1.0f / g.out_scale[0] : 1.0f;
   const auto* bias = static_cast<const uint16_t*>(g.bias);
 
@@ -95,8 +116,8 @@ void gemm_fp8(const Fp8GemmArgs& g) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t k0 = 0; k0 < K; k0 += kKB) {
         const int64_t kb = std::min(kKB, K - k0);
-        decode_rows(g.a + i0 * K, K, mb, k0, kb, lut_a, pa.data());
-        decode_cols(g.b + j0 * K, K, nb, k0, kb, lut_b, pb.data());
+        decode_rows(g.a + i0 * K, K, i0, mb, k0, kb, lut_a, ks_a, pa.data());
+        decode_cols(g.b + j0 * K, K, j0, nb, k0, kb, lut_b, ks_b, pb.data());
         const int64_t mb4 = mb / 4 * 4, nb8 = nb / 8 * 8;
         for (int64_t i = 0; i < mb4; i += 4)
           for (int64_t j = 0; j < nb8; j += 8)
@@ -108,7 +129,7 @@ void gemm_fp8(const Fp8GemmArgs& g) {
       // Epilogue: alpha, bias, amax, output rounding.
       for (int64_t i = 0; i < mb; ++i) {
         for (int64_t j = 0; j < nb; ++j) {
-          float v = acc[i * kNB + j] * alpha;
+          float v = acc[i * kNB + j] * (row ? g.a_scale[i0 + i] * g.b_scale[j0 + j] : alpha);
           if (bias) v += host_bf16_to_float(bias[j0 + j]);
           const float av = std::fabs(v);
           if (av <= 3.4028234663852886e38f) amax = std::max(amax, av);

@@ -6,6 +6,7 @@
 #include "common/cuda_utils.cuh"
 #include "common/dre.h"
 #include "quantize_args.h"
+#include "stack.cuh"
 
 namespace coat {
 namespace {
@@ -26,44 +27,6 @@ __device__ __forceinline__ float tensor_scale(const float* scale, const float* a
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = s;
   return s;
 }
-
-// The stacked matrix as the per-tensor kernels read it: part p holds the flat elements
-// [first[p], first[p + 1]) of X. One part is a plain tensor; the lookup then costs one compare.
-template <typename T>
-struct Stack {
-  const T* x[kMaxStackParts];
-  int64_t first[kMaxStackParts + 1];  // flat element offsets
-  int64_t row0[kMaxStackParts + 1];   // row offsets
-  int count;
-  int64_t cols;
-
-  // Unrolled with constant indices: a dynamically indexed kernel parameter would be copied to
-  // local memory (a 128-byte stack frame per thread), which made these kernels 2-3x slower.
-  __device__ __forceinline__ const T* elem(int64_t i) const {
-    const T* base = x[0];
-    int64_t off = i;
-#pragma unroll
-    for (int p = 1; p < kMaxStackParts; ++p) {
-      if (p < count && i >= first[p]) {
-        base = x[p];
-        off = i - first[p];
-      }
-    }
-    return base + off;
-  }
-  __device__ __forceinline__ const T* row(int64_t r) const {
-    const T* base = x[0];
-    int64_t off = r;
-#pragma unroll
-    for (int p = 1; p < kMaxStackParts; ++p) {
-      if (p < count && r >= row0[p]) {
-        base = x[p];
-        off = r - row0[p];
-      }
-    }
-    return base + off * cols;
-  }
-};
 
 // amax: thread t reads 8-element chunks t, t + stride, ... walking from the END of the tensor, so
 // that the chunks read last (the head) are still in L2 when the quantize pass starts there; two
@@ -437,24 +400,6 @@ __global__ void dre_dequantize_kernel(const uint8_t* __restrict__ q, const float
         if (i0 + j < n) y[i0 + j] = v[j];
     }
   }
-}
-
-template <typename T>
-Stack<T> stack_of(const StackedRows& x, bool* vec_parts) {
-  Stack<T> s{};
-  s.count = x.count;
-  s.cols = x.cols;
-  bool vec = true;
-  for (int p = 0; p < x.count; ++p) {
-    s.x[p] = static_cast<const T*>(x.data[p]);
-    s.first[p + 1] = s.first[p] + x.rows[p] * x.cols;
-    s.row0[p + 1] = s.row0[p] + x.rows[p];
-    vec = vec && cuda::aligned(x.data[p], 16);
-    // A chunk of 8 must not straddle two parts (a single part may end in a scalar tail).
-    if (p + 1 < x.count) vec = vec && (x.rows[p] * x.cols) % 8 == 0;
-  }
-  *vec_parts = vec;
-  return s;
 }
 
 template <typename T>

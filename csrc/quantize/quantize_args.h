@@ -66,6 +66,31 @@ inline int64_t check_stacked_codes(const StackedRows& x, const uint8_t* q_t) {
   return rows;
 }
 
+// Checks a scaled quantization (quantize_scaled) before anything is written; returns X's row count.
+inline int64_t check_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, ScaleMode mode,
+                            const uint8_t* q, const float* scale, ScaleMode mode_t, const uint8_t* q_t,
+                            const float* scale_t) {
+  const int64_t rows = check_stacked_parts(x);
+  COAT_CHECK_ARG(rows_pad >= rows && cols_pad >= x.cols,
+                 "the padded shape [" + std::to_string(rows_pad) + ", " + std::to_string(cols_pad) +
+                     "] must hold X [" + std::to_string(rows) + ", " + std::to_string(x.cols) + "]");
+  COAT_CHECK_ARG(q != nullptr || q_t != nullptr, "q and q_t must not both be null");
+  auto check_mode = [](ScaleMode m, const char* name) {
+    COAT_CHECK_ARG(m == ScaleMode::kRow || m == ScaleMode::kVec128 || m == ScaleMode::kBlock128,
+                   std::string(name) + " must be row, 1x128 or 128x128 scaling, got " + scale_mode_name(m) +
+                       " (per-tensor scaling is quantize_stacked)");
+  };
+  if (q != nullptr) {
+    check_mode(mode, "mode");
+    check_ptr(scale, scale_count(mode, rows_pad, cols_pad), "scale");
+  }
+  if (q_t != nullptr) {
+    check_mode(mode_t, "mode_t");
+    check_ptr(scale_t, scale_count(mode_t, cols_pad, rows_pad), "scale_t");
+  }
+  return rows;
+}
+
 inline StackedRows one_part(const void* x, DType dtype, int64_t rows, int64_t cols) {
   StackedRows s;
   s.data[0] = x;

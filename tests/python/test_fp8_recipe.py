@@ -21,9 +21,8 @@ E4GRAD = Fp8Recipe(grad_format="e4m3")
 @pytest.mark.parametrize("kw,match", [
     ({"act_format": "e5m2"}, "act_format must be 'e4m3'.*two E5M2 operands"),
     ({"grad_format": "fp16"}, "grad_format must be 'e5m2' or 'e4m3', got 'fp16'"),
-    ({"granularity": "block"}, "got 'block': row and block scaling are not implemented yet"),
-    ({"granularity": "row"}, "got 'row': row and block scaling are not implemented yet"),
-    ({"granularity": "channel"}, r"granularity must be one of \('tensor',\), got 'channel'"),
+    ({"granularity": "channel"}, r"granularity must be one of \('tensor', 'row', 'block'\), got 'channel'"),
+    ({"granularity": "block", "weight_cache": True}, "weight_cache needs granularity 'tensor', got 'block'"),
     ({"act_scale": "fp16"}, "act_scale must be 'fp32' or 'e8m0'"),
     ({"fast_accum_fwd": 1}, "fast_accum_fwd must be True or False"),
     ({"weight_cache": "yes"}, "weight_cache must be True or False"),
@@ -39,6 +38,10 @@ def test_formats_are_fields_with_the_defaults_of_every_named_recipe():
         assert (rec.act_dtype, rec.grad_dtype) == (torch.float8_e4m3fn, torch.float8_e5m2)
     assert E4GRAD.grad_dtype == torch.float8_e4m3fn
     assert resolve(E4GRAD) is E4GRAD
+    # Block scaling defaults to E4M3 gradients (DeepSeek-V3's), row scaling keeps E5M2; both can be set.
+    assert Fp8Recipe(granularity="block").grad_format == "e4m3"
+    assert Fp8Recipe(granularity="row").grad_format == "e5m2"
+    assert Fp8Recipe(granularity="block", grad_format="e5m2").grad_format == "e5m2"
 
 
 def _llama():

@@ -25,6 +25,30 @@ enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
 // value 2^(b - 127)), exact to apply and one byte per group.
 enum class ScaleKind : int { kFloat32 = 0, kE8M0 = 1 };
 
+// How an FP8 GEMM operand [rows, K] (K: the contraction) is scaled: one fp32 dequantization
+// multiplier per group, stored in the layout cuBLASLt's scale mode of the same name reads on Hopper
+// (docs/scaling.md):
+//   kTensor   one scale                                 [1]
+//   kRow      one per row (OUTER_VEC_32F)               [rows]
+//   kVec128   one per 1 x 128 along K (VEC128_32F)      [ceil(K/128)][rows], rows fastest
+//   kBlock128 one per 128 x 128 tile (BLK128x128_32F)   [ceil(rows/128)][round_up(ceil(K/128), 4)];
+//             the padding entries of each row of that grid hold 1 and are never read
+enum class ScaleMode : int { kTensor = 0, kRow = 1, kVec128 = 2, kBlock128 = 3 };
+constexpr int64_t kScaleBlock = 128;
+
+// The number of fp32 scales of an operand [rows, k] in mode m.
+inline int64_t scale_count(ScaleMode m, int64_t rows, int64_t k) {
+  const int64_t kb = (k + kScaleBlock - 1) / kScaleBlock;
+  switch (m) {
+    case ScaleMode::kTensor: return 1;
+    case ScaleMode::kRow: return rows;
+    case ScaleMode::kVec128: return kb * rows;
+    case ScaleMode::kBlock128: return (rows + kScaleBlock - 1) / kScaleBlock * ((kb + 3) / 4 * 4);
+  }
+  return 0;
+}
+const char* scale_mode_name(ScaleMode m);
+
 inline int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 const char* dtype_name(DType t);
 const char* fp8_name(Fp8Format f);

@@ -72,6 +72,15 @@ struct Fp8GemmArgs {
   GemmOut out_type = GemmOut::kBFloat16;
   const float* out_scale = nullptr;  // FP8 output only
   float* amax = nullptr;             // optional
+  // How a and b are scaled (ScaleMode, coat/common.h; a is [m, k], b is [n, k], both with K = k):
+  // a_scale / b_scale hold scale_count(mode, rows, k) values in the mode's layout. Per tensor
+  // (the default) both; otherwise one of the pairs cuBLASLt takes on Hopper: row x row, or 1x128
+  // with 1x128 or 128x128 on either side (128x128 x 128x128 is not a Hopper kernel). Finer modes
+  // need a bf16 or fp32 output, no bias and no fast accumulation with 1x128/128x128 (the block
+  // kernels accumulate in split fp32 only), and on CUDA an sm_90 GPU with m % 16 == 0 (callers pad
+  // tokens; coat's quantize_scaled writes padded operands). v = sum_k (qa sa)(qb sb) per group.
+  ScaleMode a_mode = ScaleMode::kTensor;
+  ScaleMode b_mode = ScaleMode::kTensor;
   // Hopper's fast FP8 accumulation (no periodic promotion of the tensor cores' partial sums to
   // fp32): ~10-15% faster, less accurate over long K. TransformerEngine uses it for the forward
   // GEMM only; coat's layers do the same (Fp8Recipe.fast_accum_fwd). Ignored on the bf16 path.

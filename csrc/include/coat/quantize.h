@@ -86,6 +86,24 @@ void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t
                           ScaleKind scale_kind, const void* scales, void* y, DType out_dtype,
                           cudaStream_t stream);
 
+// ---- scaled GEMM operands (row and block granularity) --------------------------------------------
+
+// X [R, cols] (the stacked parts, float dtypes) quantized as a GEMM operand q [rows_pad, cols_pad]
+// in `mode` (its K is cols) and/or as its transpose q_t [cols_pad, rows_pad] in `mode_t` (K is R),
+// for the cuBLASLt scale modes (ScaleMode, coat/common.h). rows_pad >= R and cols_pad >= cols: the
+// padding is zeros of X, inside their groups like any element. scale / scale_t hold
+// scale_count(mode, rows_pad, cols_pad) / scale_count(mode_t, cols_pad, rows_pad) fp32 values in
+// the mode's layout. Each group takes the per-tensor rules: s = scale_for(max |x| over its finite
+// values), q = fp8(x * (1/s)). A null q (q_t) makes neither that output nor its scale; modes are
+// kRow, kVec128 or kBlock128 (kTensor is quantize_stacked). Groups inside one 128 x 128 tile (1x128,
+// 128x1, 128x128, and rows or columns no longer than 128) need one read of X: each tile computes
+// its groups' maxima and quantizes in the same pass. Longer kRow groups take a first pass for
+// their maxima. Both outputs come from the one read of X, so q_t is X's own rounding, not a
+// requantized q.
+void quantize_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, Fp8Format fmt,
+                     ScaleMode mode, uint8_t* q, float* scale, ScaleMode mode_t, uint8_t* q_t,
+                     float* scale_t, cudaStream_t stream);
+
 // ---- Dynamic Range Expansion (groups of kDreGroupSize consecutive elements) ----------------------
 
 // For each group g: gmax[g] = max |x| and k16[g] = 16 k, where, with span = log2(max/min) over the
@@ -134,6 +152,9 @@ void dre_quantize(const float* x, int64_t n, Fp8Format fmt, float log2_range, ui
                   float* gmax, uint8_t* k16);
 void dre_dequantize(const uint8_t* q, const float* gmax, const uint8_t* k16, int64_t n,
                     Fp8Format fmt, float* y);
+void quantize_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, Fp8Format fmt,
+                     ScaleMode mode, uint8_t* q, float* scale, ScaleMode mode_t, uint8_t* q_t,
+                     float* scale_t);
 }  // namespace ref
 
 }  // namespace coat
