@@ -1,12 +1,18 @@
 // The scaled (row / block) quantizer on the GPU (quantize.h quantize_scaled). One 256-thread block
-// per 128 x 128 tile of X: warp w holds rows 16w..16w+15, lane l columns 4l..4l+3 (64 fp32 values
-// per thread, one 8-byte load per row for bf16), so a 1x128 group is one warp-row and a 128x1 or
-// 128x128 group one tile. Per output (q and/or q_t) the tile reduces its elements to group maxima
-// in registers and shared memory, writes the scales, and quantizes from the same registers: one
-// read of X. q is written 4 codes per store; q_t goes through a shared-memory transpose and is
-// written 4 codes per store along its rows. kRow groups longer than a tile take a first launch of
-// the same kernel that only reduces, publishing maxima with an integer atomicMax on the float bits
-// (valid for non-negative floats), and a pass that turns them into scales.
+// per 128 x 128 tile of X. Thread (warp w, lane l) holds 8 rows x 8 columns: rows 16w + 8h + i
+// (h = l / 16, i < 8), columns 8 (l % 16) + j, loaded 16 bytes per row (a warp reads two 256-byte
+// row segments per load), so a 1x128 group is one half-warp row, a 128x1 column one tile column
+// and a 128x128 group the tile. Per output (q and/or q_t) the tile reduces its elements to group
+// maxima (shuffles within a half-warp for rows; the thread's 8 rows, lane ^ 16, then shared memory
+// across warps for columns), writes the scales and quantizes from the same registers with the
+// paired hardware conversion: one read of X. q is written 8 codes per store (two full 128-byte
+// rows per warp store); the 8 consecutive rows of a column are 8 consecutive bytes of q_t, staged
+// in a 128 x 128-byte shared tile with its 8-byte chunks XOR-swizzled by the column's lane so that
+// both the writes and the row-wise reads-out are free of bank conflicts, then written out 8 bytes
+// per thread, two full 128-byte q_t rows per warp store.
+// kRow groups longer than a tile take a first launch of the same kernel that only reduces,
+// publishing maxima with an integer atomicMax on the float bits (valid for non-negative floats),
+// and a pass that turns them into scales.
 // Bytes: R * cols * sizeof(T) read (twice with the first launch), R * cols per code output written.
 #include "common/cuda_utils.cuh"
 #include "common/scale_grid.h"
@@ -18,7 +24,9 @@ namespace {
 
 constexpr int kB = static_cast<int>(kScaleBlock);  // the tile edge
 constexpr int kThreads = 256;
-constexpr int kRows = 16;  // rows per warp
+constexpr int kWarps = kThreads / 32;
+constexpr int kR = 8;  // rows per thread
+constexpr int kC = 8;  // columns per thread
 
 // One output of a launch: its grid, its buffers, and whether its groups lie within a tile.
 struct Out {
@@ -31,136 +39,127 @@ struct Out {
   bool block128;
 };
 
-// The scales (or maxima) of a tile's groups for one output, by what its groups span in the tile.
+// What one group spans within a tile: one row, one column, or the whole tile.
 enum class Span { kRow, kCol, kAll };
+// The scales (or maxima) of the thread's elements' groups for one output.
 struct TileScales {
-  float row[kRows];  // Span::kRow: per row of this warp
-  float col[4];      // Span::kCol: per column of this lane
-  float all;         // Span::kAll
+  float row[kR];  // Span::kRow: per row of this thread
+  float col[kC];  // Span::kCol: per column of this thread
+  float all;      // Span::kAll
 };
 
 __device__ __forceinline__ Span span_of(const ScaleGrid& g) {
-  if (g.group_r == 1) return Span::kRow;  // one row, along the columns of the tile
+  if (g.group_r == 1) return Span::kRow;
   if (g.group_c == 1) return Span::kCol;
   return Span::kAll;
 }
 
-template <typename T>
-__device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
-  if constexpr (sizeof(T) == 4) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-  } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = Elem<T>::load(e[j]);
-  }
-}
+// The tile's coordinates of this thread.
+struct Pos {
+  int warp, lane, half, seg;
+  int64_t r0, c0;
+  __device__ __forceinline__ int64_t row(int i) const { return r0 + 16 * warp + 8 * half + i; }
+  __device__ __forceinline__ int64_t col(int j) const { return c0 + 8 * seg + j; }
+};
 
 // The group maxima of the tile for a span (every thread gets those of its elements).
-__device__ __forceinline__ void tile_max(Span sp, const float (&v)[kRows][4], float (*red)[kB], int warp,
-                                         int lane, TileScales& t) {
+__device__ __forceinline__ void tile_max(Span sp, const float (&v)[kR][kC], float (*red)[kB], const Pos& p,
+                                         TileScales& t) {
   if (sp == Span::kRow) {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
+    for (int i = 0; i < kR; ++i) {
       float m = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) m = fmaxf(m, finite_abs(v[i][j]));
-      t.row[i] = cuda::warp_max(m);
+      for (int j = 0; j < kC; ++j) m = fmaxf(m, finite_abs(v[i][j]));
+      t.row[i] = cuda::warp_max(m, 16);  // the 16 lanes of this half hold the row's 128 columns
     }
     return;
   }
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float c[kC];
 #pragma unroll
-  for (int i = 0; i < kRows; ++i)
+  for (int j = 0; j < kC; ++j) {
+    c[j] = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) c[j] = fmaxf(c[j], finite_abs(v[i][j]));
+    for (int i = 0; i < kR; ++i) c[j] = fmaxf(c[j], finite_abs(v[i][j]));
+    c[j] = fmaxf(c[j], __shfl_xor_sync(0xffffffffu, c[j], 16));  // the other 8 rows of the warp
+  }
   if (sp == Span::kAll) {
-    float m = fmaxf(fmaxf(c[0], c[1]), fmaxf(c[2], c[3]));
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kC; ++j) m = fmaxf(m, c[j]);
     m = cuda::warp_max(m);
-    if (lane == 0) red[warp][0] = m;
+    if (p.lane == 0) red[p.warp][0] = m;
     __syncthreads();
     float a = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) a = fmaxf(a, red[w][0]);
+    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, red[w][0]);
     t.all = a;
     __syncthreads();
     return;
   }
+  if (p.half == 0)
 #pragma unroll
-  for (int j = 0; j < 4; ++j) red[warp][4 * lane + j] = c[j];
+    for (int j = 0; j < kC; ++j) red[p.warp][8 * p.seg + j] = c[j];
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < kC; ++j) {
     float a = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) a = fmaxf(a, red[w][4 * lane + j]);
+    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, red[w][8 * p.seg + j]);
     t.col[j] = a;
   }
   __syncthreads();
 }
 
-// Calls f(slot, value) once per group of the tile that holds rows/columns inside the padded shape,
-// with the value of t for it.
+// Calls f(slot, value) once per group of the tile inside the padded shape, with t's value for it.
 template <typename F>
-__device__ __forceinline__ void for_each_group(Span sp, const TileScales& t, int64_t r0, int64_t c0, int warp,
-                                               int lane, int64_t rows_pad, int64_t cols_pad, const ScaleGrid& g,
-                                               F&& f) {
+__device__ __forceinline__ void for_each_group(Span sp, const TileScales& t, const Pos& p, int64_t rows_pad,
+                                               int64_t cols_pad, const ScaleGrid& g, F&& f) {
   if (sp == Span::kRow) {
-    if (lane != 0) return;
+    if (p.seg != 0) return;
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int64_t r = r0 + warp * kRows + i;
-      if (r < rows_pad) f(g.index(r, c0), t.row[i]);
-    }
+    for (int i = 0; i < kR; ++i)
+      if (p.row(i) < rows_pad) f(g.index(p.row(i), p.c0), t.row[i]);
   } else if (sp == Span::kCol) {
-    if (warp != 0) return;
+    if (p.warp != 0 || p.half != 0) return;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t c = c0 + 4 * lane + j;
-      if (c < cols_pad) f(g.index(r0, c), t.col[j]);
-    }
-  } else if (warp == 0 && lane == 0) {
-    f(g.index(r0, c0), t.all);
+    for (int j = 0; j < kC; ++j)
+      if (p.col(j) < cols_pad) f(g.index(p.r0, p.col(j)), t.col[j]);
+  } else if (p.warp == 0 && p.lane == 0) {
+    f(g.index(p.r0, p.c0), t.all);
   }
 }
 
-// The scales of o for this tile: computed here (local groups; their scales are written) or read
-// back from the first launch's results.
-__device__ __forceinline__ void tile_scales(const Out& o, Fp8Format fmt, const float (&v)[kRows][4],
-                                            float (*red)[kB], int64_t r0, int64_t c0, int warp, int lane,
-                                            int64_t rows_pad, int64_t cols_pad, TileScales& t) {
+// The scales of o for this thread's elements: computed here (local groups; their scales are
+// written) or read back from the first launch's results.
+__device__ __forceinline__ void tile_scales(const Out& o, Fp8Format fmt, const float (&v)[kR][kC],
+                                            float (*red)[kB], const Pos& p, int64_t rows_pad, int64_t cols_pad,
+                                            TileScales& t) {
   const Span sp = span_of(o.g);
-  if (!o.local) {
-    // Only kRow groups are ever longer than a tile; reads stay inside the padded shape.
+  if (!o.local) {  // only kRow groups are ever longer than a tile; reads stay inside the padded shape
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int64_t r = r0 + warp * kRows + i;
-      t.row[i] = sp == Span::kRow && r < rows_pad ? o.scale[o.g.index(r, c0)] : 1.0f;
-    }
+    for (int i = 0; i < kR; ++i)
+      t.row[i] = sp == Span::kRow && p.row(i) < rows_pad ? o.scale[o.g.index(p.row(i), p.c0)] : 1.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t c = c0 + 4 * lane + j;
-      t.col[j] = sp == Span::kCol && c < cols_pad ? o.scale[o.g.index(r0, c)] : 1.0f;
-    }
+    for (int j = 0; j < kC; ++j)
+      t.col[j] = sp == Span::kCol && p.col(j) < cols_pad ? o.scale[o.g.index(p.r0, p.col(j))] : 1.0f;
     t.all = 1.0f;
     return;
   }
-  tile_max(sp, v, red, warp, lane, t);
+  tile_max(sp, v, red, p, t);
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) t.row[i] = scale_for(t.row[i], fmt);
+  for (int i = 0; i < kR; ++i) t.row[i] = scale_for(t.row[i], fmt);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) t.col[j] = scale_for(t.col[j], fmt);
+  for (int j = 0; j < kC; ++j) t.col[j] = scale_for(t.col[j], fmt);
   t.all = scale_for(t.all, fmt);
   float* scale = o.scale;
-  for_each_group(sp, t, r0, c0, warp, lane, rows_pad, cols_pad, o.g, [&](int64_t slot, float s) { scale[slot] = s; });
-  if (o.block128 && warp == 0) {
+  for_each_group(sp, t, p, rows_pad, cols_pad, o.g, [&](int64_t slot, float s) { scale[slot] = s; });
+  if (o.block128 && p.warp == 0) {
     // The padding of the 128x128 layout's rows, written by the tile at the end of its K: 1.
-    const int64_t kb = o.transposed ? r0 / kB : c0 / kB;
+    const int64_t kb = o.transposed ? p.r0 / kB : p.c0 / kB;
     if (kb == o.k_blocks - 1)
-      for (int64_t e = o.k_blocks + lane; e < round_up4(o.k_blocks); e += 32)
-        scale[o.transposed ? o.g.index(0, c0) + e : o.g.index(r0, 0) + e] = 1.0f;
+      for (int64_t e = o.k_blocks + p.lane; e < round_up4(o.k_blocks); e += 32)
+        scale[o.transposed ? o.g.index(0, p.c0) + e : o.g.index(p.r0, 0) + e] = 1.0f;
   }
 }
 
@@ -168,29 +167,36 @@ __device__ __forceinline__ float scale_at(Span sp, const TileScales& t, int i, i
   return sp == Span::kRow ? t.row[i] : sp == Span::kCol ? t.col[j] : t.all;
 }
 
+template <typename T>
+__device__ __forceinline__ void load_row8(const T* p, bool whole, int n, float (&v)[kC]) {
+  if (whole) {
+    cuda::load8(p, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kC; ++j) v[j] = j < n ? Elem<T>::load(p[j]) : 0.0f;
+  }
+}
+
 template <typename T, bool kMaxOnly>
 __global__ void __launch_bounds__(kThreads) scaled_kernel(Stack<T> x, int64_t rows, int64_t cols, int64_t rows_pad,
                                                           int64_t cols_pad, bool vec, Fp8Format fmt, Out o,
                                                           Out ot) {
-  __shared__ float red[kThreads / 32][kB];
-  __shared__ __align__(16) uint8_t tile_t[kB][kB + 4];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kB, c0 = static_cast<int64_t>(blockIdx.x) * kB;
-  const int64_t cb = c0 + 4 * lane;
-  float v[kRows][4];
+  __shared__ float red[kWarps][kB];
+  __shared__ __align__(16) uint2 tile_t[kB][kB / 8];  // q_t's 128 rows of 16 swizzled 8-byte chunks
+  Pos p;
+  p.warp = threadIdx.x >> 5, p.lane = threadIdx.x & 31, p.half = p.lane >> 4, p.seg = p.lane & 15;
+  p.r0 = static_cast<int64_t>(blockIdx.y) * kB, p.c0 = static_cast<int64_t>(blockIdx.x) * kB;
+  const int64_t cb = p.col(0);
+  const bool whole_cols = vec && cb + kC <= cols;
+  float v[kR][kC];
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int64_t r = r0 + warp * kRows + i;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[i][j] = 0.0f;
-    if (r >= rows || cb >= cols) continue;
-    const T* p = x.row(r) + cb;
-    if (vec && cb + 4 <= cols) {
-      load4(p, v[i]);
+  for (int i = 0; i < kR; ++i) {
+    const int64_t r = p.row(i);
+    if (r < rows && cb < cols) {
+      load_row8(x.row(r) + cb, whole_cols, static_cast<int>(cols - cb), v[i]);
     } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (cb + j < cols) v[i][j] = Elem<T>::load(p[j]);
+      for (int j = 0; j < kC; ++j) v[i][j] = 0.0f;
     }
   }
 
@@ -199,9 +205,9 @@ __global__ void __launch_bounds__(kThreads) scaled_kernel(Stack<T> x, int64_t ro
       if (out.q == nullptr || out.local) return;
       const Span sp = span_of(out.g);
       TileScales t{};
-      tile_max(sp, v, red, warp, lane, t);
+      tile_max(sp, v, red, p, t);
       int* m = reinterpret_cast<int*>(out.scale);
-      for_each_group(sp, t, r0, c0, warp, lane, rows_pad, cols_pad, out.g,
+      for_each_group(sp, t, p, rows_pad, cols_pad, out.g,
                      [&](int64_t slot, float a) { atomicMax(m + slot, __float_as_int(a)); });
     };
     publish(o);
@@ -209,52 +215,56 @@ __global__ void __launch_bounds__(kThreads) scaled_kernel(Stack<T> x, int64_t ro
   } else {
     if (o.q != nullptr) {
       TileScales t{};
-      tile_scales(o, fmt, v, red, r0, c0, warp, lane, rows_pad, cols_pad, t);
+      tile_scales(o, fmt, v, red, p, rows_pad, cols_pad, t);
       const Span sp = span_of(o.g);
-      const bool vstore = cols_pad % 4 == 0 && cuda::aligned(o.q, 4) && cb + 4 <= cols_pad;
+      const bool vstore = cols_pad % 8 == 0 && cuda::aligned(o.q, 8) && cb + kC <= cols_pad;
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int64_t r = r0 + warp * kRows + i;
+      for (int i = 0; i < kR; ++i) {
+        const int64_t r = p.row(i);
         if (r >= rows_pad || cb >= cols_pad) continue;
-        uint32_t w = 0;
+        float w[kC];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          w |= static_cast<uint32_t>(encode_fp8(v[i][j] * (1.0f / scale_at(sp, t, i, j)), fmt)) << (8 * j);
+        for (int j = 0; j < kC; ++j) w[j] = v[i][j] * (1.0f / scale_at(sp, t, i, j));
+        const uint2 codes = cuda::encode8(w, fmt);
         uint8_t* dst = o.q + r * cols_pad + cb;
         if (vstore) {
-          *reinterpret_cast<uint32_t*>(dst) = w;
+          *reinterpret_cast<uint2*>(dst) = codes;
         } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (cb + j < cols_pad) dst[j] = static_cast<uint8_t>(w >> (8 * j));
+          const uint8_t* b = reinterpret_cast<const uint8_t*>(&codes);
+          for (int j = 0; j < kC && cb + j < cols_pad; ++j) dst[j] = b[j];
         }
       }
     }
     if (ot.q != nullptr) {
       TileScales t{};
-      tile_scales(ot, fmt, v, red, r0, c0, warp, lane, rows_pad, cols_pad, t);
+      tile_scales(ot, fmt, v, red, p, rows_pad, cols_pad, t);
       const Span sp = span_of(ot.g);
+      // Column j's 8 rows are the 8-byte chunk (2 warp + half) of q_t's tile row 8 seg + j, stored
+      // at chunk ^ seg: the 32 lanes' chunks cover every bank twice (two wavefronts, the minimum).
 #pragma unroll
-      for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < kC; ++j) {
+        float w[kR];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          tile_t[4 * lane + j][warp * kRows + i] = encode_fp8(v[i][j] * (1.0f / scale_at(sp, t, i, j)), fmt);
+        for (int i = 0; i < kR; ++i) w[i] = v[i][j] * (1.0f / scale_at(sp, t, i, j));
+        tile_t[8 * p.seg + j][(2 * p.warp + p.half) ^ p.seg] = cuda::encode8(w, fmt);
+      }
       __syncthreads();
-      // q_t rows c0 + 16 warp + i, bytes r0 + 4 lane .. + 3 of each.
-      const int64_t rb = r0 + 4 * lane;
-      const bool vstore = rows_pad % 4 == 0 && cuda::aligned(ot.q, 4) && rb + 4 <= rows_pad;
+      // Out: thread t writes chunk t % 16 of tile rows t / 16 + 16 k (two whole q_t rows per warp store).
+      const int chunk = threadIdx.x & 15;
+      const int64_t rb = p.r0 + 8 * chunk;
+      const bool vstore = rows_pad % 8 == 0 && cuda::aligned(ot.q, 8) && rb + 8 <= rows_pad;
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int64_t c = c0 + warp * kRows + i;
+      for (int k = 0; k < kB / 16; ++k) {
+        const int cl = (threadIdx.x >> 4) + 16 * k;
+        const int64_t c = p.c0 + cl;
         if (c >= cols_pad || rb >= rows_pad) continue;
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(&tile_t[warp * kRows + i][4 * lane]);
+        const uint2 codes = tile_t[cl][chunk ^ (cl >> 3)];
         uint8_t* dst = ot.q + c * rows_pad + rb;
         if (vstore) {
-          *reinterpret_cast<uint32_t*>(dst) = w;
+          *reinterpret_cast<uint2*>(dst) = codes;
         } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (rb + j < rows_pad) dst[j] = static_cast<uint8_t>(w >> (8 * j));
+          const uint8_t* b = reinterpret_cast<const uint8_t*>(&codes);
+          for (int i = 0; i < 8 && rb + i < rows_pad; ++i) dst[i] = b[i];
         }
       }
     }
@@ -296,7 +306,7 @@ void quantize_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, F
     using T = std::remove_pointer_t<decltype(tag)>;
     bool vec = false;
     const Stack<T> s = stack_of<T>(x, &vec);
-    vec = vec && x.cols % 4 == 0;
+    vec = vec && x.cols % 8 == 0;  // 16-byte row segments (8 elements; two float4 for fp32)
     const bool first = (q != nullptr && !o.local) || (q_t != nullptr && !ot.local);
     if (first) {
       for (const Out* out : {&o, &ot}) {
