@@ -122,6 +122,12 @@ def bench_quantize(tokens, hidden, reps):
                                                                     "1x128")),
         ("block, q only (1x128)", lambda i: Q.quantize_scaled([xs[i % nset]], tokens, hidden, e4, "1x128", None)),
         ("tensor, q only", lambda i: Q.quantize_per_tensor_amax(xs[i % nset], e4, False)),
+        ("block weight 128x128, q only", lambda i: Q.quantize_scaled([xs[i % nset]], tokens, hidden, e4, "128x128",
+                                                                      None)),
+        ("block weight 128x128, q_t only", lambda i: Q.quantize_scaled([xs[i % nset]], tokens, hidden, e4, None,
+                                                                        "128x128")),
+        ("row weight, q only (per channel, two passes)", lambda i: Q.quantize_scaled([xs[i % nset]], tokens, hidden,
+                                                                                      e4, "row", None)),
     ):
         t = time_ms(fn, reps)
         rows.append({"name": name, "ms": t, "bf16_GBps": gb / (t * 1e-3)})
@@ -132,13 +138,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096, help="M of the GEMMs (batch x sequence; default 2 x 2048)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--skip-gemms", action="store_true", help="time the quantizers only")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_scaling.py needs a CUDA device")
     m = args.tokens
     gemms = []
-    for lin, n, k in LINEARS:
+    for lin, n, k in ([] if args.skip_gemms else LINEARS):
         for gran in MODES:
             if gran != "block-dW-128x128":
                 gemms.append(bench_gemm(f"{lin} fwd", m, n, k, gran, False, args.reps))
@@ -153,14 +160,16 @@ def main():
     print("| GEMM | granularity | modes | coat TFLOP/s | vs tensor | torch._scaled_mm TFLOP/s | rel diff |")
     print("|---|---|---|---:|---:|---:|---:|")
     base = {r["name"]: r["coat_tflops"] for r in gemms if r["granularity"] == "tensor"}
+    gemm_rows = bool(gemms)
     for r in gemms:
         smm = f"{r['scaled_mm_tflops']:.0f}" if "scaled_mm_tflops" in r else "n/a"
         d = f"{r['vs_scaled_mm_rel']:.1e}" if "vs_scaled_mm_rel" in r else r.get("scaled_mm_error", "")[:40]
         print(f"| {r['name']} | {r['granularity']} | {r['a_mode']} x {r['b_mode']} | {r['coat_tflops']:.0f} | "
               f"{r['coat_tflops'] / base[r['name']]:.2f} | {smm} | {d} |")
-    tot = {g: sum(2.0 * r["M"] * r["N"] * r["K"] for r in gemms if r["granularity"] == g) /
-           sum(r["coat_ms"] * 1e-3 for r in gemms if r["granularity"] == g) / 1e12 for g in ("tensor", "row", "block")}
-    print("\nall 12 GEMMs of a layer, TFLOP/s: " + ", ".join(f"{g} {v:.0f}" for g, v in tot.items()))
+    if gemm_rows:
+        tot = {g: sum(2.0 * r["M"] * r["N"] * r["K"] for r in gemms if r["granularity"] == g) /
+               sum(r["coat_ms"] * 1e-3 for r in gemms if r["granularity"] == g) / 1e12 for g in ("tensor", "row", "block")}
+        print("\nall 12 GEMMs of a layer, TFLOP/s: " + ", ".join(f"{g} {v:.0f}" for g, v in tot.items()))
     print("\n| quantizer [tokens, 4096] bf16 | ms | GB/s bf16 read |\n|---|---:|---:|")
     for r in quant:
         print(f"| {r['name']} | {r['ms']:.3f} | {r['bf16_GBps']:.0f} |")

@@ -1,15 +1,15 @@
-// The scaled (row / block) quantizer on the GPU (quantize.h quantize_scaled). One 256-thread block
-// per 128 x 128 tile of X. Thread (warp w, lane l) holds 8 rows x 8 columns: rows 16w + 8h + i
-// (h = l / 16, i < 8), columns 8 (l % 16) + j, loaded 16 bytes per row (a warp reads two 256-byte
+// The scaled (row / block) quantizer on the GPU (quantize.h quantize_scaled). One 512-thread block
+// per 128 x 128 tile of X. Thread (warp w, lane l) holds 4 rows x 8 columns: rows 8w + 4h + i
+// (h = l / 16, i < 4), columns 8 (l % 16) + j, loaded 16 bytes per row (a warp reads two 256-byte
 // row segments per load), so a 1x128 group is one half-warp row, a 128x1 column one tile column
 // and a 128x128 group the tile. Per output (q and/or q_t) the tile reduces its elements to group
-// maxima (shuffles within a half-warp for rows; the thread's 8 rows, lane ^ 16, then shared memory
+// maxima (shuffles within a half-warp for rows; the thread's 4 rows, lane ^ 16, then shared memory
 // across warps for columns), writes the scales and quantizes from the same registers with the
 // paired hardware conversion: one read of X. q is written 8 codes per store (two full 128-byte
-// rows per warp store); the 8 consecutive rows of a column are 8 consecutive bytes of q_t, staged
-// in a 128 x 128-byte shared tile with its 8-byte chunks XOR-swizzled by the column's lane so that
-// both the writes and the row-wise reads-out are free of bank conflicts, then written out 8 bytes
-// per thread, two full 128-byte q_t rows per warp store.
+// rows per warp store); the 4 consecutive rows of a column are 4 consecutive bytes of q_t, staged
+// in a 128 x 128-byte shared tile whose 4-byte chunks are XOR-swizzled by the column's lane so that
+// both the writes and the row-wise reads-out are free of bank conflicts, then written out one
+// whole 128-byte q_t row per warp store. 64 registers per thread: two blocks (32 warps) per SM.
 // kRow groups longer than a tile take a first launch of the same kernel that only reduces,
 // publishing maxima with an integer atomicMax on the float bits (valid for non-negative floats),
 // and a pass that turns them into scales.
@@ -23,9 +23,9 @@ namespace coat {
 namespace {
 
 constexpr int kB = static_cast<int>(kScaleBlock);  // the tile edge
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kR = 8;  // rows per thread
+constexpr int kR = 4;  // rows per thread
 constexpr int kC = 8;  // columns per thread
 
 // One output of a launch: its grid, its buffers, and whether its groups lie within a tile.
@@ -41,11 +41,10 @@ struct Out {
 
 // What one group spans within a tile: one row, one column, or the whole tile.
 enum class Span { kRow, kCol, kAll };
-// The scales (or maxima) of the thread's elements' groups for one output.
+// The scales (or maxima, or inverses) of the thread's elements' groups for one output, by span:
+// s[i] of row i (kRow), s[j] of column j (kCol), s[0] (kAll). One array keeps registers low.
 struct TileScales {
-  float row[kR];  // Span::kRow: per row of this thread
-  float col[kC];  // Span::kCol: per column of this thread
-  float all;      // Span::kAll
+  float s[kC];
 };
 
 __device__ __forceinline__ Span span_of(const ScaleGrid& g) {
@@ -58,7 +57,7 @@ __device__ __forceinline__ Span span_of(const ScaleGrid& g) {
 struct Pos {
   int warp, lane, half, seg;
   int64_t r0, c0;
-  __device__ __forceinline__ int64_t row(int i) const { return r0 + 16 * warp + 8 * half + i; }
+  __device__ __forceinline__ int64_t row(int i) const { return r0 + 2 * kR * warp + kR * half + i; }
   __device__ __forceinline__ int64_t col(int j) const { return c0 + 8 * seg + j; }
 };
 
@@ -71,7 +70,7 @@ __device__ __forceinline__ void tile_max(Span sp, const float (&v)[kR][kC], floa
       float m = 0.0f;
 #pragma unroll
       for (int j = 0; j < kC; ++j) m = fmaxf(m, finite_abs(v[i][j]));
-      t.row[i] = cuda::warp_max(m, 16);  // the 16 lanes of this half hold the row's 128 columns
+      t.s[i] = cuda::warp_max(m, 16);  // the 16 lanes of this half hold the row's 128 columns
     }
     return;
   }
@@ -81,7 +80,7 @@ __device__ __forceinline__ void tile_max(Span sp, const float (&v)[kR][kC], floa
     c[j] = 0.0f;
 #pragma unroll
     for (int i = 0; i < kR; ++i) c[j] = fmaxf(c[j], finite_abs(v[i][j]));
-    c[j] = fmaxf(c[j], __shfl_xor_sync(0xffffffffu, c[j], 16));  // the other 8 rows of the warp
+    c[j] = fmaxf(c[j], __shfl_xor_sync(0xffffffffu, c[j], 16));  // the other half's rows
   }
   if (sp == Span::kAll) {
     float m = 0.0f;
@@ -93,7 +92,7 @@ __device__ __forceinline__ void tile_max(Span sp, const float (&v)[kR][kC], floa
     float a = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) a = fmaxf(a, red[w][0]);
-    t.all = a;
+    t.s[0] = a;
     __syncthreads();
     return;
   }
@@ -106,7 +105,7 @@ __device__ __forceinline__ void tile_max(Span sp, const float (&v)[kR][kC], floa
     float a = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) a = fmaxf(a, red[w][8 * p.seg + j]);
-    t.col[j] = a;
+    t.s[j] = a;
   }
   __syncthreads();
 }
@@ -119,14 +118,14 @@ __device__ __forceinline__ void for_each_group(Span sp, const TileScales& t, con
     if (p.seg != 0) return;
 #pragma unroll
     for (int i = 0; i < kR; ++i)
-      if (p.row(i) < rows_pad) f(g.index(p.row(i), p.c0), t.row[i]);
+      if (p.row(i) < rows_pad) f(g.index(p.row(i), p.c0), t.s[i]);
   } else if (sp == Span::kCol) {
     if (p.warp != 0 || p.half != 0) return;
 #pragma unroll
     for (int j = 0; j < kC; ++j)
-      if (p.col(j) < cols_pad) f(g.index(p.r0, p.col(j)), t.col[j]);
+      if (p.col(j) < cols_pad) f(g.index(p.r0, p.col(j)), t.s[j]);
   } else if (p.warp == 0 && p.lane == 0) {
-    f(g.index(p.r0, p.c0), t.all);
+    f(g.index(p.r0, p.c0), t.s[0]);
   }
 }
 
@@ -138,20 +137,21 @@ __device__ __forceinline__ void tile_scales(const Out& o, Fp8Format fmt, const f
   const Span sp = span_of(o.g);
   if (!o.local) {  // only kRow groups are ever longer than a tile; reads stay inside the padded shape
 #pragma unroll
-    for (int i = 0; i < kR; ++i)
-      t.row[i] = sp == Span::kRow && p.row(i) < rows_pad ? o.scale[o.g.index(p.row(i), p.c0)] : 1.0f;
+    for (int j = 0; j < kC; ++j) t.s[j] = 1.0f;
+    if (sp == Span::kRow) {
 #pragma unroll
-    for (int j = 0; j < kC; ++j)
-      t.col[j] = sp == Span::kCol && p.col(j) < cols_pad ? o.scale[o.g.index(p.r0, p.col(j))] : 1.0f;
-    t.all = 1.0f;
+      for (int i = 0; i < kR; ++i)
+        if (p.row(i) < rows_pad) t.s[i] = o.scale[o.g.index(p.row(i), p.c0)];
+    } else {
+#pragma unroll
+      for (int j = 0; j < kC; ++j)
+        if (p.col(j) < cols_pad) t.s[j] = o.scale[o.g.index(p.r0, p.col(j))];
+    }
     return;
   }
   tile_max(sp, v, red, p, t);
 #pragma unroll
-  for (int i = 0; i < kR; ++i) t.row[i] = scale_for(t.row[i], fmt);
-#pragma unroll
-  for (int j = 0; j < kC; ++j) t.col[j] = scale_for(t.col[j], fmt);
-  t.all = scale_for(t.all, fmt);
+  for (int j = 0; j < kC; ++j) t.s[j] = scale_for(t.s[j], fmt);
   float* scale = o.scale;
   for_each_group(sp, t, p, rows_pad, cols_pad, o.g, [&](int64_t slot, float s) { scale[slot] = s; });
   if (o.block128 && p.warp == 0) {
@@ -163,8 +163,14 @@ __device__ __forceinline__ void tile_scales(const Out& o, Fp8Format fmt, const f
   }
 }
 
-__device__ __forceinline__ float scale_at(Span sp, const TileScales& t, int i, int j) {
-  return sp == Span::kRow ? t.row[i] : sp == Span::kCol ? t.col[j] : t.all;
+// 1 / scale of each of the thread's groups (what every element is multiplied by, rounded once).
+__device__ __forceinline__ void invert(TileScales& t) {
+#pragma unroll
+  for (int j = 0; j < kC; ++j) t.s[j] = 1.0f / t.s[j];
+}
+
+__device__ __forceinline__ float inv_at(Span sp, const TileScales& t, int i, int j) {
+  return sp == Span::kRow ? t.s[i] : sp == Span::kCol ? t.s[j] : t.s[0];
 }
 
 template <typename T>
@@ -178,11 +184,11 @@ __device__ __forceinline__ void load_row8(const T* p, bool whole, int n, float (
 }
 
 template <typename T, bool kMaxOnly>
-__global__ void __launch_bounds__(kThreads) scaled_kernel(Stack<T> x, int64_t rows, int64_t cols, int64_t rows_pad,
+__global__ void __launch_bounds__(kThreads, 2) scaled_kernel(Stack<T> x, int64_t rows, int64_t cols, int64_t rows_pad,
                                                           int64_t cols_pad, bool vec, Fp8Format fmt, Out o,
                                                           Out ot) {
   __shared__ float red[kWarps][kB];
-  __shared__ __align__(16) uint2 tile_t[kB][kB / 8];  // q_t's 128 rows of 16 swizzled 8-byte chunks
+  __shared__ __align__(16) uint32_t tile_t[kB][kB / 4];  // q_t's 128 rows of 32 swizzled 4-byte chunks
   Pos p;
   p.warp = threadIdx.x >> 5, p.lane = threadIdx.x & 31, p.half = p.lane >> 4, p.seg = p.lane & 15;
   p.r0 = static_cast<int64_t>(blockIdx.y) * kB, p.c0 = static_cast<int64_t>(blockIdx.x) * kB;
@@ -217,6 +223,7 @@ __global__ void __launch_bounds__(kThreads) scaled_kernel(Stack<T> x, int64_t ro
       TileScales t{};
       tile_scales(o, fmt, v, red, p, rows_pad, cols_pad, t);
       const Span sp = span_of(o.g);
+      invert(t);
       const bool vstore = cols_pad % 8 == 0 && cuda::aligned(o.q, 8) && cb + kC <= cols_pad;
 #pragma unroll
       for (int i = 0; i < kR; ++i) {
@@ -224,7 +231,7 @@ __global__ void __launch_bounds__(kThreads) scaled_kernel(Stack<T> x, int64_t ro
         if (r >= rows_pad || cb >= cols_pad) continue;
         float w[kC];
 #pragma unroll
-        for (int j = 0; j < kC; ++j) w[j] = v[i][j] * (1.0f / scale_at(sp, t, i, j));
+        for (int j = 0; j < kC; ++j) w[j] = v[i][j] * inv_at(sp, t, i, j);
         const uint2 codes = cuda::encode8(w, fmt);
         uint8_t* dst = o.q + r * cols_pad + cb;
         if (vstore) {
@@ -239,32 +246,31 @@ __global__ void __launch_bounds__(kThreads) scaled_kernel(Stack<T> x, int64_t ro
       TileScales t{};
       tile_scales(ot, fmt, v, red, p, rows_pad, cols_pad, t);
       const Span sp = span_of(ot.g);
-      // Column j's 8 rows are the 8-byte chunk (2 warp + half) of q_t's tile row 8 seg + j, stored
-      // at chunk ^ seg: the 32 lanes' chunks cover every bank twice (two wavefronts, the minimum).
+      invert(t);
+      // Column j's 4 rows are the 4-byte chunk (2 warp + half) of q_t's tile row 8 seg + j, stored
+      // at chunk ^ 2 seg: the 32 lanes' chunks cover the 32 banks once.
 #pragma unroll
       for (int j = 0; j < kC; ++j) {
-        float w[kR];
+        float w[8];
 #pragma unroll
-        for (int i = 0; i < kR; ++i) w[i] = v[i][j] * (1.0f / scale_at(sp, t, i, j));
-        tile_t[8 * p.seg + j][(2 * p.warp + p.half) ^ p.seg] = cuda::encode8(w, fmt);
+        for (int i = 0; i < kR; ++i) w[i] = v[i][j] * inv_at(sp, t, i, j), w[kR + i] = 0.0f;
+        tile_t[8 * p.seg + j][(2 * p.warp + p.half) ^ (2 * p.seg)] = cuda::encode8(w, fmt).x;
       }
       __syncthreads();
-      // Out: thread t writes chunk t % 16 of tile rows t / 16 + 16 k (two whole q_t rows per warp store).
-      const int chunk = threadIdx.x & 15;
-      const int64_t rb = p.r0 + 8 * chunk;
-      const bool vstore = rows_pad % 8 == 0 && cuda::aligned(ot.q, 8) && rb + 8 <= rows_pad;
+      // Out: warp w writes tile rows w + 16 k, lane l its 4-byte chunk l (a whole q_t row per store).
+      const int64_t rb = p.r0 + 4 * p.lane;
+      const bool vstore = rows_pad % 4 == 0 && cuda::aligned(ot.q, 4) && rb + 4 <= rows_pad;
 #pragma unroll
-      for (int k = 0; k < kB / 16; ++k) {
-        const int cl = (threadIdx.x >> 4) + 16 * k;
+      for (int k = 0; k < kB / kWarps; ++k) {
+        const int cl = p.warp + kWarps * k;
         const int64_t c = p.c0 + cl;
         if (c >= cols_pad || rb >= rows_pad) continue;
-        const uint2 codes = tile_t[cl][chunk ^ (cl >> 3)];
+        const uint32_t codes = tile_t[cl][p.lane ^ (2 * (cl >> 3))];
         uint8_t* dst = ot.q + c * rows_pad + rb;
         if (vstore) {
-          *reinterpret_cast<uint2*>(dst) = codes;
+          *reinterpret_cast<uint32_t*>(dst) = codes;
         } else {
-          const uint8_t* b = reinterpret_cast<const uint8_t*>(&codes);
-          for (int i = 0; i < 8 && rb + i < rows_pad; ++i) dst[i] = b[i];
+          for (int i = 0; i < 4 && rb + i < rows_pad; ++i) dst[i] = static_cast<uint8_t>(codes >> (8 * i));
         }
       }
     }
