@@ -209,8 +209,13 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    "activations, fp32 accumulation), run without gradients")
         fp8.append("frozen base weights (E4M3 codes, one scale per fused group)")
     elif fp8_layers:
+        from coat.nn.recipe import Fp8Recipe
+
+        rec = Fp8Recipe(granularity=cfg.fp8_granularity)
+        scales = {"tensor": "one scale per tensor", "row": "one scale per token and per weight channel",
+                  "block": "1x128 activation/gradient and 128x128 weight scales"}[rec.granularity]
         fp8.append(f"GEMMs of {fp8_layers}/{len(layers)} decoder layers (q/k/v, o, gate/up, down projections: "
-                   "E4M3 activations and weights, E5M2 gradients, fp32 accumulation)")
+                   f"E4M3 activations and weights, {rec.grad_format.upper()} gradients, {scales}, fp32 accumulation)")
         fp8.append("activations the decoder layers save for backward (E4M3, one scale per 1x16 group)")
     else:
         other.append(f"decoder-layer GEMMs and saved activations ({high})")

@@ -144,14 +144,16 @@ at::ScalarType at_type(const View& v) {
 
 // v as an at::Tensor over its memory (no copy); ops on it run on torch's current stream, the one
 // the block's kernels use.
-at::Tensor tensor_of(const View& v) {
+at::TensorOptions options_of(const View& v) {
   at::TensorOptions o = at::TensorOptions().dtype(at_type(v));
   if (v.cuda) {
     set_current_device(v.device);
     o = o.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(v.device)));
   }
-  return at::from_blob(v.data, v.shape, o);
+  return o;
 }
+
+at::Tensor tensor_of(const View& v) { return at::from_blob(v.data, v.shape, options_of(v)); }
 
 }  // namespace
 
@@ -164,19 +166,22 @@ Created created_of(at::Tensor t, const char* name) {
 }
 
 Created pad_2d(const View& v, int64_t rows, int64_t cols, const char* name) {
-  at::Tensor src = tensor_of(v);
-  at::Tensor out = at::zeros({rows, cols}, src.options());
-  out.narrow(0, 0, v.shape[0]).narrow(1, 0, v.shape[1]).copy_(src);
+  at::Tensor out = at::zeros({rows, cols}, options_of(v));
+  if (v.numel != 0) out.narrow(0, 0, v.shape[0]).narrow(1, 0, v.shape[1]).copy_(tensor_of(v));
   return created_of(std::move(out), name);
 }
 
+// An empty view may have no memory (a null data pointer), which at::from_blob refuses on CUDA: the
+// helpers below make their empty results directly.
 Created narrow_2d(const View& v, int64_t rows, int64_t cols, const char* name) {
+  if (rows * cols == 0 || v.numel == 0) return new_tensor({rows, cols}, new_dtype_like(v), v, name);
   // clone, not contiguous(): with one row the narrowed view already counts as contiguous, and
   // contiguous() would hand back a view of v's memory, which the caller frees (tensor_of owns nothing).
   return created_of(tensor_of(v).narrow(0, 0, rows).narrow(1, 0, cols).clone(at::MemoryFormat::Contiguous), name);
 }
 
 Created cast_to(const View& v, NewDtype dtype, const char* name) {
+  if (v.numel == 0) return new_tensor(v.shape, dtype, v, name);
   return created_of(tensor_of(v).to(scalar_type(dtype), /*non_blocking=*/false, /*copy=*/true), name);  // never a view
 }
 

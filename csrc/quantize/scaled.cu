@@ -8,8 +8,8 @@
 // paired hardware conversion: one read of X. q is written 8 codes per store (two full 128-byte
 // rows per warp store); the 4 consecutive rows of a column are 4 consecutive bytes of q_t, staged
 // in a 128 x 128-byte shared tile whose 4-byte chunks are XOR-swizzled by the column's lane so that
-// both the writes and the row-wise reads-out are free of bank conflicts, then written out one
-// whole 128-byte q_t row per warp store. 64 registers per thread: two blocks (32 warps) per SM.
+// both the writes and the row-wise reads-out are free of bank conflicts, then written out 16 bytes
+// per thread, four whole 128-byte q_t rows per warp store. 64 registers per thread: two blocks (32 warps) per SM.
 // kRow groups longer than a tile take a first launch of the same kernel that only reduces,
 // publishing maxima with an integer atomicMax on the float bits (valid for non-negative floats),
 // and a pass that turns them into scales.
@@ -173,6 +173,14 @@ __device__ __forceinline__ float inv_at(Span sp, const TileScales& t, int i, int
   return sp == Span::kRow ? t.s[i] : sp == Span::kCol ? t.s[j] : t.s[0];
 }
 
+// Four FP8 codes in one word (two paired hardware conversions), first value in the low byte.
+__device__ __forceinline__ uint32_t encode4(const float (&v)[kR], Fp8Format fmt) {
+  const __nv_fp8_interpretation_t f = fmt == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0], v[1]), __NV_SATFINITE, f);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2], v[3]), __NV_SATFINITE, f);
+  return lo | (hi << 16);
+}
+
 template <typename T>
 __device__ __forceinline__ void load_row8(const T* p, bool whole, int n, float (&v)[kC]) {
   if (whole) {
@@ -251,26 +259,28 @@ __global__ void __launch_bounds__(kThreads, 2) scaled_kernel(Stack<T> x, int64_t
       // at chunk ^ 2 seg: the 32 lanes' chunks cover the 32 banks once.
 #pragma unroll
       for (int j = 0; j < kC; ++j) {
-        float w[8];
+        float w[kR];
 #pragma unroll
-        for (int i = 0; i < kR; ++i) w[i] = v[i][j] * inv_at(sp, t, i, j), w[kR + i] = 0.0f;
-        tile_t[8 * p.seg + j][(2 * p.warp + p.half) ^ (2 * p.seg)] = cuda::encode8(w, fmt).x;
+        for (int i = 0; i < kR; ++i) w[i] = v[i][j] * inv_at(sp, t, i, j);
+        tile_t[8 * p.seg + j][(2 * p.warp + p.half) ^ (2 * p.seg)] = encode4(w, fmt);
       }
       __syncthreads();
-      // Out: warp w writes tile rows w + 16 k, lane l its 4-byte chunk l (a whole q_t row per store).
-      const int64_t rb = p.r0 + 4 * p.lane;
-      const bool vstore = rows_pad % 4 == 0 && cuda::aligned(ot.q, 4) && rb + 4 <= rows_pad;
+      // Out: 16 bytes per thread, 8 threads per q_t row (four whole rows per warp store). The row's
+      // 16-byte group g sits at g ^ (s >> 1) with its halves swapped when s is odd (s = the row's
+      // writer lane, row / 8): one conflict-free 16-byte shared load.
 #pragma unroll
-      for (int k = 0; k < kB / kWarps; ++k) {
-        const int cl = p.warp + kWarps * k;
-        const int64_t c = p.c0 + cl;
+      for (int k = 0; k < kB * 8 / kThreads; ++k) {
+        const int idx = static_cast<int>(threadIdx.x) + kThreads * k, cl = idx >> 3, g = idx & 7, sw = cl >> 3;
+        const int64_t c = p.c0 + cl, rb = p.r0 + 16 * g;
         if (c >= cols_pad || rb >= rows_pad) continue;
-        const uint32_t codes = tile_t[cl][p.lane ^ (2 * (cl >> 3))];
+        uint4 w = reinterpret_cast<const uint4*>(tile_t[cl])[g ^ (sw >> 1)];
+        if (sw & 1) w = make_uint4(w.z, w.w, w.x, w.y);
         uint8_t* dst = ot.q + c * rows_pad + rb;
-        if (vstore) {
-          *reinterpret_cast<uint32_t*>(dst) = codes;
+        if (rows_pad % 16 == 0 && cuda::aligned(ot.q, 16)) {
+          *reinterpret_cast<uint4*>(dst) = w;
         } else {
-          for (int i = 0; i < 4 && rb + i < rows_pad; ++i) dst[i] = static_cast<uint8_t>(codes >> (8 * i));
+          const uint8_t* b = reinterpret_cast<const uint8_t*>(&w);
+          for (int i = 0; i < 16 && rb + i < rows_pad; ++i) dst[i] = b[i];
         }
       }
     }
