@@ -150,9 +150,11 @@ Created gemm_fp8_any(const View& a, Fp8Format a_fmt, const View& sa, const View&
   const int64_t kp = (k + 15) / 16 * 16, np = (n + 15) / 16 * 16;
   auto aligned = [](const View& v) { return reinterpret_cast<uintptr_t>(v.data) % 16 == 0; };
   Created r;
-  // An empty product needs no cuBLASLt call (gemm_fp8 writes the [M, N] zeros itself), and an empty
-  // operand has no memory a torch view could wrap.
-  if (!a.cuda || m == 0 || n == 0 || k == 0 || (kp == k && np == n && aligned(a) && aligned(b))) {
+  // An empty result is made here: no GEMM, no alignment rule (N = 11 with no tokens is fine).
+  if (m == 0 || n == 0)
+    return new_tensor({m, n}, out == DType::kFloat16 ? NewDtype::kFloat16 : out_dtype(t), a, "out");
+  // An empty K needs no cuBLASLt call (gemm_fp8 writes the [M, N] zeros itself, padded like any other).
+  if (!a.cuda || (kp == k && np == n && aligned(a) && aligned(b))) {
     r = gemm_fp8(a, a_fmt, sa, b, b_fmt, sb, t, opt, stream).out;
   } else {
     Created ap = pad_2d(a, m, kp, a.name), bp = pad_2d(b, np, kp, b.name);

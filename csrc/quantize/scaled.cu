@@ -14,6 +14,8 @@
 // publishing maxima with an integer atomicMax on the float bits (valid for non-negative floats),
 // and a pass that turns them into scales.
 // Bytes: R * cols * sizeof(T) read (twice with the first launch), R * cols per code output written.
+#include <type_traits>
+
 #include "common/cuda_utils.cuh"
 #include "common/scale_grid.h"
 #include "quantize_args.h"
@@ -39,15 +41,17 @@ struct Out {
   bool block128;
 };
 
-// What one group spans within a tile: one row, one column, or the whole tile.
-enum class Span { kRow, kCol, kAll };
+// What one group spans within a tile: one row, one column, or the whole tile (kNone: no output).
+// The quantize launch takes its outputs' spans as template arguments, so that each instance holds
+// and converts only what its groups need.
+enum class Span { kNone, kRow, kCol, kAll };
 // The scales (or maxima, or inverses) of the thread's elements' groups for one output, by span:
 // s[i] of row i (kRow), s[j] of column j (kCol), s[0] (kAll). One array keeps registers low.
 struct TileScales {
   float s[kC];
 };
 
-__device__ __forceinline__ Span span_of(const ScaleGrid& g) {
+COAT_HD Span span_of(const ScaleGrid& g) {
   if (g.group_r == 1) return Span::kRow;
   if (g.group_c == 1) return Span::kCol;
   return Span::kAll;
@@ -131,10 +135,9 @@ __device__ __forceinline__ void for_each_group(Span sp, const TileScales& t, con
 
 // The scales of o for this thread's elements: computed here (local groups; their scales are
 // written) or read back from the first launch's results.
-__device__ __forceinline__ void tile_scales(const Out& o, Fp8Format fmt, const float (&v)[kR][kC],
+__device__ __forceinline__ void tile_scales(const Out& o, Span sp, Fp8Format fmt, const float (&v)[kR][kC],
                                             float (*red)[kB], const Pos& p, int64_t rows_pad, int64_t cols_pad,
                                             TileScales& t) {
-  const Span sp = span_of(o.g);
   if (!o.local) {  // only kRow groups are ever longer than a tile; reads stay inside the padded shape
 #pragma unroll
     for (int j = 0; j < kC; ++j) t.s[j] = 1.0f;
@@ -191,7 +194,7 @@ __device__ __forceinline__ void load_row8(const T* p, bool whole, int n, float (
   }
 }
 
-template <typename T, bool kMaxOnly>
+template <typename T, bool kMaxOnly, Span SQ, Span ST>
 __global__ void __launch_bounds__(kThreads, 2) scaled_kernel(Stack<T> x, int64_t rows, int64_t cols, int64_t rows_pad,
                                                           int64_t cols_pad, bool vec, Fp8Format fmt, Out o,
                                                           Out ot) {
@@ -227,10 +230,10 @@ __global__ void __launch_bounds__(kThreads, 2) scaled_kernel(Stack<T> x, int64_t
     publish(o);
     publish(ot);
   } else {
-    if (o.q != nullptr) {
+    if constexpr (SQ != Span::kNone) {
+      constexpr Span sp = SQ;
       TileScales t{};
-      tile_scales(o, fmt, v, red, p, rows_pad, cols_pad, t);
-      const Span sp = span_of(o.g);
+      tile_scales(o, sp, fmt, v, red, p, rows_pad, cols_pad, t);
       invert(t);
       const bool vstore = cols_pad % 8 == 0 && cuda::aligned(o.q, 8) && cb + kC <= cols_pad;
 #pragma unroll
@@ -250,10 +253,10 @@ __global__ void __launch_bounds__(kThreads, 2) scaled_kernel(Stack<T> x, int64_t
         }
       }
     }
-    if (ot.q != nullptr) {
+    if constexpr (ST != Span::kNone) {
+      constexpr Span sp = ST;
       TileScales t{};
-      tile_scales(ot, fmt, v, red, p, rows_pad, cols_pad, t);
-      const Span sp = span_of(ot.g);
+      tile_scales(ot, sp, fmt, v, red, p, rows_pad, cols_pad, t);
       invert(t);
       // Column j's 4 rows are the 4-byte chunk (2 warp + half) of q_t's tile row 8 seg + j, stored
       // at chunk ^ 2 seg: the 32 lanes' chunks cover the 32 banks once.
@@ -294,6 +297,32 @@ __global__ void finish_scales_kernel(float* s, int64_t n, Fp8Format fmt) {
     s[i] = scale_for(s[i], fmt);
 }
 
+// The quantize launch for its outputs' spans: q's are row (1x128, row) or tile (128x128) spans, q_t's
+// column (128x1, per-channel) or tile spans.
+template <typename T>
+void launch_quantize(dim3 grid, cudaStream_t stream, const Stack<T>& s, int64_t rows, int64_t cols, int64_t rows_pad,
+                     int64_t cols_pad, bool vec, Fp8Format fmt, const Out& o, const Out& ot) {
+  const Span sq = o.q ? span_of(o.g) : Span::kNone, st = ot.q ? span_of(ot.g) : Span::kNone;
+  auto go = [&](auto q_tag, auto t_tag) {
+    constexpr Span SQ = decltype(q_tag)::value, ST = decltype(t_tag)::value;
+    scaled_kernel<T, false, SQ, ST><<<grid, kThreads, 0, stream>>>(s, rows, cols, rows_pad, cols_pad, vec, fmt, o, ot);
+  };
+  using None = std::integral_constant<Span, Span::kNone>;
+  using Row = std::integral_constant<Span, Span::kRow>;
+  using Col = std::integral_constant<Span, Span::kCol>;
+  using All = std::integral_constant<Span, Span::kAll>;
+  auto with_q = [&](auto t_tag) {
+    if (sq == Span::kRow) go(Row{}, t_tag);
+    else if (sq == Span::kAll) go(All{}, t_tag);
+    else go(None{}, t_tag);
+  };
+  COAT_CHECK(sq != Span::kCol && st != Span::kRow, "a q grid spans rows or tiles, a q_t grid columns or tiles");
+  if (st == Span::kCol) with_q(Col{});
+  else if (st == Span::kAll) with_q(All{});
+  else with_q(None{});
+  COAT_CHECK_LAUNCH();
+}
+
 Out out_of(ScaleMode m, bool transposed, int64_t rows_pad, int64_t cols_pad, uint8_t* q, float* scale) {
   Out o{};
   o.g = scale_grid(m, transposed, rows_pad, cols_pad);
@@ -331,7 +360,8 @@ void quantize_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, F
                                           : scale_count(mode, rows_pad, cols_pad);
         COAT_CUDA_CHECK(cudaMemsetAsync(out->scale, 0, static_cast<size_t>(n) * sizeof(float), stream));
       }
-      scaled_kernel<T, true><<<grid, kThreads, 0, stream>>>(s, rows, x.cols, rows_pad, cols_pad, vec, fmt, o, ot);
+      scaled_kernel<T, true, Span::kNone, Span::kNone>
+          <<<grid, kThreads, 0, stream>>>(s, rows, x.cols, rows_pad, cols_pad, vec, fmt, o, ot);
       COAT_CHECK_LAUNCH();
       for (const Out* out : {&o, &ot}) {
         if (out->q == nullptr || out->local) continue;
@@ -341,8 +371,7 @@ void quantize_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, F
         COAT_CHECK_LAUNCH();
       }
     }
-    scaled_kernel<T, false><<<grid, kThreads, 0, stream>>>(s, rows, x.cols, rows_pad, cols_pad, vec, fmt, o, ot);
-    COAT_CHECK_LAUNCH();
+    launch_quantize<T>(grid, stream, s, rows, x.cols, rows_pad, cols_pad, vec, fmt, o, ot);
   });
 }
 
