@@ -107,7 +107,7 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
                          "only part of a matrix's rows or columns); use --gpus 1")
     adapters = s.lora_params(LORA_RANK) if rec.lora else 0
     weights, master, states, grads = _persistent(s, rec, gpus, adapters)
-    layer_ops = layer_saved(s, table)
+    layer_ops = layer_saved(s, table, rec.fp8_granularity)
     const_layer, const_outside = saved_constants(s, table, rec.fused_loss)
     per_layer = sum(b for _, b in layer_ops) * t + const_layer
     outside = sum(b for _, b in outside_saved(s, table, rec.fused_loss)) * t + const_outside

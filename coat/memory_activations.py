@@ -42,8 +42,9 @@ def _fp8_norm_input(width: int, rows: int) -> float:
     return width + width / 16 * 4 + 4 * rows
 
 
-def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
-    """(op, bytes per token) saved by one decoder layer (``saved_constants``: what it saves per call)."""
+def layer_saved(shape: ModelShape, table: str, granularity: str = "tensor") -> list[tuple[str, float]]:
+    """(op, bytes per token) saved by one decoder layer (``saved_constants``: what it saves per call);
+    ``granularity``: the FP8 layers' scaling (coat tables only)."""
     h, q, kv, i, nh = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate, shape.heads
     sdpa = 2 * q + 4 * kv + 2 * q + 4 * nh  # q, k, v, out (bf16), log-sum-exp (fp32 per head)
     gated = "GeGLU (gate, gelu, up, product)" if shape.gemma else "SwiGLU (gate, silu, up, product)"
@@ -80,7 +81,9 @@ def layer_saved(shape: ModelShape, table: str) -> list[tuple[str, float]]:
         ops = [("input RMSNorm + q/k/v (FP8 norm input)", _fp8_norm_input(h, 1))]
         if shape.qk_norm:
             ops.append(("q/k RMSNorm (FP8 input)", _fp8_norm_input(q, nh) + _fp8_norm_input(kv, shape.kv_heads)))
-        ops += [("attention (SDPA)", sdpa), ("o_proj input (FP8, transposed)", q),
+        o_in = ("o_proj input (FP8, transposed, 128x1 scales)", q + q / 32) if granularity == "block" else \
+            ("o_proj input (FP8, transposed)", q)
+        ops += [("attention (SDPA)", sdpa), o_in,
                 ("pre-MLP RMSNorm + gate/up (FP8 norm input)", _fp8_norm_input(h, 1)),
                 (gated.split(" (")[0] + " + down (FP8 gate/up, 1x16 scales)", 2 * i + 2 * i / 16 * 4)]
         if shape.gemma:  # the sandwich norms: FP8-saved norms (coat/nn/layer.py)

@@ -94,6 +94,22 @@ class Recipe:
     # coat.optim.SubsetNormSM (the snsm setups): its rank; the states are then snsm_state_bytes, not
     # state_bytes per parameter, and its step adds snsm_step_transient. One GPU only (no FSDP2).
     snsm_rank: int = 0
+    # The FP8 layers' scaling (coat.nn.recipe.GRANULARITIES): "block" adds the o_proj input's 128x1
+    # scales to what a layer saves (fp32 per 128 tokens per channel: 1/32 byte per element).
+    fp8_granularity: str = "tensor"
+
+    def with_granularity(self, granularity: str) -> "Recipe":
+        """This recipe with its FP8 layers scaled at ``granularity`` (only FP8 recipes have one)."""
+        from coat.nn.recipe import GRANULARITIES
+
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"--fp8-granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+        if granularity != "tensor" and not self.activations.startswith("coat"):
+            raise ValueError(f"--fp8-granularity {granularity}: --recipe {self.name} has no FP8 layers")
+        if granularity != "tensor" and (self.side or self.lora):
+            raise ValueError(f"--fp8-granularity {granularity}: --recipe {self.name} keeps its frozen base in FP8 "
+                             "with per-tensor scales (row and block scaling need 'tensor' there)")
+        return replace(self, fp8_granularity=granularity)
 
     def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None,
                    graph: bool | None = None, lora: bool | None = None, side: bool | None = None) -> "Recipe":

@@ -141,6 +141,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``coat estimate`` prints, as one JSON-able dictionary."""
     shape = memory.load_shape(args.model)
     rec = memory.recipe(args.recipe)
+    if args.fp8_granularity != "tensor":
+        rec = rec.with_granularity(args.fp8_granularity)
     here = _gpu_here()
     gpu = None  # the GPU the fit is sized for, when one is named or present
     if args.gpu_memory is not None:
@@ -226,6 +228,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a setup name (coat/recipes.py), as coat train writes it (setup in its summary.json) "
                    "and coat bench runs it; modeled: the recipes " + ", ".join(memory.RECIPES) + " with the modes "
                    "+release, +fused-loss, +hf-loss, +graph (e.g. coat-lean+release); " + recipes.alias_help())
+    from coat.nn.recipe import GRANULARITIES
+
+    p.add_argument("--fp8-granularity", choices=GRANULARITIES, default="tensor",
+                   help="the FP8 layers' scaling, as coat train's flag (block adds the o_proj input's 128x1 scales "
+                        "to what each layer saves; default: tensor)")
     p.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per GPU")
     p.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="FSDP2 over N GPUs (figures per GPU)")

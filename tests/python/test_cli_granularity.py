@@ -1,0 +1,45 @@
+"""--fp8-granularity across the commands: `coat train` runs the FP8 layers at the granularity and
+keeps it as part of the run (a resume cannot change it), refuses it without FP8 layers; `coat
+estimate` and the memory plan count block scaling's saved scales. CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_cli_train_checkpoint import tiny
+from test_cli_train_resume_safety import usage_error
+
+from coat import memory
+from coat.cli.main import main
+from coat.cli.train import train
+
+
+def test_a_block_scaled_run_keeps_its_granularity(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    train(tiny(tmp_path, "run", steps=4, save_every=2, recipe="coat", fp8_granularity="block"))
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["train"]["fp8_granularity"] == "block"
+    err = usage_error(capsys, "--resume", str(run), "--steps", "6", "--fp8-granularity", "tensor")
+    assert "argument --fp8-granularity: cannot change when resuming (the run in" in err and "used 'block'" in err
+    assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 0
+
+
+def test_granularity_needs_the_fp8_layers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    err = usage_error(capsys, "--recipe", "bf16", "--fp8-granularity", "row", "--steps", "1", "--out",
+                      str(tmp_path / "x"))
+    assert "argument --fp8-granularity: only applies to the FP8 layers (this run's activations are bf16)" in err
+
+
+def test_the_plan_counts_block_scales() -> None:
+    shape = memory.load_shape("llama2-7b")
+    rec = memory.recipe("coat")
+    tensor, block = memory.plan(shape, rec, 1, 2048), memory.plan(shape, rec.with_granularity("block"), 1, 2048)
+    # o_proj's transposed input gains one fp32 scale per 128 tokens per channel, in every layer
+    gained = block.extra["saved_per_token_layer"] - tensor.extra["saved_per_token_layer"]
+    assert gained == shape.q_width / 32
+    with pytest.raises(ValueError, match="--recipe bf16 has no FP8 layers"):
+        memory.recipe("bf16").with_granularity("block")
+    with pytest.raises(ValueError, match="--fp8-granularity must be one of tensor, row, block"):
+        rec.with_granularity("channel")
