@@ -10,6 +10,7 @@ import torch
 
 import coat
 import transformers as tf
+from test_fp8_recipe import _grads
 from coat._ops import gemm as gops
 from coat._ops import quantize as qops
 from coat._ops.enums import FP8_FORMATS
@@ -185,13 +186,6 @@ def _llama(seed=0):
     return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160,
                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                               max_position_embeddings=64))
-
-
-def _grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _rel(a, b):
