@@ -2,8 +2,9 @@
 
 Each record holds one lease's runs: {"commit", "device", "commands": {setup: command}, "runs":
 {name: run}}. A run's name starts with its setup's letter (A, B, ...), then the seed, then a
-suffix for the recipe (B3: bf16 seed 3, B3c: coat, B2l: coat lean, B0r: coat lean + release); a
-run carries recipe, seed, master_weights (fp32 / bf16_sr), release_grads (absent: off),
+suffix for the recipe (B3: bf16 seed 3, B3c: coat, B2l: coat lean, B0r: coat lean + release, B1k /
+B1w: coat with block / row scaling); a run carries recipe, seed, master_weights (fp32 / bf16_sr),
+release_grads (absent: off), fp8_granularity (absent: tensor),
 final_val_loss, final_val_prose_loss (runs that scored the held-out prose set), tokens_per_s,
 val_curve (and prose_curve), train_curve. Records of the same setup on different commits are one
 study as long as training's numerics did not change between them (a record's "notes" say so):
@@ -26,6 +27,8 @@ def label(run: Mapping[str, Any]) -> str:
     """A run's recipe as the study groups it: bf16, coat, coat lean (bf16 master weights with
     stochastic rounding), coat lean + release (and gradient release)."""
     name = run["recipe"] + (" lean" if run.get("master_weights") == "bf16_sr" else "")
+    if run.get("fp8_granularity", "tensor") != "tensor":  # the FP8 layers' scaling (issue 28)
+        name += f" {run['fp8_granularity']}"
     return name + (" + release" if run.get("release_grads") else "")
 
 
