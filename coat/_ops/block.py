@@ -111,7 +111,8 @@ def _(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, o
     stat_in = x.new_empty((m, gk)) if stats else x.new_empty(0)
     stat_scale = x.new_empty(1, dtype=_F32) if stats else x.new_empty(0)
     if pre == NONE:
-        s = (x.new_empty((k, m) if save_input_t else 0, dtype=_U8), x.new_empty(1, dtype=_F32), x.new_empty(0))
+        s = (x.new_empty((k, m), dtype=_U8) if save_input_t else x.new_empty(0), x.new_empty(1, dtype=_F32),
+             x.new_empty(0))
     else:
         s = (x.new_empty((m, k), dtype=_FP8[act_fmt]), _group_scales((m, k), e8m0, x),
              x.new_empty(m, dtype=_F32) if pre == NORM else x.new_empty(0))
@@ -147,13 +148,15 @@ def _(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, w
     m, n = dout.shape
     k = w_codes_t.shape[0] if w_codes_t is not None else weights[0].shape[1]  # the GEMM's K
     dx = dout.new_empty((m, 2 * k) if pre == SWIGLU else (m, k))
-    dnorm = dout.new_empty(k if pre == NORM else 0, dtype=_F32)
+    # outputs a call does not make are empty placeholders of dout's dtype (_or_empty), as the real op's
+    dnorm = dout.new_empty(k, dtype=_F32) if pre == NORM else dout.new_empty(0)
     dw = dout.new_empty((n, k) if need_w else 0, dtype=wgrad_dtype)
     stats = want_stats and need_w
     # the recomputed GEMM input: the norm's in y_dtype, SwiGLU's in the gradient's dtype
     stat_in = dout.new_empty((m, k) if stats and pre != NONE else 0, dtype=y_dtype if pre == NORM else dout.dtype)
-    stat_scale = dout.new_empty(1 if stats and (pre != NONE or wgrad_input is not None) else 0, dtype=_F32)
-    d_scale = dout.new_empty(0 if granularity else 1, dtype=_F32)
+    stat_scale = (dout.new_empty(1, dtype=_F32) if stats and (pre != NONE or wgrad_input is not None)
+                  else dout.new_empty(0))
+    d_scale = dout.new_empty(0) if granularity else dout.new_empty(1, dtype=_F32)
     return dx, dnorm, dw, d_scale, stat_in, stat_scale
 
 

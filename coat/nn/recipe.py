@@ -29,7 +29,9 @@ class Fp8Recipe:
       no other). ``act_format`` must be "e4m3": the weights share it, and FP8 tensor cores do not
       multiply two E5M2 operands. ``grad_format`` "e5m2" (range) or "e4m3" (precision); by default
       "e5m2", and "e4m3" with "block" scaling (DeepSeek-V3's choice: a 1 x 128 group needs range
-      less than precision). Row and block scaling quantize the weight in each call:
+      less than precision; the default is resolved when the recipe is made, so
+      ``dataclasses.replace(recipe, granularity=...)`` keeps the recipe's gradient format: pass
+      ``grad_format`` too). Row and block scaling quantize the weight in each call:
       ``weight_cache`` and FP8-frozen weights need "tensor".
     - Saved activations: non-linear op inputs (RMSNorm, SwiGLU) in ``act_format`` with one scale
       per 1 x 16 group, ``act_scale`` = "fp32" (4 bytes per group) or "e8m0" (a power of two, 1 byte).

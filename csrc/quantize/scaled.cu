@@ -15,6 +15,7 @@
 // and a pass that turns them into scales.
 // Bytes: R * cols * sizeof(T) read (twice with the first launch), R * cols per code output written.
 #include <type_traits>
+#include <utility>
 
 #include "common/cuda_utils.cuh"
 #include "common/scale_grid.h"
@@ -341,7 +342,16 @@ void quantize_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, F
                      ScaleMode mode, uint8_t* q, float* scale, ScaleMode mode_t, uint8_t* q_t,
                      float* scale_t, cudaStream_t stream) {
   const int64_t rows = detail::check_scaled(x, rows_pad, cols_pad, mode, q, scale, mode_t, q_t, scale_t);
-  if (rows_pad == 0 || cols_pad == 0) return;
+  if (rows_pad == 0 || cols_pad == 0) {  // no element, but a row mode still has scales: all-zero groups, 1
+    const int64_t n = q ? scale_count(mode, rows_pad, cols_pad) : 0, nt = q_t ? scale_count(mode_t, cols_pad, rows_pad) : 0;
+    for (const auto& [s, count] : {std::pair<float*, int64_t>{scale, n}, {scale_t, nt}}) {
+      if (count == 0) continue;
+      COAT_CUDA_CHECK(cudaMemsetAsync(s, 0, static_cast<size_t>(count) * sizeof(float), stream));
+      finish_scales_kernel<<<cuda::grid_for(count, kThreads), kThreads, 0, stream>>>(s, count, fmt);
+      COAT_CHECK_LAUNCH();
+    }
+    return;
+  }
   const Out o = out_of(mode, false, rows_pad, cols_pad, q, scale);
   const Out ot = out_of(mode_t, true, rows_pad, cols_pad, q_t, scale_t);
   const dim3 grid(static_cast<unsigned>(blocks_of(cols_pad)), static_cast<unsigned>(blocks_of(rows_pad)));
