@@ -35,6 +35,8 @@
 // inputs made here and their scales); it changes no result.
 #include <nanobind/stl/vector.h>
 
+#include <utility>
+
 #include "enums.h"
 #include "ops.h"
 #include "registry.h"
@@ -60,6 +62,13 @@ Modes modes_of(int g, bool caller_codes, bool want_stats) {
                                 "FP8-frozen weights take per-tensor scaling (granularity 'tensor')");
   COAT_CHECK_ARG(!want_stats, "coat.Fp8Stats reads per-tensor scales: record statistics with granularity 'tensor'");
   return g == 1 ? Modes{ScaleMode::kRow, ScaleMode::kRow} : Modes{ScaleMode::kVec128, ScaleMode::kBlock128};
+}
+
+// The rows of the stacked weight (its N).
+int64_t rows_of(const std::vector<View>& parts) {
+  int64_t n = 0;
+  for (const View& p : parts) n += p.shape[0];
+  return n;
 }
 
 Pre pre_arg(int p) {
@@ -141,11 +150,7 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
   }
   const View& in = pre == Pre::kNone ? x : y.view;
   if (md.scaled()) {
-    const int64_t m = in.shape[0], n = [&] {
-      int64_t r = 0;
-      for (const View& p : w.parts) r += p.shape[0];
-      return r;
-    }();
+    const int64_t m = in.shape[0], n = rows_of(w.parts);
     const int64_t mp = scaled_pad(m, in.cuda), kp = scaled_pad(k, in.cuda), np = scaled_pad(n, in.cuda);
     ScaledFp8 xq = quantize_scaled({in}, mp, kp, fa, md.act, md.act, true, pre == Pre::kNone && save_input_t, stream);
     y = Created();
@@ -224,11 +229,8 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
     expect_2d(w.codes);
     k = w.codes.shape[0], n = w.codes.shape[1];
   } else {
-    for (const View& p : w.parts) {
-      expect_2d(p);
-      n += p.shape[0];
-    }
-    k = w.parts[0].shape[1];
+    for (const View& p : w.parts) expect_2d(p);
+    n = rows_of(w.parts), k = w.parts[0].shape[1];
   }
   COAT_CHECK_ARG(d.shape[1] == n, "dout has shape " + shape_str(d.shape) + " but the weight has N = " +
                                       std::to_string(n) + " rows: dout must be [M, " + std::to_string(n) + "]");
@@ -275,16 +277,21 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
   auto wgrad = [&](const View& in_t, const View& in_scale) {
     return gemm_scaled(dq_t, {in_t, in_scale, md.act, fa}, n, k, wgrad_type, opt, stream);
   };
-  auto wgrad_of = [&](Created in) {
+  // The transposed codes and scales of a GEMM input in hand (only the transposed codes are read).
+  auto codes_t = [&](const View& in) -> std::pair<Created, Created> {
     if (md.scaled()) {
-      ScaledFp8 t = quantize_scaled({in.view}, mp, kp, fa, md.act, md.act, false, true, stream);
-      in = Created();
-      return wgrad(t.q_t.view, t.scale_t.view);
+      ScaledFp8 t = quantize_scaled({in}, mp, kp, fa, md.act, md.act, false, true, stream);
+      return {std::move(t.q_t), std::move(t.scale_t)};
     }
-    PerTensorFp8 t = quantize_amax(in.view, fa, true, stream);
-    if (want_stats) stat_in = std::move(in), stat_scale = t.scale;
-    in = Created(), t.q = Created();  // only the transposed codes are read
-    return wgrad(t.q_t.view, t.scale.view);
+    PerTensorFp8 t = quantize_amax(in, fa, true, stream);
+    if (want_stats) stat_scale = t.scale;
+    return {std::move(t.q_t), std::move(t.scale)};
+  };
+  auto wgrad_of = [&](Created in) {  // a recomputed input, freed before its GEMM (unless read by stats)
+    auto [qt, st] = codes_t(in.view);
+    if (want_stats && !md.scaled()) stat_in = std::move(in);
+    in = Created();
+    return wgrad(qt.view, st.view);
   };
   Created dw, dx, dnorm;
   if (pre == Pre::kNorm) {
@@ -298,16 +305,8 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
     if (need_w) dw = wgrad_of(std::move(sb.h));
   } else {
     if (need_w && recomputed) {
-      const View in = view_of(*wgrad_input_, "wgrad_input");
-      if (md.scaled()) {
-        ScaledFp8 t = quantize_scaled({in}, mp, kp, fa, md.act, md.act, false, true, stream);
-        dw = wgrad(t.q_t.view, t.scale_t.view);
-      } else {
-        PerTensorFp8 t = quantize_amax(in, fa, true, stream);
-        if (want_stats) stat_scale = t.scale;
-        t.q = Created();
-        dw = wgrad(t.q_t.view, t.scale.view);
-      }
+      auto [qt, st] = codes_t(view_of(*wgrad_input_, "wgrad_input"));
+      dw = wgrad(qt.view, st.view);
     } else if (need_w) {
       if (md.scaled())
         COAT_CHECK_ARG(s.s0.shape.size() == 2 && s.s0.shape[0] == kp && s.s0.shape[1] == mp,
