@@ -31,10 +31,11 @@ from .quantize import scale_count
 from .swiglu import SILU
 
 NONE, NORM, SWIGLU = BLOCK_PRE["none"], BLOCK_PRE["norm"], BLOCK_PRE["swiglu"]  # the pre-op of a block
-#: The block op's granularity ids (csrc/bindings/block.cpp) by recipe name, and the scale modes each
-#: gives (activations and gradients, weight).
+#: The block op's granularity ids (csrc/bindings/block.cpp) by recipe name, and the scale modes of
+#: the finer ones (``quantize.SCALE_MODES``: activations and gradients, weight).
 GRANULARITY_IDS = {"tensor": 0, "row": 1, "block": 2}
-_MODES = {1: ("row", "row"), 2: ("1x128", "128x128")}
+MODES = {"row": ("row", "row"), "block": ("1x128", "128x128")}
+_MODES = {GRANULARITY_IDS[g]: m for g, m in MODES.items()}
 _U8, _F32, _E4M3 = torch.uint8, torch.float32, torch.float8_e4m3fn
 _FP8 = {i: dt for dt, i in _FMT.items()}  # the core's format id -> torch FP8 dtype
 
@@ -105,7 +106,8 @@ def _(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, o
         else:
             s = (x.new_empty((m, k), dtype=_FP8[act_fmt]), _group_scales((m, k), e8m0, x),
                  x.new_empty(m, dtype=_F32) if pre == NORM else x.new_empty(0))
-        return (x.new_empty((m, n), dtype=out_dtype), ws, *s, x.new_empty(0), x.new_empty(0))
+        stat_in = x.new_empty((m, gk)) if want_stats and pre != NONE else x.new_empty(0)
+        return (x.new_empty((m, n), dtype=out_dtype), ws, *s, stat_in, x.new_empty(0))
     stats = want_stats and pre != NONE
     ws = x.new_empty(0) if w_codes is not None else x.new_empty(1, dtype=_F32)
     stat_in = x.new_empty((m, gk)) if stats else x.new_empty(0)
@@ -154,7 +156,7 @@ def _(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, w
     stats = want_stats and need_w
     # the recomputed GEMM input: the norm's in y_dtype, SwiGLU's in the gradient's dtype
     stat_in = dout.new_empty((m, k) if stats and pre != NONE else 0, dtype=y_dtype if pre == NORM else dout.dtype)
-    stat_scale = (dout.new_empty(1, dtype=_F32) if stats and (pre != NONE or wgrad_input is not None)
+    stat_scale = (dout.new_empty(1, dtype=_F32) if stats and not granularity and (pre != NONE or wgrad_input is not None)
                   else dout.new_empty(0))
     d_scale = dout.new_empty(0) if granularity else dout.new_empty(1, dtype=_F32)
     return dx, dnorm, dw, d_scale, stat_in, stat_scale
@@ -175,7 +177,7 @@ class Fwd(NamedTuple):
     out: torch.Tensor
     w_scale: Optional[torch.Tensor]  # the scale of the codes made inside (None with the caller's codes)
     saved: tuple  # what backward reads: (s0, s1, s2), None where nothing is saved
-    stat_in: Optional[torch.Tensor]  # with stats and a pre-op: the GEMM input and its scale
+    stat_in: Optional[torch.Tensor]  # with stats and a pre-op: the GEMM input and (per tensor) its scale
     stat_scale: Optional[torch.Tensor]
 
 
@@ -195,7 +197,8 @@ def forward(x2: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps
         s0 = s0.view(act_dtype) if save_input_t else None
         s1 = s1 if save_input_t or not granularity else None
     saved = (s0, s1, s2 if pre == NORM else None)
-    return Fwd(out, None if w_codes is not None else ws, saved, st_in if stats else None, st_scale if stats else None)
+    return Fwd(out, None if w_codes is not None else ws, saved, st_in if stats else None,
+               st_scale if stats and not granularity else None)
 
 
 class Bwd(NamedTuple):
@@ -204,7 +207,7 @@ class Bwd(NamedTuple):
     dw: Optional[torch.Tensor]
     d_scale: Optional[torch.Tensor]  # the output gradient's per-tensor scale (None with row/block scaling)
     stat_in: Optional[torch.Tensor]  # with stats and dW: the recomputed GEMM input (pre-ops only)
-    stat_scale: Optional[torch.Tensor]  # ... and its scale
+    stat_scale: Optional[torch.Tensor]  # ... and (per tensor) its scale
 
 
 def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.Tensor], w_scale: torch.Tensor,
@@ -223,4 +226,4 @@ def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.T
     stats = want_stats and need_w
     return Bwd(dx, dnorm if pre == NORM else None, dw if need_w else None, None if granularity else ds,
                st_in if stats and pre != NONE else None,
-               st_scale if stats and (pre != NONE or wgrad_input is not None) else None)
+               st_scale if stats and not granularity and (pre != NONE or wgrad_input is not None) else None)

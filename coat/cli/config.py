@@ -408,10 +408,6 @@ def _validate_fine_tuning(cfg: TrainConfig) -> None:
     if cfg.fp8_granularity != "tensor" and cfg.activations != "fp8":
         raise ConfigError("--fp8-granularity", f"only applies to the FP8 layers (this run's activations are "
                                                f"{cfg.activations})")
-    if cfg.fp8_granularity != "tensor" and cfg.fp8_stats:
-        raise ConfigError("--fp8-granularity", "--fp8-stats reads per-tensor scales: record the statistics with "
-                                               "--fp8-granularity tensor (benchmarks/study_underflow.py compares "
-                                               "the granularities)")
     if cfg.fp8_granularity != "tensor" and (cfg.frozen_fp8 or cfg.side_tuning):
         raise ConfigError("--fp8-granularity", "row and block scaling quantize the weights in each call: the FP8-frozen "
                                                "base of --frozen-fp8 and --side-tuning needs 'tensor'")

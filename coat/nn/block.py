@@ -125,11 +125,18 @@ class _BlockFn(torch.autograd.Function):
                         blk.GRANULARITY_IDS[spec.recipe.granularity])
         w_scale = f.w_scale if codes is None else codes[1]
         if stats:
-            fmt = spec.recipe.act_dtype
-            S.active.record(weights, "x", gemm_in if pre == NONE else f.stat_in,
-                            f.saved[1] if pre == NONE else f.stat_scale, fmt)
-            if spec.source != W.FROZEN:  # FP8-frozen weights are codes already
-                S.active.record(weights, "w", list(weights), w_scale, fmt)
+            fmt, gran = spec.recipe.act_dtype, spec.recipe.granularity
+            x_in = gemm_in if pre == NONE else f.stat_in
+            if gran == "tensor":
+                S.active.record(weights, "x", x_in, f.saved[1] if pre == NONE else f.stat_scale, fmt)
+                if spec.source != W.FROZEN:  # FP8-frozen weights are codes already
+                    S.active.record(weights, "w", list(weights), w_scale, fmt)
+            else:  # the operands quantized anew at the recipe's scale modes
+                act_mode, w_mode = blk.MODES[gran]
+                S.active.record(weights, "x", x_in, None, fmt, mode=act_mode)
+                if save_t:  # the saved input's own codes for dW (its transpose, scaled along the tokens)
+                    S.active.record(weights, "x_wgrad", x_in, None, fmt, mode=act_mode, transposed=True)
+                S.active.record(weights, "w", list(weights), None, fmt, mode=w_mode)
         del gemm_in
         out = f.out
         if biases:
@@ -179,11 +186,17 @@ def _block_backward(ctx, d2, pre, need_w, saved, w_scale, norm_w, weights, wgrad
     b = blk.backward(d2, pre, need_w, weights if codes_t is None else [], w_scale, codes_t, saved, norm_w,
                      wgrad_input, ctx.x_dtype, wgrad_dtype(weights[0]), spec.unit_offset, ACT_IDS[spec.act], stats,
                      r.act_dtype, r.grad_dtype, blk.GRANULARITY_IDS[r.granularity])
-    if stats:
+    if stats and r.granularity == "tensor":
         S.active.record(weights, "dy", d2, b.d_scale, r.grad_dtype)
         if b.stat_scale is not None:  # the weight gradient's input, recomputed and quantized anew
             S.active.record(weights, "x_wgrad", wgrad_input if b.stat_in is None else b.stat_in, b.stat_scale,
                             r.act_dtype)
+    elif stats:  # row/block: dY as dX's operand; the recomputed input as dW's (its transpose)
+        act_mode = blk.MODES[r.granularity][0]
+        S.active.record(weights, "dy", d2, None, r.grad_dtype, mode=act_mode)
+        x_w = wgrad_input if b.stat_in is None else b.stat_in
+        if need_w and x_w is not None:
+            S.active.record(weights, "x_wgrad", x_w, None, r.act_dtype, mode=act_mode, transposed=True)
     return b
 
 

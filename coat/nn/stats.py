@@ -14,7 +14,10 @@ role, an ``Fp8Stats`` collector accumulates on the operand's device, with no hos
   (max |x|; NaN once one was seen).
 
 Computed with torch ops from the unquantized operand and the scale the quantizer used, exactly as
-the quantizer rounds (``|x| * fp32(1/s)``). Several full passes over each operand: this is a
+the quantizer rounds (``|x| * fp32(1/s)``). With row or block scaling (``Fp8Recipe.granularity``)
+the operands are quantized anew by the same scaled quantizer the layers use, and counted from its
+codes; ``dy`` is then the input-gradient GEMM's operand (the weight gradient's, scaled along the
+tokens, is not recorded) and ``x_wgrad`` every weight-gradient input, saved or recomputed. Several full passes over each operand: this is a
 diagnostic, not free (``benchmarks/bench_fp8_stats.py`` measures it); sample a step now and then.
 While a collector records, each block op (``coat._ops.block``) also returns the GEMM inputs it
 makes inside (the normed and SwiGLU activations, the recomputed weight-gradient inputs) and their
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from .._ops import quantize as qops
+from .._ops.enums import FP8_DTYPE_IDS
 
 __all__ = ["Fp8Stats", "fp8_stats", "ROLES"]
 
@@ -50,6 +54,27 @@ def _add_counts(entry: "_Entry", x: torch.Tensor, scale: torch.Tensor, fp8_dtype
     counts and amax, in one pass of the core (coat/operand_stats.h) on x's device, no host sync."""
     half_sub, clip = _LIMITS[fp8_dtype]
     qops.fp8_operand_stats(x.contiguous(), scale.float().reshape(1), half_sub, clip, entry.counts, entry.amax)
+
+
+def _add_scaled_counts(entry: "_Entry", x, mode: str, transposed: bool, fp8_dtype: torch.dtype) -> None:
+    """Adds one operand quantized at row or block granularity (``mode``, a ``quantize.SCALE_MODES``
+    name; ``transposed``: as the weight-gradient GEMM's transposed operand) by coat's own scaled
+    quantizer: the same counts, from its codes (a zero code of a non-zero element is an underflow;
+    with a scale per group from its amax only infinities saturate). ``x``: a tensor or the stacked
+    parts of a weight, quantized as one matrix (its 128x128 tiles cross the parts)."""
+    parts = [p.reshape(-1, p.shape[-1]).contiguous() for p in (x if isinstance(x, (list, tuple)) else (x,))]
+    rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    if rows * cols == 0:
+        return
+    q, _, q_t, _ = qops.quantize_scaled(parts, rows, cols, FP8_DTYPE_IDS[fp8_dtype], None if transposed else mode,
+                                        mode if transposed else None)
+    codes = (q_t.t() if transposed else q).view(torch.uint8)
+    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+    nz = whole != 0  # NaN included, as the per-tensor count
+    entry.counts[0] += nz.sum()
+    entry.counts[1] += (nz & ((codes & 0x7F) == 0)).sum()
+    entry.counts[2] += torch.isinf(whole).sum()
+    entry.amax.copy_(torch.maximum(entry.amax, whole.abs().amax().float()))  # NaN stays NaN
 
 
 class _Entry:
@@ -110,18 +135,25 @@ class Fp8Stats:
             self._groups[ids] = name
         return name
 
-    def record(self, weights, role: str, x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> None:
-        """Adds one operand, quantized to ``fp8_dtype`` with ``scale``, of the projection whose
-        weights are ``weights`` (``x``: one tensor or the list of stacked weight parts)."""
-        if torch.compiler.is_compiling() or (scale.is_cuda and torch.cuda.is_current_stream_capturing()):
+    def record(self, weights, role: str, x: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype,
+               mode: str | None = None, transposed: bool = False) -> None:
+        """Adds one operand, quantized to ``fp8_dtype`` with the per-tensor ``scale``, of the
+        projection whose weights are ``weights`` (``x``: one tensor or the list of stacked weight
+        parts); with ``mode`` (row or block granularity: ``quantize.SCALE_MODES``), quantized in
+        that mode instead (``transposed``: as a weight-gradient operand), ``scale`` unused."""
+        parts = x if isinstance(x, (list, tuple)) else (x,)
+        if torch.compiler.is_compiling() or (parts[0].is_cuda and torch.cuda.is_current_stream_capturing()):
             return
         key = (self._group_name(weights), role)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry(scale.device)
-        for part in (x if isinstance(x, (list, tuple)) else (x,)):
-            _add_counts(entry, part, scale, fp8_dtype)
-            entry.numel += part.numel()
+            entry = self._entries[key] = _Entry(parts[0].device)
+        if mode is not None:
+            _add_scaled_counts(entry, list(parts), mode, transposed, fp8_dtype)
+        else:
+            for part in parts:
+                _add_counts(entry, part, scale, fp8_dtype)
+        entry.numel += sum(p.numel() for p in parts)
         entry.calls += 1
 
     # ---- reading --------------------------------------------------------------------------

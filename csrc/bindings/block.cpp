@@ -32,7 +32,8 @@
 // transposed ones for the backward GEMMs are quantized from that source too, never requantized
 // from codes. They quantize the weight in each call (no caller's codes).
 // want_stats: also return what coat.Fp8Stats reads that the block would otherwise free (the GEMM
-// inputs made here and their scales); it changes no result.
+// inputs made here and, per tensor, their scales; Fp8Stats quantizes row and block operands anew);
+// it changes no result.
 #include <nanobind/stl/vector.h>
 
 #include <utility>
@@ -55,12 +56,11 @@ struct Modes {
   ScaleMode act = ScaleMode::kTensor, weight = ScaleMode::kTensor;
   bool scaled() const { return act != ScaleMode::kTensor; }
 };
-Modes modes_of(int g, bool caller_codes, bool want_stats) {
+Modes modes_of(int g, bool caller_codes) {
   COAT_CHECK_ARG(g >= 0 && g <= 2, "granularity must be 0 (tensor), 1 (row) or 2 (block), got " + std::to_string(g));
   if (g == 0) return {};
   COAT_CHECK_ARG(!caller_codes, "row and block scaling quantize the weight in each call: the weight cache and "
                                 "FP8-frozen weights take per-tensor scaling (granularity 'tensor')");
-  COAT_CHECK_ARG(!want_stats, "coat.Fp8Stats reads per-tensor scales: record statistics with granularity 'tensor'");
   return g == 1 ? Modes{ScaleMode::kRow, ScaleMode::kRow} : Modes{ScaleMode::kVec128, ScaleMode::kBlock128};
 }
 
@@ -118,7 +118,7 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
                        std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
                        bool want_stats, int act_fmt, int granularity) {
   const Pre pre = pre_arg(pre_);
-  const Modes md = modes_of(granularity, w_codes_.has_value(), want_stats);
+  const Modes md = modes_of(granularity, w_codes_.has_value());
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
   const DType out_type = dtype_arg(out_dtype);
@@ -153,13 +153,15 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
     const int64_t m = in.shape[0], n = rows_of(w.parts);
     const int64_t mp = scaled_pad(m, in.cuda), kp = scaled_pad(k, in.cuda), np = scaled_pad(n, in.cuda);
     ScaledFp8 xq = quantize_scaled({in}, mp, kp, fa, md.act, md.act, true, pre == Pre::kNone && save_input_t, stream);
+    Created stat_in = want_stats ? std::move(y) : Created();  // the pre-op's output, for Fp8Stats
     y = Created();
     if (pre == Pre::kNone) s0 = std::move(xq.q_t), s1 = std::move(xq.scale_t);
     ScaledFp8 wq = quantize_scaled(w.parts, np, kp, fa, md.weight, md.weight, true, false, stream);
     opt.fast_accum = fast_accum && md.act != ScaleMode::kVec128;  // block GEMMs accumulate in split fp32 only
     Created out = gemm_scaled({xq.q.view, xq.scale.view, md.act, fa}, {wq.q.view, wq.scale.view, md.weight, fa}, m, n,
                               out_type, opt, stream);
-    return nb::make_tuple(out.tensor, wq.scale.tensor, or_none(s0), or_none(s1), or_none(s2), nb::none(), nb::none());
+    return nb::make_tuple(out.tensor, wq.scale.tensor, or_none(s0), or_none(s1), or_none(s2), or_none(stat_in),
+                          nb::none());
   }
   PerTensorFp8 q = quantize_amax(in, fa, pre == Pre::kNone && save_input_t, stream);
   // Not needed after its quantization: freed before the weight's codes are made (unless read by stats).
@@ -210,7 +212,7 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
                        std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
                        bool want_stats, int act_fmt, int grad_fmt, int granularity) {
   const Pre pre = pre_arg(pre_);
-  const Modes md = modes_of(granularity, w_codes_t_.has_value(), want_stats);
+  const Modes md = modes_of(granularity, w_codes_t_.has_value());
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
   const DType wgrad_type = dtype_arg(wgrad_dtype);
@@ -289,7 +291,7 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
   };
   auto wgrad_of = [&](Created in) {  // a recomputed input, freed before its GEMM (unless read by stats)
     auto [qt, st] = codes_t(in.view);
-    if (want_stats && !md.scaled()) stat_in = std::move(in);
+    if (want_stats) stat_in = std::move(in);
     in = Created();
     return wgrad(qt.view, st.view);
   };

@@ -290,7 +290,7 @@ def test_fake_implementations_match_the_ops(gen, granularity, pre):
     nw = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
     ws = [(torch.randn(r, k, generator=gen) / k**0.5).to(torch.bfloat16) for r in (16, 8)]
     d = torch.randn(m, 24, generator=gen).to(torch.bfloat16)
-    for save_t, need_w, stats in ((True, True, False), (False, False, False), (True, True, granularity == 0)):
+    for save_t, need_w, stats in ((True, True, False), (False, False, False), (True, True, True)):
         fwd_args = (x, pre, nw if pre == blk.NORM else None, 1e-5, False, ws, None, None, save_t, torch.bfloat16,
                     False, 0, 0, stats, 0, granularity)
         real = blk.block_fwd(*fwd_args)
@@ -328,3 +328,29 @@ def test_kernel_odd_pads_mixed_modes_and_empty_shapes(gen):
         got = qops.quantize_scaled([src.cuda()], *pads, FMT[E4], *pair)
         for w, g_ in zip(want, got):
             assert (w is None) == (g_ is None) and (w is None or torch.equal(w, g_.cpu())), (pads, pair)
+
+
+@pytest.mark.parametrize("granularity", ["row", "block"])
+def test_fp8_stats_count_the_operands_at_the_recipes_granularity(gen, granularity):
+    """coat.Fp8Stats at row/block scaling: every projection's four operands recorded, each counted
+    from the scaled quantizer's own codes (checked here on the weights, whose codes are fixed)."""
+    from coat._ops import block as blk
+
+    model = coat.convert(_llama(), recipe=Fp8Recipe(granularity=granularity))
+    ids = torch.randint(0, 96, (2, 24), generator=gen)
+    with coat.fp8_stats(model) as st:
+        model(input_ids=ids, labels=ids).loss.backward()
+    data = st.read()
+    down = data["model.layers.0.mlp.down_proj"]
+    assert set(down) == {"x", "w", "dy", "x_wgrad"}
+    assert set(data["model.layers.1.self_attn.o_proj"]) == {"x", "w", "dy", "x_wgrad"}
+    w = model.model.layers[0].mlp.down_proj.weight.detach()
+    w_mode = blk.MODES[granularity][1]
+    q, _, _, _ = qops.quantize_scaled([w], *w.shape, FMT[E4], w_mode, None)
+    nz = w != 0
+    assert down["w"]["nonzero"] == int(nz.sum())
+    assert down["w"]["underflow"] == int((nz & ((q.view(torch.uint8) & 0x7F) == 0)).sum())
+    assert down["w"]["amax"] == pytest.approx(w.abs().max().item())
+    assert down["x"]["numel"] == 2 * 24 * 160 and down["x_wgrad"]["numel"] == 2 * 24 * 160
+    for role in ("x", "dy", "x_wgrad"):
+        assert down[role]["saturated"] == 0 and 0 <= down[role]["underflow_frac"] < 0.01
