@@ -36,6 +36,10 @@ SNSM_PROJ = ("svd", "randomized")
 from coat.nn.recipe import GRANULARITIES as FP8_GRANULARITIES  # noqa: E402  (the FP8 layers' scaling choices)
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_SEED = 2**32 - 1
+#: Flags that may differ from the original run when resuming it (any other flag given must
+#: repeat the run's value). A new --steps of a cosine or linear schedule continues the decay from
+#: the lr at the resume point (coat.cli.train's ``_continue_schedule``).
+RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "threads", "cache_dir", "fp8_stats")
 MODEL_FLAGS = ("model", "hidden_size", "layers", "heads", "intermediate_size", "max_positions")
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
