@@ -109,7 +109,10 @@ class Recipe:
         if granularity != "tensor" and (self.side or self.lora):
             raise ValueError(f"--fp8-granularity {granularity}: --recipe {self.name} keeps its frozen base in FP8 "
                              "with per-tensor scales (row and block scaling need 'tensor' there)")
-        return replace(self, fp8_granularity=granularity)
+        base, *mods = self.name.split("+")
+        mods = [m for m in mods if m not in ("row", "block")] + ([granularity] if granularity != "tensor" else [])
+        return replace(self, fp8_granularity=granularity,
+                       name=names.Setup(base, tuple(m for m in names.MODES if m in mods)).name)
 
     def with_modes(self, *, grad_release: bool | None = None, fused_loss: bool | None = None,
                    graph: bool | None = None, lora: bool | None = None, side: bool | None = None) -> "Recipe":
@@ -139,7 +142,8 @@ class Recipe:
                         "linear (fp32 adapters, torch AdamW)")
         default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
         mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
-                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora, "side": r.side}
+                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora, "side": r.side,
+                r.fp8_granularity: r.fp8_granularity != "tensor"}
         return replace(r, name=names.Setup(base, tuple(m for m in names.MODES if mods.get(m))).name)
 
 
@@ -177,6 +181,9 @@ def recipe(name: str) -> Recipe:
         raise ValueError(f"--recipe {name!r}: {kind} {s.recipe} ({what}) has no memory model (modeled: "
                          f"{', '.join(RECIPES)})")
     r = RECIPES[s.recipe]
+    for g in ("row", "block"):
+        if s.has(g):
+            r = r.with_granularity(g)
     if not s.modes:
         return r
     fused = True if s.has("fused-loss") else False if s.has("hf-loss") else None

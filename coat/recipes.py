@@ -29,6 +29,9 @@ RECIPES: dict[str, str] = {
 
 #: The modes, in the order they are written; each a one-line description.
 MODES: dict[str, str] = {
+    "row": "the FP8 layers scale per token and per weight channel (Fp8Recipe(granularity='row'))",
+    "block": "the FP8 layers scale 1x128 activation/gradient groups and 128x128 weight tiles "
+             "(Fp8Recipe(granularity='block'))",
     "lora": "PEFT LoRA adapters, the base weights frozen",
     "side": "Quantized Side Tuning (coat.SideTuned): the base frozen in FP8 and run without grad, a side network "
             "of width hidden/16 trains beside it",
@@ -59,6 +62,8 @@ ALIASES: dict[str, str] = {
 
 #: The recipes ``+side`` combines with: their layers keep a frozen base in FP8 (coat.convert).
 SIDE_RECIPES = ("fp8", "coat", "coat-lean")
+#: The recipes with FP8 layers, which ``+row`` and ``+block`` scale more finely.
+FP8_RECIPES = ("fp8", "coat", "coat-lean", "coat4bit", "coat4bit-lean", "snsm", "snsm-lean")
 
 
 class Setup(NamedTuple):
@@ -95,6 +100,13 @@ def parse(name: str, flag: str = "--recipe") -> Setup:
         raise ValueError(f"{flag} {name!r}: fused-loss and hf-loss exclude each other")
     if "side" in mods and "lora" in mods:
         raise ValueError(f"{flag} {name!r}: side and lora exclude each other (each is a way to fine-tune)")
+    if "row" in mods and "block" in mods:
+        raise ValueError(f"{flag} {name!r}: row and block exclude each other (each is a scaling of the FP8 layers)")
+    scaled = [m for m in ("row", "block") if m in mods]
+    if scaled and base not in FP8_RECIPES:
+        raise ValueError(f"{flag} {name!r}: +{scaled[0]} scales the FP8 layers: recipes {', '.join(FP8_RECIPES)}")
+    if scaled and ("lora" in mods or "side" in mods):
+        raise ValueError(f"{flag} {name!r}: +{scaled[0]} does not combine with a base frozen in FP8 (lora, side)")
     if "side" in mods and base not in SIDE_RECIPES:
         raise ValueError(f"{flag} {name!r}: side tuning runs on the FP8 frozen base: recipes "
                          f"{', '.join(SIDE_RECIPES)}")

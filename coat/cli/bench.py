@@ -432,7 +432,8 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
                    "LoRA: bf16+lora (PEFT), coat+lora, coat+lora+graph, qlora (PEFT + bitsandbytes 4-bit); side tuning "
                    "(QST on the FP8 frozen base, r=16): coat+side; 4-bit optimizer states (coat.optim.AdamW4bit): coat4bit, "
                    "coat4bit-lean, coat4bit-lean+release; Subset-Norm + Subspace-Momentum (coat.optim.SubsetNormSM, "
-                   "one GPU): snsm, snsm-lean, snsm-lean+release; or all "
+                   "one GPU): snsm, snsm-lean, snsm-lean+release; the FP8 layers at finer scaling (sm_90): coat+row, "
+                   "coat+block, coat-lean+block+release; or all "
                    "(default: " + " ".join(DEFAULT_SETUPS) + "); " + recipes.alias_help())
     g.add_argument("--batch", "--batches", dest="batches", nargs="+", metavar="B",
                    help="batches (sequences per GPU), e.g. 1 2 4 or 1,2,4; 'auto': 1, 2, 4, ... to --max-batch "

@@ -130,16 +130,17 @@ def _prep_bf16(model, ctx):
 
 
 def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, graphed: bool = False,
-               optim: str = "AdamW"):
+               optim: str = "AdamW", granularity: str = "tensor"):
     # coat.convert's defaults (FP8 layers, fused LM head + loss); ``release``: the optimizer steps
     # inside backward (coat.optim.step_in_backward); ``fused_loss=False``: Hugging Face's loss path;
     # ``graphed``: the step replayed from CUDA graphs (coat.CudaGraphStep); ``optim``: the class in
-    # coat.optim (AdamW: FP8 states, AdamW4bit: 4-bit states, SubsetNormSM).
+    # coat.optim (AdamW: FP8 states, AdamW4bit: 4-bit states, SubsetNormSM); ``granularity``: the
+    # FP8 layers' scaling (Fp8Recipe.granularity).
     def prepare(model, ctx):
         import coat
         import coat.optim
 
-        coat.convert(model, recipe="coat", fused_loss=fused_loss)
+        coat.convert(model, recipe=coat.Fp8Recipe(granularity=granularity), fused_loss=fused_loss)
         if ctx.mesh is not None:
             _shard(model, ctx)
         # SubsetNormSM: Subset-Norm + Subspace-Momentum on the projection matrices, FP8 AdamW on the rest
@@ -273,6 +274,12 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           _prep_coat("bf16_sr", optim="SubsetNormSM"), fsdp=False),
     Setup("snsm-lean+release", "snsm-lean with the optimizer step inside backward", torch.bfloat16,
           _prep_coat("bf16_sr", release=True, optim="SubsetNormSM"), fsdp=False),
+    Setup("coat+row", "coat with row scaling (per token, per weight channel)", torch.bfloat16,
+          _prep_coat("fp32", granularity="row")),
+    Setup("coat+block", "coat with block scaling (1x128 activations and gradients, 128x128 weights)", torch.bfloat16,
+          _prep_coat("fp32", granularity="block")),
+    Setup("coat-lean+block+release", "coat-lean with block scaling and the optimizer step inside backward",
+          torch.bfloat16, _prep_coat("bf16_sr", release=True, granularity="block")),
     Setup("coat+graph", "coat, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,
           _prep_coat("fp32", graphed=True), cuda_only=True, fsdp=False, graphed=True),
     Setup("coat-lean+graph", "coat-lean, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,

@@ -209,7 +209,8 @@ TRAIN_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
     "snsm": ("snsm", {}), "snsm-lean": ("snsm", {"master_weights": "bf16_sr"})}
 #: coat.recipes' modes that coat train runs, and the flags they set (+lora: with --lora RANK, and
 #: on the FP8 layers --frozen-fp8).
-TRAIN_MODES: dict[str, dict[str, Any]] = {"lora": {}, "side": {}, "release": {"release_grads": True},
+TRAIN_MODES: dict[str, dict[str, Any]] = {"row": {"fp8_granularity": "row"}, "block": {"fp8_granularity": "block"},
+                                          "lora": {}, "side": {}, "release": {"release_grads": True},
                                           "graph": {"cuda_graph": True}}
 
 
@@ -226,8 +227,8 @@ def setup_name(cfg: TrainConfig) -> str:
         base = cfg.optim + ("-lean" if cfg.master_weights == "bf16_sr" else "")
     else:
         return recipe_name(cfg.activations, cfg.optim)
-    on = {"lora": bool(cfg.lora), "side": bool(cfg.side_tuning), "release": cfg.release_grads,
-          "graph": cfg.cuda_graph}
+    on = {"row": cfg.fp8_granularity == "row", "block": cfg.fp8_granularity == "block", "lora": bool(cfg.lora),
+          "side": bool(cfg.side_tuning), "release": cfg.release_grads, "graph": cfg.cuda_graph}
     return recipes.Setup(base, tuple(m for m in recipes.MODES if on.get(m))).name
 
 

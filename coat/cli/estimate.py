@@ -142,6 +142,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     shape = memory.load_shape(args.model)
     rec = memory.recipe(args.recipe)
     if args.fp8_granularity != "tensor":
+        if rec.fp8_granularity not in ("tensor", args.fp8_granularity):
+            raise ValueError(f"--fp8-granularity {args.fp8_granularity}: --recipe {rec.name} names "
+                             f"{rec.fp8_granularity} scaling")
         rec = rec.with_granularity(args.fp8_granularity)
     here = _gpu_here()
     gpu = None  # the GPU the fit is sized for, when one is named or present

@@ -43,3 +43,21 @@ def test_the_plan_counts_block_scales() -> None:
         memory.recipe("bf16").with_granularity("block")
     with pytest.raises(ValueError, match="--fp8-granularity must be one of tensor, row, block"):
         rec.with_granularity("channel")
+
+
+def test_the_setup_vocabulary_names_the_granularity() -> None:
+    """coat+block / coat-lean+block+release: one name across coat train, estimate and bench."""
+    from coat import recipes
+    from coat.cli import bench_worker
+    from coat.cli.config import TrainConfig, expand_setup, resolve_config, setup_name
+
+    cfg, given = expand_setup(TrainConfig(recipe="coat-lean+block+release"))
+    assert cfg.fp8_granularity == "block" and cfg.release_grads and "fp8_granularity" in given
+    assert setup_name(resolve_config(cfg)) == "coat-lean+block+release"
+    assert memory.recipe("coat-lean+block+release").fp8_granularity == "block"
+    assert memory.recipe("coat").with_granularity("row").name == "coat+row"
+    assert {"coat+row", "coat+block", "coat-lean+block+release"} <= set(bench_worker.SETUPS)
+    for bad, match in (("bf16+block", r"\+block scales the FP8 layers"), ("coat+row+block", "exclude each other"),
+                       ("coat+block+lora", "does not combine with a base frozen in FP8")):
+        with pytest.raises(ValueError, match=match):
+            recipes.parse(bad)
