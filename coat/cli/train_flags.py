@@ -123,8 +123,8 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    "decoder layers, FP8 optimizer states; coat-lean: coat with --master-weights bf16_sr; fp8: the "
                    "FP8 layers without FP8 optimizer states; bf16: the plain PyTorch baseline (fp32 weights, "
                    "autocast from --dtype), amp / fp32: that baseline with / without bf16 autocast. Modes after "
-                   "'+': +release (= --release-grads), +graph (= --cuda-graph), +lora (with --lora RANK), +side (= "
-                   "--side-tuning, R 16 unless given), e.g. "
+                   "'+': +row / +block (= --fp8-granularity), +release (= --release-grads), +graph (= --cuda-graph), "
+                   "+lora (with --lora RANK), +side (= --side-tuning, R 16 unless given), e.g. "
                    "coat-lean+release. The run is recorded under its setup name "
                    "(setup in config.json and summary.json: amp for the baseline on a GPU), which coat estimate "
                    "--recipe and coat bench --recipe take as is (recipes: " + ", ".join(TRAIN_SETUPS) + ")")
