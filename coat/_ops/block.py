@@ -36,6 +36,11 @@ NONE, NORM, SWIGLU = BLOCK_PRE["none"], BLOCK_PRE["norm"], BLOCK_PRE["swiglu"]  
 GRANULARITY_IDS = {"tensor": 0, "row": 1, "block": 2}
 MODES = {"row": ("row", "row"), "block": ("1x128", "128x128")}
 _MODES = {GRANULARITY_IDS[g]: m for g, m in MODES.items()}
+#: Group scaling (per-tensor granularity): the RMSNorm and SwiGLU kernels write the amax of the GEMM
+#: inputs and gradients they produce in the same pass, so no amax pass re-reads them. False runs an
+#: amax pass per operand instead: the same codes and scales bit for bit, kept for A/B measurement
+#: (benchmarks/bench_layer.py) and the tests that hold the two equal.
+PRODUCER_AMAX = True
 _U8, _F32, _E4M3 = torch.uint8, torch.float32, torch.float8_e4m3fn
 _FP8 = {i: dt for dt, i in _FMT.items()}  # the core's format id -> torch FP8 dtype
 
@@ -82,7 +87,7 @@ def _fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t
         st = _stream(x)
         return _C.block_fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t,
                             _dtype_id(out_dtype, "out_dtype"), fast_accum, _ws(x, st), _gemm.forced_bf16(), st,
-                            norm_kind, act, want_stats, act_fmt, granularity)
+                            norm_kind, act, want_stats, act_fmt, granularity, PRODUCER_AMAX)
 
 
 def _pad(n: int, t: torch.Tensor) -> int:
@@ -126,27 +131,31 @@ def block_bwd(dout: torch.Tensor, pre: int, need_w: bool, weights: list[torch.Te
               w_codes_t: Optional[torch.Tensor], s0: Optional[torch.Tensor], s1: Optional[torch.Tensor],
               s2: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], wgrad_input: Optional[torch.Tensor],
               y_dtype: torch.dtype, wgrad_dtype: torch.dtype, norm_kind: int, act: int, want_stats: bool,
-              act_fmt: int, grad_fmt: int, granularity: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dnorm or empty, dw or empty, d_scale or empty, stat_in, stat_scale), block.cpp's block_bwd."""
+              act_fmt: int, grad_fmt: int, granularity: int = 0,
+              dout_amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """(dx, dnorm or empty, dw or empty, d_scale or empty, stat_in, stat_scale, dx_amax or empty),
+    block.cpp's block_bwd."""
     r = _bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype,
-             wgrad_dtype, norm_kind, act, want_stats, act_fmt, grad_fmt, granularity)
+             wgrad_dtype, norm_kind, act, want_stats, act_fmt, grad_fmt, granularity, dout_amax)
     return tuple(_or_empty(t, dout) for t in r)
 
 
 def _bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype, wgrad_dtype,
-         norm_kind, act, want_stats, act_fmt, grad_fmt, granularity=0):
+         norm_kind, act, want_stats, act_fmt, grad_fmt, granularity=0, dout_amax=None):
     """The binding's call: None where block_bwd returns an empty tensor."""
     with dev_ctx(dout):
         st = _stream(dout)
         return _C.block_bwd(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input,
                             _dtype_id(y_dtype, "y_dtype"), _dtype_id(wgrad_dtype, "wgrad_dtype"), _ws(dout, st),
-                            _gemm.forced_bf16(), st, norm_kind, act, want_stats, act_fmt, grad_fmt, granularity)
+                            _gemm.forced_bf16(), st, norm_kind, act, want_stats, act_fmt, grad_fmt, granularity,
+                            PRODUCER_AMAX, dout_amax)
 
 
 @block_bwd.register_fake
 def _(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, wgrad_input, y_dtype, wgrad_dtype,
-      norm_kind, act, want_stats, act_fmt, grad_fmt, granularity=0):
+      norm_kind, act, want_stats, act_fmt, grad_fmt, granularity=0, dout_amax=None):
     m, n = dout.shape
     k = w_codes_t.shape[0] if w_codes_t is not None else weights[0].shape[1]  # the GEMM's K
     dx = dout.new_empty((m, 2 * k) if pre == SWIGLU else (m, k))
@@ -159,7 +168,8 @@ def _(dout, pre, need_w, weights, w_scale, w_codes_t, s0, s1, s2, norm_weight, w
     stat_scale = (dout.new_empty(1, dtype=_F32) if stats and not granularity and (pre != NONE or wgrad_input is not None)
                   else dout.new_empty(0))
     d_scale = dout.new_empty(0) if granularity else dout.new_empty(1, dtype=_F32)
-    return dx, dnorm, dw, d_scale, stat_in, stat_scale
+    dx_amax = dout.new_empty(1, dtype=_F32) if pre == SWIGLU and PRODUCER_AMAX and not granularity else dout.new_empty(0)
+    return dx, dnorm, dw, d_scale, stat_in, stat_scale, dx_amax
 
 
 def _plain(t: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
@@ -208,22 +218,27 @@ class Bwd(NamedTuple):
     d_scale: Optional[torch.Tensor]  # the output gradient's per-tensor scale (None with row/block scaling)
     stat_in: Optional[torch.Tensor]  # with stats and dW: the recomputed GEMM input (pre-ops only)
     stat_scale: Optional[torch.Tensor]  # ... and (per tensor) its scale
+    dx_amax: Optional[torch.Tensor] = None  # dx's amax from the SwiGLU backward that wrote it (group scaling)
 
 
 def backward(d2: torch.Tensor, pre: int, need_w: bool, weights: Sequence[torch.Tensor], w_scale: torch.Tensor,
              w_codes_t: Optional[torch.Tensor], saved: Sequence[Optional[torch.Tensor]],
              norm_weight: Optional[torch.Tensor], wgrad_input: Optional[torch.Tensor], y_dtype: torch.dtype,
              wgrad_dtype: torch.dtype, unit_offset: bool = False, act: int = SILU, want_stats: bool = False,
-             act_dtype: torch.dtype = _E4M3, grad_dtype: torch.dtype = torch.float8_e5m2, granularity: int = 0) -> Bwd:
+             act_dtype: torch.dtype = _E4M3, grad_dtype: torch.dtype = torch.float8_e5m2, granularity: int = 0,
+             dout_amax: Optional[torch.Tensor] = None) -> Bwd:
     """The backward of a block; ``act_dtype``, ``grad_dtype``: the FP8 formats of its forward's
-    activations and weight, and of its output gradient."""
+    activations and weight, and of its output gradient; ``dout_amax``: d2's amax as its producer
+    wrote it (``Bwd.dx_amax`` of the block downstream), or None."""
     kind = NORM_KINDS["unit_offset" if unit_offset else "scaled"]
     s0, s1, s2 = saved
     op = _bwd if _plain(d2, weights) else block_bwd
-    dx, dnorm, dw, ds, st_in, st_scale = op(d2, pre, need_w, list(weights), w_scale, w_codes_t, s0, s1, s2,
-                                            norm_weight, wgrad_input, y_dtype, wgrad_dtype, kind, act, want_stats,
-                                            _FMT[act_dtype], _FMT[grad_dtype], granularity)
+    dx, dnorm, dw, ds, st_in, st_scale, dx_amax = op(d2, pre, need_w, list(weights), w_scale, w_codes_t, s0, s1, s2,
+                                                     norm_weight, wgrad_input, y_dtype, wgrad_dtype, kind, act,
+                                                     want_stats, _FMT[act_dtype], _FMT[grad_dtype], granularity,
+                                                     dout_amax)
     stats = want_stats and need_w
     return Bwd(dx, dnorm if pre == NORM else None, dw if need_w else None, None if granularity else ds,
                st_in if stats and pre != NONE else None,
-               st_scale if stats and not granularity and (pre != NONE or wgrad_input is not None) else None)
+               st_scale if stats and not granularity and (pre != NONE or wgrad_input is not None) else None,
+               dx_amax if dx_amax is not None and dx_amax.numel() else None)

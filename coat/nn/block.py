@@ -31,6 +31,8 @@ returns the inputs it makes when asked): the same results, the same one call.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -104,6 +106,27 @@ def _want_stats() -> bool:
     return S.active is not None and not torch.compiler.is_compiling()
 
 
+# Group scaling across blocks: a SwiGLU backward writes the amax of the gradient it returns (dgu),
+# which the gate/up block's backward quantizes next. It is handed over per thread (autograd runs
+# each device's backward on its own thread) as (weak reference to the returned gradient, its
+# version, amax) and taken only by a backward that receives that very tensor unchanged: a hook that
+# returned another tensor, an in-place edit, a sum with another gradient or a cast all fall back
+# to an amax pass.
+_handoff = threading.local()
+
+
+def _give_amax(dx: torch.Tensor, amax: Optional[torch.Tensor]) -> None:
+    _handoff.item = None if amax is None else (weakref.ref(dx), dx._version, amax)
+
+
+def _take_amax(dout: torch.Tensor) -> Optional[torch.Tensor]:
+    item, _handoff.item = getattr(_handoff, "item", None), None
+    if item is None or torch.compiler.is_compiling():
+        return None
+    ref, version, amax = item
+    return amax if ref() is dout and dout._version == version else None
+
+
 class _BlockFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta: tuple, x, norm_w, *params):
@@ -154,16 +177,18 @@ class _BlockFn(torch.autograd.Function):
         spec = ctx.spec
         tensors = ctx.saved_tensors  # read once: checkpointing unpacks each saved tensor only once
         saved, (w_scale, norm_w), weights = tensors[:3], tensors[3:5], tensors[5:]
+        d_amax = _take_amax(dout)
         d2 = dout.reshape(-1, dout.shape[-1])
         if d2.dtype != spec.cdt:
-            d2 = d2.to(spec.cdt)
+            d2, d_amax = d2.to(spec.cdt), None
         if not d2.is_contiguous():
             d2 = d2.contiguous()
         need_w = any(ctx.needs_input_grad[3:3 + spec.n_w])
         if ctx.fp8_pre or spec.pre == NONE:
-            dx, dnorm, dw = _backward(ctx, d2, need_w, saved, w_scale, norm_w, weights)
+            dx, dnorm, dw, dx_amax = _backward(ctx, d2, need_w, saved, w_scale, norm_w, weights, d_amax)
         else:
-            dx, dnorm, dw = _backward_torch_pre(ctx, d2, need_w, saved[0], w_scale, norm_w, weights)
+            dx, dnorm, dw = _backward_torch_pre(ctx, d2, need_w, saved[0], w_scale, norm_w, weights, d_amax)
+            dx_amax = None
         grads_w = [None] * spec.n_w
         if need_w:
             grads_w = list(torch.split(dw, [w.shape[0] for w in weights], 0)) if spec.n_w > 1 else [dw]
@@ -173,11 +198,13 @@ class _BlockFn(torch.autograd.Function):
             grads_b = [g.to(dt) for g, (_, dt) in zip(torch.split(db, [m for m, _ in ctx.bias_meta]), ctx.bias_meta)]
         if dnorm is not None:
             dnorm = dnorm.to(norm_w.dtype)
+        same = dx.dtype == ctx.x_dtype
         dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+        _give_amax(dx, dx_amax if same else None)
         return (None, dx, dnorm, *grads_w, *grads_b)
 
 
-def _block_backward(ctx, d2, pre, need_w, saved, w_scale, norm_w, weights, wgrad_input=None) -> blk.Bwd:
+def _block_backward(ctx, d2, pre, need_w, saved, w_scale, norm_w, weights, wgrad_input=None, d_amax=None) -> blk.Bwd:
     """The block op's backward (the weight from the forward's source), recording for ``Fp8Stats``."""
     spec = ctx.spec
     codes_t = W.backward_codes(spec.source, weights, w_scale, spec.recipe.act_dtype)
@@ -185,7 +212,7 @@ def _block_backward(ctx, d2, pre, need_w, saved, w_scale, norm_w, weights, wgrad
     r = spec.recipe
     b = blk.backward(d2, pre, need_w, weights if codes_t is None else [], w_scale, codes_t, saved, norm_w,
                      wgrad_input, ctx.x_dtype, wgrad_dtype(weights[0]), spec.unit_offset, ACT_IDS[spec.act], stats,
-                     r.act_dtype, r.grad_dtype, blk.GRANULARITY_IDS[r.granularity])
+                     r.act_dtype, r.grad_dtype, blk.GRANULARITY_IDS[r.granularity], d_amax)
     if stats and r.granularity == "tensor":
         S.active.record(weights, "dy", d2, b.d_scale, r.grad_dtype)
         if b.stat_scale is not None:  # the weight gradient's input, recomputed and quantized anew
@@ -200,14 +227,15 @@ def _block_backward(ctx, d2, pre, need_w, saved, w_scale, norm_w, weights, wgrad
     return b
 
 
-def _backward(ctx, d2, need_w, saved, w_scale, norm_w, weights):
-    """(dx, dnorm, dw) of a block whose pre-op (if any) ran in the block op."""
+def _backward(ctx, d2, need_w, saved, w_scale, norm_w, weights, d_amax):
+    """(dx, dnorm, dw, dx_amax) of a block whose pre-op (if any) ran in the block op."""
     pre = ctx.spec.pre
-    b = _block_backward(ctx, d2, pre, need_w, tuple(saved), w_scale, norm_w if pre == NORM else None, weights)
-    return b.dx, b.dnorm, b.dw
+    b = _block_backward(ctx, d2, pre, need_w, tuple(saved), w_scale, norm_w if pre == NORM else None, weights,
+                        d_amax=d_amax)
+    return b.dx, b.dnorm, b.dw, b.dx_amax
 
 
-def _backward_torch_pre(ctx, d2, need_w, x2, w_scale, norm_w, weights):
+def _backward_torch_pre(ctx, d2, need_w, x2, w_scale, norm_w, weights, d_amax):
     """(dx, dnorm, dw) of a block whose pre-op ran in torch: recomputed here with a graph, its
     output the weight gradient's input, differentiated by autograd."""
     spec = ctx.spec
@@ -216,7 +244,7 @@ def _backward_torch_pre(ctx, d2, need_w, x2, w_scale, norm_w, weights):
         wr = norm_w.detach().requires_grad_() if spec.pre == NORM else None
         y = _torch_pre(spec, xr, wr)
     yin = y.detach().contiguous() if need_w else None
-    b = _block_backward(ctx, d2, NONE, need_w, (None, None, None), w_scale, None, weights, yin)
+    b = _block_backward(ctx, d2, NONE, need_w, (None, None, None), w_scale, None, weights, yin, d_amax)
     del yin
     inputs = (xr, wr) if wr is not None else (xr,)
     grads = torch.autograd.grad(y, inputs, b.dx.to(y.dtype))

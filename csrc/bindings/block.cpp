@@ -31,6 +31,12 @@
 // one read of their bf16 source (quantize_scaled), zero-padded to multiples of 16 on CUDA; the
 // transposed ones for the backward GEMMs are quantized from that source too, never requantized
 // from codes. They quantize the weight in each call (no caller's codes).
+// producer_amax (group scaling, per-tensor granularity): the pre-op kernels (RMSNorm forward and
+// its recompute, SwiGLU forward and backward) write the amax of what they produce in the same pass,
+// so the GEMM inputs they make are quantized with no amax pass; the backward also takes d's amax
+// from the caller (`dout_amax`: the SwiGLU backward of the block downstream wrote it) and returns
+// dX's when its pre-op wrote it. Off, every per-tensor operand takes its own amax pass: the same
+// codes and scales bit for bit (tests/python/test_block.py), kept to measure the difference.
 // want_stats: also return what coat.Fp8Stats reads that the block would otherwise free (the GEMM
 // inputs made here and, per tensor, their scales; Fp8Stats quantizes row and block operands anew);
 // it changes no result.
@@ -78,6 +84,9 @@ Pre pre_arg(int p) {
 
 nb::object or_none(const Created& c) { return c.tensor.is_valid() ? c.tensor : nb::none(); }
 
+// The producer's amax when it wrote one (group scaling), else null (quantize_amax runs an amax pass).
+const View* amax_of(const Created& amax) { return amax.tensor.is_valid() ? &amax.view : nullptr; }
+
 GemmOptions gemm_options(const std::optional<Array>& workspace, View& ws, bool force_bf16) {
   GemmOptions opt;
   if (workspace) opt.workspace = &(ws = view_of(*workspace, "workspace"));
@@ -116,9 +125,10 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
                        const std::vector<Array>& weights_, std::optional<Array> w_codes_,
                        std::optional<Array> w_scale_, bool save_input_t, int out_dtype, bool fast_accum,
                        std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
-                       bool want_stats, int act_fmt, int granularity) {
+                       bool want_stats, int act_fmt, int granularity, bool producer_amax) {
   const Pre pre = pre_arg(pre_);
   const Modes md = modes_of(granularity, w_codes_.has_value());
+  const bool emit_amax = producer_amax && !md.scaled();
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
   const DType out_type = dtype_arg(out_dtype);
@@ -137,15 +147,15 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
   GemmOptions opt = gemm_options(workspace_, ws, force_bf16);
   opt.fast_accum = fast_accum;
 
-  Created y, s0, s1, s2;  // the GEMM input in x's dtype (with a pre-op) and what is saved
+  Created y, y_amax, s0, s1, s2;  // the GEMM input in x's dtype (with a pre-op), its amax, what is saved
   if (pre == Pre::kNorm) {
     COAT_CHECK_ARG(norm_w_.has_value(), "norm_weight is required with pre=1 (norm)");
-    NormFwd n = rmsnorm_fwd(x, view_of(*norm_w_, "norm_weight"), norm_kind, eps, true, fa, e8m0, stream);
-    y = std::move(n.y);
+    NormFwd n = rmsnorm_fwd(x, view_of(*norm_w_, "norm_weight"), norm_kind, eps, true, fa, e8m0, stream, emit_amax);
+    y = std::move(n.y), y_amax = std::move(n.amax);
     s0 = std::move(n.saved.q), s1 = std::move(n.saved.scales), s2 = std::move(n.rstd);
   } else if (pre == Pre::kSwiglu) {
-    SwigluFwd sw = swiglu_fwd(x, act, true, fa, e8m0, stream);
-    y = std::move(sw.h);
+    SwigluFwd sw = swiglu_fwd(x, act, true, fa, e8m0, stream, emit_amax);
+    y = std::move(sw.h), y_amax = std::move(sw.amax);
     s0 = std::move(sw.saved.q), s1 = std::move(sw.saved.scales);
   }
   const View& in = pre == Pre::kNone ? x : y.view;
@@ -163,7 +173,7 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
     return nb::make_tuple(out.tensor, wq.scale.tensor, or_none(s0), or_none(s1), or_none(s2), or_none(stat_in),
                           nb::none());
   }
-  PerTensorFp8 q = quantize_amax(in, fa, pre == Pre::kNone && save_input_t, stream);
+  PerTensorFp8 q = quantize_amax(in, fa, pre == Pre::kNone && save_input_t, stream, amax_of(y_amax));
   // Not needed after its quantization: freed before the weight's codes are made (unless read by stats).
   Created stat_in = want_stats ? std::move(y) : Created();
   y = Created();
@@ -199,20 +209,25 @@ Saved saved_args(Pre pre, bool need_saved, const std::optional<Array>& s0, const
   return s;
 }
 
-// (dx, dnorm_weight or None, dw or None, d_scale, stat_in or None, stat_scale or None) of a block
+// (dx, dnorm_weight or None, dw or None, d_scale, stat_in or None, stat_scale or None, dx_amax or
+// None) of a block
 // from the output gradient d [M, N] (in the forward's output dtype), what the forward saved
 // (s0, s1, s2) and the weight's forward scale. d_scale: d's per-tensor E5M2 scale. stat_*: with
 // want_stats and need_w, the GEMM input recomputed for dW (None when it is `wgrad_input`, which
 // the caller holds) and its scale. y_dtype: the dtype of the recomputed GEMM input (x's);
 // wgrad_dtype: dw's dtype. wgrad_input (pre 0 only): the GEMM input, recomputed by the caller.
+// dout_amax: d's amax [1] from its producer, or None; dx_amax: dx's, when the pre-op wrote it
+// (SwiGLU with producer_amax), for the block that dx feeds.
 nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector<Array>& weights_,
                        const Array& w_scale_, std::optional<Array> w_codes_t_, std::optional<Array> s0_,
                        std::optional<Array> s1_, std::optional<Array> s2_, std::optional<Array> norm_w_,
                        std::optional<Array> wgrad_input_, int y_dtype, int wgrad_dtype,
                        std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
-                       bool want_stats, int act_fmt, int grad_fmt, int granularity) {
+                       bool want_stats, int act_fmt, int grad_fmt, int granularity, bool producer_amax,
+                       std::optional<Array> dout_amax_) {
   const Pre pre = pre_arg(pre_);
   const Modes md = modes_of(granularity, w_codes_t_.has_value());
+  const bool emit_amax = producer_amax && !md.scaled();
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
   const DType wgrad_type = dtype_arg(wgrad_dtype);
@@ -257,7 +272,10 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
     dq_a = {dqs.q.view, dqs.scale.view, md.act, fg};
     if (need_w) dq_t = {dqs.q_t.view, dqs.scale_t.view, md.act, fg};
   } else {
-    dq = quantize_amax(d, fg, need_w, stream);
+    View da;
+    const bool given = emit_amax && dout_amax_.has_value();
+    if (given) da = view_of(*dout_amax_, "dout_amax");
+    dq = quantize_amax(d, fg, need_w, stream, given ? &da : nullptr);
     dq_a = {dq.q.view, dq.scale.view, ScaleMode::kTensor, fg};
     if (need_w) dq_t = {dq.q_t.view, dq.scale.view, ScaleMode::kTensor, fg};
   }
@@ -280,34 +298,41 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
     return gemm_scaled(dq_t, {in_t, in_scale, md.act, fa}, n, k, wgrad_type, opt, stream);
   };
   // The transposed codes and scales of a GEMM input in hand (only the transposed codes are read).
-  auto codes_t = [&](const View& in) -> std::pair<Created, Created> {
+  // The transposed codes and scales of a GEMM input in hand (only the transposed codes are read),
+  // with the amax its producer wrote if any.
+  auto codes_t = [&](const View& in, const View* amax) -> std::pair<Created, Created> {
     if (md.scaled()) {
       ScaledFp8 t = quantize_scaled({in}, mp, kp, fa, md.act, md.act, false, true, stream);
       return {std::move(t.q_t), std::move(t.scale_t)};
     }
-    PerTensorFp8 t = quantize_amax(in, fa, true, stream);
+    PerTensorFp8 t = quantize_amax(in, fa, true, stream, amax);
     if (want_stats) stat_scale = t.scale;
     return {std::move(t.q_t), std::move(t.scale)};
   };
-  auto wgrad_of = [&](Created in) {  // a recomputed input, freed before its GEMM (unless read by stats)
-    auto [qt, st] = codes_t(in.view);
+  auto wgrad_of = [&](Created in, Created amax) {  // a recomputed input, freed before its GEMM (unless read by stats)
+    auto [qt, st] = codes_t(in.view, amax_of(amax));
     if (want_stats) stat_in = std::move(in);
     in = Created();
     return wgrad(qt.view, st.view);
   };
-  Created dw, dx, dnorm;
+  Created dw, dx, dnorm, dx_amax;
   if (pre == Pre::kNorm) {
-    if (need_w) dw = wgrad_of(rmsnorm_fwd_fp8(s.s0, s.s1, s.s2, s.norm_w, norm_kind, dtype_arg(y_dtype), fa, stream));
+    if (need_w) {
+      Created y_amax;
+      Created y = rmsnorm_fwd_fp8(s.s0, s.s1, s.s2, s.norm_w, norm_kind, dtype_arg(y_dtype), fa, stream,
+                                  emit_amax ? &y_amax : nullptr);
+      dw = wgrad_of(std::move(y), std::move(y_amax));
+    }
     NormBwd nb_ = rmsnorm_bwd(s.s0, s.s1, s.s2, s.norm_w, norm_kind, dy.view, fa, stream);
     dx = std::move(nb_.dx), dnorm = std::move(nb_.dw);
   } else if (pre == Pre::kSwiglu) {
-    SwigluBwd sb = swiglu_bwd(s.s0, s.s1, dy.view, act, need_w, fa, stream);
+    SwigluBwd sb = swiglu_bwd(s.s0, s.s1, dy.view, act, need_w, fa, stream, emit_amax);
     dy = Created();
-    dx = std::move(sb.dgu);
-    if (need_w) dw = wgrad_of(std::move(sb.h));
+    dx = std::move(sb.dgu), dx_amax = std::move(sb.dgu_amax);
+    if (need_w) dw = wgrad_of(std::move(sb.h), std::move(sb.h_amax));
   } else {
     if (need_w && recomputed) {
-      auto [qt, st] = codes_t(view_of(*wgrad_input_, "wgrad_input"));
+      auto [qt, st] = codes_t(view_of(*wgrad_input_, "wgrad_input"), nullptr);
       dw = wgrad(qt.view, st.view);
     } else if (need_w) {
       if (md.scaled())
@@ -320,7 +345,7 @@ nb::tuple block_bwd_py(const Array& d_, int pre_, bool need_w, const std::vector
     dx = std::move(dy);
   }
   return nb::make_tuple(dx.tensor, or_none(dnorm), or_none(dw), md.scaled() ? nb::none() : dq.scale.tensor,
-                        or_none(stat_in), or_none(stat_scale));
+                        or_none(stat_in), or_none(stat_scale), or_none(dx_amax));
 }
 
 void register_block(nb::module_& m) {
@@ -331,12 +356,13 @@ void register_block(nb::module_& m) {
         arg("e8m0"), arg("weights"), arg("w_codes").none(), arg("w_scale").none(), arg("save_input_t"),
         arg("out_dtype"), arg("fast_accum"), arg("workspace").none(), arg("force_bf16"), arg("stream"),
         arg("norm_kind") = scaled, arg("act") = silu, arg("want_stats") = false, arg("act_fmt") = e4m3,
-        arg("granularity") = 0);
+        arg("granularity") = 0, arg("producer_amax") = true);
   m.def("block_bwd", &block_bwd_py, restore_device(), arg("dout"), arg("pre"), arg("need_w"), arg("weights"),
         arg("w_scale"), arg("w_codes_t").none(), arg("s0").none(), arg("s1").none(), arg("s2").none(),
         arg("norm_weight").none(), arg("wgrad_input").none(), arg("y_dtype"), arg("wgrad_dtype"),
         arg("workspace").none(), arg("force_bf16"), arg("stream"), arg("norm_kind") = scaled, arg("act") = silu,
-        arg("want_stats") = false, arg("act_fmt") = e4m3, arg("grad_fmt") = e5m2, arg("granularity") = 0);
+        arg("want_stats") = false, arg("act_fmt") = e4m3, arg("grad_fmt") = e5m2, arg("granularity") = 0,
+        arg("producer_amax") = true, arg("dout_amax").none() = nb::none());
 }
 
 }  // namespace

@@ -76,7 +76,7 @@ NormKind norm_kind_arg(int k) {
 }
 
 NormFwd rmsnorm_fwd(const View& x, const View& w, NormKind kind, float eps, bool quantize, Fp8Format fmt, bool e8m0,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, bool want_amax) {
   const DType dt = float_dtype(x);
   const DType wt = float_dtype(w);
   COAT_CHECK_ARG(!x.shape.empty(), std::string(x.name) + " must have at least one dimension");
@@ -87,29 +87,34 @@ NormFwd rmsnorm_fwd(const View& x, const View& w, NormKind kind, float eps, bool
   r.y = new_tensor(x.shape, new_dtype(dt), x, "y");
   r.rstd = new_tensor(std::vector<int64_t>(x.shape.begin(), x.shape.end() - 1), NewDtype::kFloat32, x, "rstd");
   r.saved = new_fp8_output(quantize, fmt, e8m0, x, kNormGroup);
+  if (want_amax) r.amax = new_tensor({1}, NewDtype::kFloat32, x, "amax");
+  auto* am = want_amax ? static_cast<float*>(r.amax.view.data) : nullptr;
   auto* rs = static_cast<float*>(r.rstd.view.data);
   const Fp8Output& out = r.saved;
   if (cuda)
     COAT_GPU_CALL(::coat::rmsnorm_fwd(x.data, dt, w.data, wt, kind, x.rows(), x.last_dim(), eps, r.y.view.data, rs,
-                                      out.codes(), out.scale_data(), out.kind, fmt, stream));
+                                      out.codes(), out.scale_data(), out.kind, fmt, am, stream));
   else
     ref::rmsnorm_fwd(x.data, dt, w.data, wt, kind, x.rows(), x.last_dim(), eps, r.y.view.data, rs, out.codes(),
-                     out.scale_data(), out.kind, fmt);
+                     out.scale_data(), out.kind, fmt, am);
   return r;
 }
 
 Created rmsnorm_fwd_fp8(const View& q, const View& scales, const View& rstd, const View& w, NormKind kind, DType yt,
-                        Fp8Format fmt, cudaStream_t stream) {
+                        Fp8Format fmt, cudaStream_t stream, Created* y_amax) {
   const auto [skind, wt] = check_saved_input(q, scales, rstd, w);
   const bool cuda = same_device({&q, &scales, &rstd, &w});
   Created y = new_tensor(q.shape, new_dtype(yt), q, "y");
+  if (y_amax != nullptr) *y_amax = new_tensor({1}, NewDtype::kFloat32, q, "amax");
+  auto* am = y_amax != nullptr ? static_cast<float*>(y_amax->view.data) : nullptr;
   const auto* qd = static_cast<const uint8_t*>(q.data);
   const auto* rs = static_cast<const float*>(rstd.data);
   if (cuda)
     COAT_GPU_CALL(::coat::rmsnorm_fwd_fp8(qd, scales.data, skind, fmt, rs, w.data, wt, kind, q.rows(), q.last_dim(),
-                                          y.view.data, yt, stream));
+                                          y.view.data, yt, am, stream));
   else
-    ref::rmsnorm_fwd_fp8(qd, scales.data, skind, fmt, rs, w.data, wt, kind, q.rows(), q.last_dim(), y.view.data, yt);
+    ref::rmsnorm_fwd_fp8(qd, scales.data, skind, fmt, rs, w.data, wt, kind, q.rows(), q.last_dim(), y.view.data, yt,
+                         am);
   return y;
 }
 

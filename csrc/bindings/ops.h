@@ -22,10 +22,12 @@ namespace bind {
 // Per-tensor FP8 of x seen as [rows, cols], its scale from max |x| on the device. q_t ([cols, rows])
 // is made only with `transpose` (outputs not asked for are not made: the Python-facing wrappers
 // return empty [0] tensors in their place).
+// With `amax` (the one its producer wrote: group scaling), no amax pass is run and amax is not made.
 struct PerTensorFp8 {
   Created q, q_t, scale, amax;
 };
-PerTensorFp8 quantize_amax(const View& x, Fp8Format fmt, bool transpose, cudaStream_t stream);
+PerTensorFp8 quantize_amax(const View& x, Fp8Format fmt, bool transpose, cudaStream_t stream,
+                           const View* amax = nullptr);
 
 // Per-tensor FP8 of the stacked row blocks `parts` (float dtypes) with the given scale, or (scale
 // null) with its scale from their max |.|. q [R, cols] / q_t [cols, R] are made only when asked
@@ -87,17 +89,18 @@ Created gemm_scaled(const Fp8Operand& a, const Fp8Operand& b, int64_t m, int64_t
 
 // ---- norm ----------------------------------------------------------------------------------------
 
+// want_amax (group scaling): also y's amax [1] from the pass that writes y (coat/norm.h).
 struct NormFwd {
-  Created y, rstd;
+  Created y, rstd, amax;
   Fp8Output saved;  // x's FP8 copy in 1 x 16 groups (empty unless asked for)
 };
 // The norm kind for its id from Python (coat/_ops/enums.py NORM_KINDS).
 NormKind norm_kind_arg(int k);
 NormFwd rmsnorm_fwd(const View& x, const View& w, NormKind kind, float eps, bool quantize, Fp8Format fmt, bool e8m0,
-                    cudaStream_t stream);
-// y recomputed from the saved FP8 input (q, scales, rstd) as `dtype`.
+                    cudaStream_t stream, bool want_amax = false);
+// y recomputed from the saved FP8 input (q, scales, rstd) as `dtype`; with y_amax, y's amax too.
 Created rmsnorm_fwd_fp8(const View& q, const View& scales, const View& rstd, const View& w, NormKind kind,
-                        DType dtype, Fp8Format fmt, cudaStream_t stream);
+                        DType dtype, Fp8Format fmt, cudaStream_t stream, Created* y_amax = nullptr);
 struct NormBwd {
   Created dx, dw;  // dx in dy's dtype, dw fp32
 };
@@ -106,19 +109,21 @@ NormBwd rmsnorm_bwd(const View& q, const View& scales, const View& rstd, const V
 
 // ---- swiglu --------------------------------------------------------------------------------------
 
+// want_amax (group scaling): also the amax [1] of h (forward), of dgu and of the recomputed h
+// (backward), each from the pass that writes it (coat/swiglu.h).
 struct SwigluFwd {
-  Created h;
+  Created h, amax;
   Fp8Output saved;  // gate_up's FP8 copy in 1 x 16 groups (empty unless asked for)
 };
 // The gate's activation for its id from Python (coat/_ops/enums.py GATED_ACTS).
 GatedAct gated_act_arg(int a);
 SwigluFwd swiglu_fwd(const View& gate_up, GatedAct act, bool quantize, Fp8Format fmt, bool e8m0,
-                     cudaStream_t stream);
+                     cudaStream_t stream, bool want_amax = false);
 struct SwigluBwd {
-  Created dgu, h;  // h empty unless recompute_h
+  Created dgu, h, dgu_amax, h_amax;  // h (and h_amax) empty unless recompute_h
 };
 SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, GatedAct act, bool recompute_h,
-                     Fp8Format fmt, cudaStream_t stream);
+                     Fp8Format fmt, cudaStream_t stream, bool want_amax = false);
 
 }  // namespace bind
 }  // namespace coat

@@ -295,18 +295,28 @@ void register_quantize(nb::module_& m) {
 
 }  // namespace
 
-PerTensorFp8 quantize_amax(const View& x, Fp8Format fmt, bool transpose, cudaStream_t stream) {
+PerTensorFp8 quantize_amax(const View& x, Fp8Format fmt, bool transpose, cudaStream_t stream, const View* amax) {
   const DType dt = float_dtype(x);
-  const bool cuda = same_device({&x});
+  const bool cuda = amax != nullptr ? same_device({&x, amax}) : same_device({&x});
   PerTensorFp8 r;
   r.q = new_tensor(x.shape, NewDtype::kUInt8, x, "q");
   if (transpose) r.q_t = new_tensor(t_shape(x), NewDtype::kUInt8, x, "q_t");
   r.scale = new_tensor({1}, NewDtype::kFloat32, x, "scale");
-  r.amax = new_tensor({1}, NewDtype::kFloat32, x, "amax");
   auto* qd = static_cast<uint8_t*>(r.q.view.data);
   auto* qt = transpose ? static_cast<uint8_t*>(r.q_t.view.data) : nullptr;
-  auto* a = static_cast<float*>(r.amax.view.data);
   auto* s = static_cast<float*>(r.scale.view.data);
+  if (amax != nullptr) {  // the producer's: no amax pass
+    expect_numel(*amax, 1, "one fp32 amax");
+    expect_kind(*amax, Kind::kFloat32);
+    StackedRows one;
+    one.data[0] = x.data, one.rows[0] = x.rows(), one.count = 1, one.cols = x.last_dim(), one.dtype = dt;
+    const auto* a = static_cast<const float*>(amax->data);
+    if (cuda) COAT_GPU_CALL(::coat::quantize_stacked_from_amax(one, fmt, a, s, qd, qt, stream));
+    else ref::quantize_stacked_from_amax(one, fmt, a, s, qd, qt);
+    return r;
+  }
+  r.amax = new_tensor({1}, NewDtype::kFloat32, x, "amax");
+  auto* a = static_cast<float*>(r.amax.view.data);
   if (cuda)
     COAT_GPU_CALL(::coat::quantize_per_tensor_amax(x.data, dt, x.rows(), x.last_dim(), fmt, a, s, qd, qt, stream));
   else

@@ -56,24 +56,28 @@ GatedAct gated_act_arg(int a) {
   return static_cast<GatedAct>(a);
 }
 
-SwigluFwd swiglu_fwd(const View& gu, GatedAct act, bool quantize, Fp8Format fmt, bool e8m0, cudaStream_t stream) {
+SwigluFwd swiglu_fwd(const View& gu, GatedAct act, bool quantize, Fp8Format fmt, bool e8m0, cudaStream_t stream,
+                     bool want_amax) {
   const DType dt = float_dtype(gu);
   const int64_t inter = inter_of(gu);
   const bool cuda = same_device({&gu});
   SwigluFwd r;
   r.h = new_tensor(h_shape(gu, inter), new_dtype(dt), gu, "h");
   r.saved = new_fp8_output(quantize, fmt, e8m0, gu, kSwigluGroup);
+  if (want_amax) r.amax = new_tensor({1}, NewDtype::kFloat32, gu, "amax");
+  auto* am = want_amax ? static_cast<float*>(r.amax.view.data) : nullptr;
   const Fp8Output& out = r.saved;
   if (cuda)
     COAT_GPU_CALL(::coat::swiglu_fwd(gu.data, dt, act, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(),
-                                     out.kind, fmt, stream));
+                                     out.kind, fmt, am, stream));
   else
-    ref::swiglu_fwd(gu.data, dt, act, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(), out.kind, fmt);
+    ref::swiglu_fwd(gu.data, dt, act, gu.rows(), inter, r.h.view.data, out.codes(), out.scale_data(), out.kind, fmt,
+                    am);
   return r;
 }
 
 SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, GatedAct act, bool recompute_h, Fp8Format fmt,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, bool want_amax) {
   expect_kind(q, Kind::kUInt8);
   const int64_t inter = inter_of(q);
   const ScaleKind kind = check_group_scales(scales, q.numel, kSwigluGroup);
@@ -86,12 +90,21 @@ SwigluBwd swiglu_bwd(const View& q, const View& scales, const View& dh, GatedAct
   r.dgu = new_tensor(q.shape, new_dtype(dt), dh, "dgu");
   r.h = new_tensor(recompute_h ? hs : std::vector<int64_t>{0}, new_dtype(dt), dh, "h");
   void* hd = recompute_h ? r.h.view.data : nullptr;
+  float *dam = nullptr, *ham = nullptr;
+  if (want_amax) {
+    r.dgu_amax = new_tensor({1}, NewDtype::kFloat32, dh, "dgu_amax");
+    dam = static_cast<float*>(r.dgu_amax.view.data);
+    if (recompute_h) {
+      r.h_amax = new_tensor({1}, NewDtype::kFloat32, dh, "h_amax");
+      ham = static_cast<float*>(r.h_amax.view.data);
+    }
+  }
   const auto* qd = static_cast<const uint8_t*>(q.data);
   if (cuda)
     COAT_GPU_CALL(::coat::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, act, q.rows(), inter, r.dgu.view.data,
-                                     hd, stream));
+                                     hd, dam, ham, stream));
   else
-    ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, act, q.rows(), inter, r.dgu.view.data, hd);
+    ref::swiglu_bwd(qd, scales.data, kind, fmt, dh.data, dt, act, q.rows(), inter, r.dgu.view.data, hd, dam, ham);
   return r;
 }
 

@@ -63,9 +63,11 @@ template <typename T, typename W>
 __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, int64_t rows,
                                    int64_t cols, float eps, bool unit, bool vec, T* __restrict__ y,
                                    float* __restrict__ rstd, uint8_t* __restrict__ q,
-                                   void* __restrict__ scales, ScaleKind kind, Fp8Format fmt) {
+                                   void* __restrict__ scales, ScaleKind kind, Fp8Format fmt,
+                                   float* __restrict__ y_amax) {
   __shared__ float red[32];
   const int64_t groups = cols / G;
+  float ymax = 0.0f;  // over this thread's groups of y, as stored
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
     float ss = 0.0f;
@@ -87,6 +89,7 @@ __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const W* __restrict_
       for (int i = 0; i < G; ++i) {
         o[i] = norm_out<T>(v[i] * rs, wv[i], unit);
         amax = fmaxf(amax, finite_abs(v[i]));
+        ymax = fmaxf(ymax, finite_abs(round_to<T>(o[i])));
       }
       store16(y + r * cols + g * G, vec, o);
       if (q != nullptr) {
@@ -95,6 +98,7 @@ __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const W* __restrict_
       }
     }
   }
+  if (y_amax != nullptr) cuda::block_max_atomic(ymax, y_amax);
 }
 
 // Recompute y from FP8 x: one thread per 16-group, grid-stride. Bytes per element: 1 (+ scale)
@@ -103,9 +107,10 @@ template <typename T, typename W>
 __global__ void rmsnorm_fwd_fp8_kernel(const uint8_t* __restrict__ q, const void* __restrict__ scales,
                                        ScaleKind kind, Fp8Format fmt, const float* __restrict__ rstd,
                                        const W* __restrict__ w, int64_t rows, int64_t cols, bool unit,
-                                       bool vec, T* __restrict__ y) {
+                                       bool vec, T* __restrict__ y, float* __restrict__ y_amax) {
   const int64_t groups_per_row = cols / G;
   const int64_t groups = rows * groups_per_row;
+  float ymax = 0.0f;
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
        g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = g / groups_per_row, c0 = (g % groups_per_row) * G;
@@ -114,9 +119,13 @@ __global__ void rmsnorm_fwd_fp8_kernel(const uint8_t* __restrict__ q, const void
     load16(w + c0, vec, wv);
     const float rs = rstd[r];
 #pragma unroll
-    for (int i = 0; i < G; ++i) v[i] = norm_out<T>(v[i] * rs, wv[i], unit);
+    for (int i = 0; i < G; ++i) {
+      v[i] = norm_out<T>(v[i] * rs, wv[i], unit);
+      ymax = fmaxf(ymax, finite_abs(round_to<T>(v[i])));
+    }
     store16(y + g * G, vec, v);
   }
+  if (y_amax != nullptr) cuda::block_max_atomic(ymax, y_amax);
 }
 
 // Backward: block p owns the rows of partition p and walks them twice (dot, then dx and dw).
@@ -202,8 +211,9 @@ int threads_for(int64_t groups) {
 
 void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, NormKind kind, int64_t rows,
                  int64_t cols, float eps, void* y, float* rstd, uint8_t* q, void* scales,
-                 ScaleKind scale_kind, Fp8Format fmt, cudaStream_t stream) {
+                 ScaleKind scale_kind, Fp8Format fmt, float* y_amax, cudaStream_t stream) {
   detail::check_rmsnorm_fwd(x, w, kind, rows, cols, eps, y, rstd, q, scales);
+  if (y_amax != nullptr) COAT_CUDA_CHECK(cudaMemsetAsync(y_amax, 0, sizeof(float), stream));
   if (rows == 0) return;
   dispatch2(x_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
@@ -215,16 +225,17 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, Nor
     rmsnorm_fwd_kernel<T, W><<<grid, threads_for(cols / G), 0, stream>>>(
         static_cast<const T*>(x), static_cast<const W*>(w), rows, cols, eps, kind == NormKind::kUnitOffset, vec,
         static_cast<T*>(y),
-        rstd, q, scales, scale_kind, fmt);
+        rstd, q, scales, scale_kind, fmt, y_amax);
     COAT_CHECK_LAUNCH();
   });
 }
 
 void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                      const float* rstd, const void* w, DType w_dtype, NormKind kind, int64_t rows, int64_t cols,
-                     void* y, DType y_dtype, cudaStream_t stream) {
+                     void* y, DType y_dtype, float* y_amax, cudaStream_t stream) {
   detail::check_rmsnorm_fwd_fp8(q, scales, rstd, w, kind, rows, cols, y);
   const int64_t n = rows * cols;
+  if (y_amax != nullptr) COAT_CUDA_CHECK(cudaMemsetAsync(y_amax, 0, sizeof(float), stream));
   if (n == 0) return;
   dispatch2(y_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
@@ -232,7 +243,7 @@ void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind,
     const bool vec = cuda::aligned(q, 16) && cuda::aligned(w, 16) && cuda::aligned(y, 16);
     rmsnorm_fwd_fp8_kernel<T, W><<<cuda::grid_for(n / G, kThreads), kThreads, 0, stream>>>(
         q, scales, scale_kind, fmt, rstd, static_cast<const W*>(w), rows, cols, kind == NormKind::kUnitOffset, vec,
-        static_cast<T*>(y));
+        static_cast<T*>(y), y_amax);
     COAT_CHECK_LAUNCH();
   });
 }

@@ -28,9 +28,10 @@ float norm_out(float h, float w, bool unit_offset) {
 
 void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, NormKind kind, int64_t rows,
                  int64_t cols, float eps, void* y, float* rstd, uint8_t* q, void* scales,
-                 ScaleKind scale_kind, Fp8Format fmt) {
+                 ScaleKind scale_kind, Fp8Format fmt, float* y_amax) {
   detail::check_rmsnorm_fwd(x, w, kind, rows, cols, eps, y, rstd, q, scales);
   const bool unit = kind == NormKind::kUnitOffset;
+  float ymax = 0.0f;
   dispatch2(x_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
     using W = std::remove_pointer_t<decltype(wt)>;
@@ -46,8 +47,10 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, Nor
       }
       const float rs = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
       rstd[r] = rs;
-      for (int64_t c = 0; c < cols; ++c)
+      for (int64_t c = 0; c < cols; ++c) {
         yt[r * cols + c] = Elem<T>::store(norm_out<T>(Elem<T>::load(xr[c]) * rs, Elem<W>::load(wv[c]), unit));
+        ymax = std::max(ymax, finite_abs(Elem<T>::load(yt[r * cols + c])));
+      }
       if (q == nullptr) continue;
       for (int64_t g0 = 0; g0 < cols; g0 += kNormGroup) {
         float amax = 0.0f;
@@ -59,14 +62,16 @@ void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, Nor
       }
     }
   });
+  if (y_amax != nullptr) y_amax[0] = ymax;
 }
 
 void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                      const float* rstd, const void* w, DType w_dtype, NormKind kind, int64_t rows, int64_t cols,
-                     void* y, DType y_dtype) {
+                     void* y, DType y_dtype, float* y_amax) {
   detail::check_rmsnorm_fwd_fp8(q, scales, rstd, w, kind, rows, cols, y);
   const int64_t n = rows * cols;
   const bool unit = kind == NormKind::kUnitOffset;
+  float ymax = 0.0f;
   dispatch2(y_dtype, w_dtype, [&](auto* tt, auto* wt) {
     using T = std::remove_pointer_t<decltype(tt)>;
     using W = std::remove_pointer_t<decltype(wt)>;
@@ -76,8 +81,10 @@ void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind,
       const int64_t r = i / cols, c = i % cols;
       const float x = decode_fp8(q[i], fmt) * load_group_scale(scales, i / kNormGroup, scale_kind);
       yt[i] = Elem<T>::store(norm_out<T>(x * rstd[r], Elem<W>::load(wv[c]), unit));
+      ymax = std::max(ymax, finite_abs(Elem<T>::load(yt[i])));
     }
   });
+  if (y_amax != nullptr) y_amax[0] = ymax;
 }
 
 void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,

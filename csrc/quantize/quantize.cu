@@ -404,12 +404,12 @@ __global__ void dre_dequantize_kernel(const uint8_t* __restrict__ q, const float
 
 template <typename T>
 void launch_quantize_stacked(const StackedRows& x, int64_t rows, Fp8Format fmt, const float* scale,
-                             float* amax, float* scale_out, uint8_t* q, uint8_t* q_t,
+                             float* amax, bool amax_given, float* scale_out, uint8_t* q, uint8_t* q_t,
                              cudaStream_t stream) {
   bool vec = false;
   const Stack<T> s = stack_of<T>(x, &vec);
   const int64_t cols = x.cols, n = rows * cols;
-  if (amax != nullptr) {
+  if (amax != nullptr && !amax_given) {
     COAT_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
     // Runs for n == 0 too: the quantize launch then publishes amax = 0 and scale = 1.
     amax_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(s, n, vec, amax);
@@ -437,7 +437,18 @@ void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, f
   if (rows * x.cols == 0 && amax == nullptr) return;
   dispatch_dtype(x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    launch_quantize_stacked<T>(x, rows, fmt, scale, amax, scale_out, q, q_t, stream);
+    launch_quantize_stacked<T>(x, rows, fmt, scale, amax, false, scale_out, q, q_t, stream);
+  });
+}
+
+void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float* amax, float* scale_out,
+                                uint8_t* q, uint8_t* q_t, cudaStream_t stream) {
+  COAT_CHECK_ARG(amax != nullptr, "amax must not be null");
+  const int64_t rows = detail::check_stacked(x, amax, amax, scale_out, q, q_t);
+  dispatch_dtype(x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    // The kernels only read amax (to publish the scale, for n == 0 too).
+    launch_quantize_stacked<T>(x, rows, fmt, nullptr, const_cast<float*>(amax), true, scale_out, q, q_t, stream);
   });
 }
 

@@ -65,6 +65,18 @@ void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, f
   });
 }
 
+void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float* amax, float* scale_out,
+                                uint8_t* q, uint8_t* q_t) {
+  COAT_CHECK_ARG(amax != nullptr, "amax must not be null");
+  const int64_t rows = detail::check_stacked(x, amax, amax, scale_out, q, q_t);
+  const float s = scale_out[0] = scale_for(amax[0], fmt);
+  if (rows * x.cols == 0) return;
+  dispatch_dtype(x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    quantize_stacked_impl<T>(x, rows, fmt, 1.0f / s, q, q_t);
+  });
+}
+
 void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t) {
   const int64_t rows = detail::check_stacked_codes(x, q_t);
   int64_t r0 = 0;

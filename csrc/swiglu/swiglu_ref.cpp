@@ -19,8 +19,9 @@ void dispatch2(DType t, GatedAct act, F&& f) {
 }  // namespace
 
 void swiglu_fwd(const void* gu, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* h, uint8_t* q,
-                void* scales, ScaleKind scale_kind, Fp8Format fmt) {
+                void* scales, ScaleKind scale_kind, Fp8Format fmt, float* h_amax) {
   detail::check_swiglu_fwd(gu, act, rows, inter, h, q, scales);
+  float hmax = 0.0f;
   dispatch2(dtype, act, [&](auto* tt, auto at) {
     using T = std::remove_pointer_t<decltype(tt)>;
     constexpr GatedAct A = decltype(at)::value;
@@ -32,6 +33,7 @@ void swiglu_fwd(const void* gu, DType dtype, GatedAct act, int64_t rows, int64_t
       for (int64_t j = 0; j < inter; ++j) {
         const float f = round_to<T>(detail::act_value<A>(Elem<T>::load(g[j])));
         ht[r * inter + j] = Elem<T>::store(f * Elem<T>::load(u[j]));
+        hmax = std::max(hmax, finite_abs(Elem<T>::load(ht[r * inter + j])));
       }
       if (q == nullptr) continue;
       for (int64_t c0 = 0; c0 < 2 * inter; c0 += kSwigluGroup) {
@@ -44,11 +46,14 @@ void swiglu_fwd(const void* gu, DType dtype, GatedAct act, int64_t rows, int64_t
       }
     }
   });
+  if (h_amax != nullptr) h_amax[0] = hmax;
 }
 
 void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
-                const void* dh, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* dgu, void* h) {
+                const void* dh, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* dgu, void* h,
+                float* dgu_amax, float* h_amax) {
   detail::check_swiglu_bwd(q, scales, dh, act, rows, inter, dgu);
+  float dmax = 0.0f, hmax = 0.0f;
   dispatch2(dtype, act, [&](auto* tt, auto at) {
     using T = std::remove_pointer_t<decltype(tt)>;
     constexpr GatedAct A = decltype(at)::value;
@@ -65,10 +70,15 @@ void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8F
         const float f = round_to<T>(a.f);
         d[ig] = Elem<T>::store(dhv * u * a.df);
         d[iu] = Elem<T>::store(dhv * f);
-        if (ht != nullptr) ht[r * inter + j] = Elem<T>::store(f * u);
+        dmax = std::max(dmax, std::max(finite_abs(Elem<T>::load(d[ig])), finite_abs(Elem<T>::load(d[iu]))));
+        if (ht == nullptr) continue;
+        ht[r * inter + j] = Elem<T>::store(f * u);
+        hmax = std::max(hmax, finite_abs(Elem<T>::load(ht[r * inter + j])));
       }
     }
   });
+  if (dgu_amax != nullptr) dgu_amax[0] = dmax;
+  if (h_amax != nullptr) h_amax[0] = hmax;
 }
 
 }  // namespace ref

@@ -23,6 +23,11 @@
 // - cols must be a multiple of 16 (the FP8 group size); the Python layer runs a plain BF16
 //   RMSNorm for other widths. Rows may be 0. Tensors are row-major and contiguous; pointers need no
 //   particular alignment (aligned rows take 16-byte vector loads).
+// - Group scaling (COAT's just-in-time scaling): y_amax, when not null, receives max |y| over y's
+//   finite values as stored (in y's dtype), found in the pass that writes y: each thread's 1 x 16
+//   group maxima reduce to one atomicMax per thread block. It equals the amax that
+//   quantize_per_tensor_amax would find by re-reading y, bit for bit, and feeds
+//   quantize_stacked_from_amax (coat/quantize.h), so y's per-tensor FP8 costs no amax pass.
 #pragma once
 
 #include <cstdint>
@@ -42,15 +47,16 @@ constexpr int64_t kNormBwdMaxParts = 512;
 inline int64_t rmsnorm_bwd_parts(int64_t rows) { return rows < kNormBwdMaxParts ? rows : kNormBwdMaxParts; }
 
 // y [rows, cols] (x_dtype), rstd [rows] fp32; q [rows, cols] FP8 codes and scales
-// [rows, cols / 16] (fp32 or E8M0 bytes) when q is not null.
+// [rows, cols / 16] (fp32 or E8M0 bytes) when q is not null; y_amax [1] when not null.
 void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, NormKind kind, int64_t rows,
                  int64_t cols, float eps, void* y, float* rstd, uint8_t* q, void* scales,
-                 ScaleKind scale_kind, Fp8Format fmt, cudaStream_t stream);
+                 ScaleKind scale_kind, Fp8Format fmt, float* y_amax, cudaStream_t stream);
 
-// Recomputes y from the saved FP8 input with the forward's formula on x~, T = y_dtype.
+// Recomputes y from the saved FP8 input with the forward's formula on x~, T = y_dtype; y_amax [1]
+// when not null.
 void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                      const float* rstd, const void* w, DType w_dtype, NormKind kind, int64_t rows, int64_t cols,
-                     void* y, DType y_dtype, cudaStream_t stream);
+                     void* y, DType y_dtype, float* y_amax, cudaStream_t stream);
 
 // dx [rows, cols] in dy's dtype; dw [cols] fp32. workspace: fp32 [rmsnorm_bwd_parts(rows), cols]
 // (may be null when rows == 0).
@@ -62,10 +68,10 @@ void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8
 namespace ref {
 void rmsnorm_fwd(const void* x, DType x_dtype, const void* w, DType w_dtype, NormKind kind, int64_t rows,
                  int64_t cols, float eps, void* y, float* rstd, uint8_t* q, void* scales,
-                 ScaleKind scale_kind, Fp8Format fmt);
+                 ScaleKind scale_kind, Fp8Format fmt, float* y_amax = nullptr);
 void rmsnorm_fwd_fp8(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                      const float* rstd, const void* w, DType w_dtype, NormKind kind, int64_t rows, int64_t cols,
-                     void* y, DType y_dtype);
+                     void* y, DType y_dtype, float* y_amax = nullptr);
 void rmsnorm_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                  const float* rstd, const void* w, DType w_dtype, NormKind kind, const void* dy, DType dy_dtype,
                  int64_t rows, int64_t cols, void* dx, float* workspace, float* dw);

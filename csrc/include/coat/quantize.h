@@ -65,6 +65,13 @@ struct StackedRows {
 void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
                       float* scale_out, uint8_t* q, uint8_t* q_t, cudaStream_t stream);
 
+// quantize_stacked with an amax that the kernel producing X already wrote (group scaling: the
+// y_amax / h_amax / dgu_amax outputs of coat/norm.h and coat/swiglu.h): scale_out[0] = amax[0] /
+// fmt_max and the codes, in one pass over X. Given the amax quantize_stacked would compute, the
+// codes and scale are bit-identical to its own.
+void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float* amax, float* scale_out,
+                                uint8_t* q, uint8_t* q_t, cudaStream_t stream);
+
 // The transpose q_t [cols, R] of stacked FP8 codes X [R, cols] (x.dtype is ignored: the parts
 // hold one-byte codes), reading each part where it lies: the input-gradient GEMM's layout of an
 // FP8-frozen projection group, made in one pass (no concatenated copy, no strided byte copy).
@@ -144,6 +151,8 @@ void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const flo
 void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t);
 void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
                       float* scale_out, uint8_t* q, uint8_t* q_t);
+void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float* amax, float* scale_out,
+                                uint8_t* q, uint8_t* q_t);
 void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols, int group,
                         Fp8Format fmt, ScaleKind scale_kind, void* scales, uint8_t* q);
 void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t cols, int group,

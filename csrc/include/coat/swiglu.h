@@ -25,6 +25,11 @@
 //   the same pass. NaN in g or u propagates to h and to both gradients.
 // - inter must be a multiple of 16 (groups never straddle gate and up); the Python layer keeps a
 //   plain BF16 SwiGLU for other widths. Rows may be 0. Pointers need no particular alignment.
+// - Group scaling (COAT's just-in-time scaling): h_amax / dgu_amax, when not null, receive max |.|
+//   over the finite values of h / dgu as stored (in their dtype), found in the pass that writes
+//   them (each thread's 16-element group maxima reduce to one atomicMax per thread block), bit for
+//   bit the amax quantize_per_tensor_amax would find by re-reading them. They feed
+//   quantize_stacked_from_amax (coat/quantize.h): no amax pass over h or dgu.
 #pragma once
 
 #include <cstdint>
@@ -38,20 +43,23 @@ constexpr int kSwigluGroup = 16;
 // The activation of the gate (see Numerics above).
 enum class GatedAct : int { kSilu = 0, kGeluTanh = 1 };
 
-// h [rows, inter] (dtype); q [rows, 2 inter] codes and scales [rows, 2 inter / 16] when q is not null.
+// h [rows, inter] (dtype); q [rows, 2 inter] codes and scales [rows, 2 inter / 16] when q is not
+// null; h_amax [1] when not null.
 void swiglu_fwd(const void* gu, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* h, uint8_t* q,
-                void* scales, ScaleKind scale_kind, Fp8Format fmt, cudaStream_t stream);
+                void* scales, ScaleKind scale_kind, Fp8Format fmt, float* h_amax, cudaStream_t stream);
 
-// dgu [rows, 2 inter] and (when not null) h [rows, inter], both in dh's dtype.
+// dgu [rows, 2 inter] and (when not null) h [rows, inter], both in dh's dtype; dgu_amax and h_amax
+// [1] when not null (h_amax is 0 without h).
 void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
                 const void* dh, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* dgu, void* h,
-                cudaStream_t stream);
+                float* dgu_amax, float* h_amax, cudaStream_t stream);
 
 namespace ref {
 void swiglu_fwd(const void* gu, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* h, uint8_t* q,
-                void* scales, ScaleKind scale_kind, Fp8Format fmt);
+                void* scales, ScaleKind scale_kind, Fp8Format fmt, float* h_amax = nullptr);
 void swiglu_bwd(const uint8_t* q, const void* scales, ScaleKind scale_kind, Fp8Format fmt,
-                const void* dh, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* dgu, void* h);
+                const void* dh, DType dtype, GatedAct act, int64_t rows, int64_t inter, void* dgu, void* h,
+                float* dgu_amax = nullptr, float* h_amax = nullptr);
 }  // namespace ref
 
 }  // namespace coat
