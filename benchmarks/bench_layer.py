@@ -130,6 +130,28 @@ def bench(name, layer, x, dy, pe, pos, reps):
                 fwd_nograd_ms=t_fwd_nograd, bwd_ms=t_bwd, total_ms=t_tot), y.detach(), xi.grad.detach(), grads
 
 
+def build(batch: int, seq: int, hidden: int, intermediate: int, heads: int):
+    """(HF bf16 LlamaDecoderLayer on CUDA, x, dY, position embeddings, position ids), seeded."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                      num_key_value_heads=heads, max_position_embeddings=max(4096, seq))
+    cfg._attn_implementation = "sdpa"
+    dev = torch.device("cuda")
+    hf = LlamaDecoderLayer(cfg, 0).to(dev, torch.bfloat16)
+    with torch.no_grad():  # HF init leaves linears at nn.Linear defaults; use the LM's std 0.02
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    rope = LlamaRotaryEmbedding(cfg).to(dev)
+    x = torch.randn(batch, seq, hidden, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn_like(x) * 1e-2
+    pos = torch.arange(seq, device=dev)[None]
+    return hf, x, dy, rope(x, pos), pos
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
@@ -142,24 +164,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_layer.py needs a CUDA device")
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
-                      num_key_value_heads=args.heads, max_position_embeddings=max(4096, args.seq))
-    cfg._attn_implementation = "sdpa"
-    dev = torch.device("cuda")
-    hf = LlamaDecoderLayer(cfg, 0).to(dev, torch.bfloat16)
-    with torch.no_grad():  # HF init leaves linears at nn.Linear defaults; use the LM's std 0.02
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
-    rope = LlamaRotaryEmbedding(cfg).to(dev)
-    x = torch.randn(args.batch, args.seq, args.hidden, device=dev, dtype=torch.bfloat16)
-    dy = torch.randn_like(x) * 1e-2
-    pos = torch.arange(args.seq, device=dev)[None]
-    pe = rope(x, pos)
+    hf, x, dy, pe, pos = build(args.batch, args.seq, args.hidden, args.intermediate, args.heads)
 
     rows = []
     r, y_ref, dx_ref, g_ref = bench("HF LlamaDecoderLayer bf16 (SDPA)", hf, x, dy, pe, pos, args.reps)
