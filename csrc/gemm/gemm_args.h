@@ -20,8 +20,9 @@ inline void check_gemm(const Fp8GemmArgs& g) {
   COAT_CHECK_ARG(g.out_type == GemmOut::kFloat32 || g.out_type == GemmOut::kBFloat16 ||
                      g.out_type == GemmOut::kE4M3,
                  "out must be float32, bfloat16 or e4m3 codes");
-  COAT_CHECK_ARG(g.a_scale != nullptr, "scale_a must not be null");
-  COAT_CHECK_ARG(g.b_scale != nullptr, "scale_b must not be null");
+  // An empty operand with row or block scales has no scales at all (no rows, or no 128-column group).
+  COAT_CHECK_ARG(g.a_scale != nullptr || scale_count(g.a_mode, g.m, g.k) == 0, "scale_a must not be null");
+  COAT_CHECK_ARG(g.b_scale != nullptr || scale_count(g.b_mode, g.n, g.k) == 0, "scale_b must not be null");
   COAT_CHECK_ARG(g.m * g.k == 0 || g.a != nullptr, "a must not be null");
   COAT_CHECK_ARG(g.n * g.k == 0 || g.b != nullptr, "b must not be null");
   COAT_CHECK_ARG(g.m * g.n == 0 || g.out != nullptr, "out must not be null");

@@ -74,18 +74,22 @@ inline int64_t check_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols
   COAT_CHECK_ARG(rows_pad >= rows && cols_pad >= x.cols,
                  "the padded shape [" + std::to_string(rows_pad) + ", " + std::to_string(cols_pad) +
                      "] must hold X [" + std::to_string(rows) + ", " + std::to_string(x.cols) + "]");
-  COAT_CHECK_ARG(q != nullptr || q_t != nullptr, "q and q_t must not both be null");
+  // An output is asked for by its codes or its scales (an empty X still has row scales).
+  const bool want_q = q != nullptr || scale != nullptr, want_t = q_t != nullptr || scale_t != nullptr;
+  COAT_CHECK_ARG(want_q || want_t || rows_pad * cols_pad == 0, "q and q_t must not both be null");
   auto check_mode = [](ScaleMode m, const char* name) {
     COAT_CHECK_ARG(m == ScaleMode::kRow || m == ScaleMode::kVec128 || m == ScaleMode::kBlock128,
                    std::string(name) + " must be row, 1x128 or 128x128 scaling, got " + scale_mode_name(m) +
                        " (per-tensor scaling is quantize_stacked)");
   };
-  if (q != nullptr) {
+  if (want_q) {
     check_mode(mode, "mode");
+    check_ptr(q, rows_pad * cols_pad, "q");
     check_ptr(scale, scale_count(mode, rows_pad, cols_pad), "scale");
   }
-  if (q_t != nullptr) {
+  if (want_t) {
     check_mode(mode_t, "mode_t");
+    check_ptr(q_t, rows_pad * cols_pad, "q_t");
     check_ptr(scale_t, scale_count(mode_t, cols_pad, rows_pad), "scale_t");
   }
   return rows;

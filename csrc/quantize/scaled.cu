@@ -343,7 +343,8 @@ void quantize_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, F
                      float* scale_t, cudaStream_t stream) {
   const int64_t rows = detail::check_scaled(x, rows_pad, cols_pad, mode, q, scale, mode_t, q_t, scale_t);
   if (rows_pad == 0 || cols_pad == 0) {  // no element, but a row mode still has scales: all-zero groups, 1
-    const int64_t n = q ? scale_count(mode, rows_pad, cols_pad) : 0, nt = q_t ? scale_count(mode_t, cols_pad, rows_pad) : 0;
+    const int64_t n = scale ? scale_count(mode, rows_pad, cols_pad) : 0;
+    const int64_t nt = scale_t ? scale_count(mode_t, cols_pad, rows_pad) : 0;
     for (const auto& [s, count] : {std::pair<float*, int64_t>{scale, n}, {scale_t, nt}}) {
       if (count == 0) continue;
       COAT_CUDA_CHECK(cudaMemsetAsync(s, 0, static_cast<size_t>(count) * sizeof(float), stream));

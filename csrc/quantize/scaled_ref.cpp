@@ -19,8 +19,8 @@ void quantize_scaled(const StackedRows& x, int64_t rows_pad, int64_t cols_pad, F
   const ScaleGrid g = scale_grid(mode, false, rows_pad, cols_pad);
   const ScaleGrid gt = scale_grid(mode_t, true, rows_pad, cols_pad);
   // Group maxima; entries no element reaches (the padding of a 128x128 layout) stay 0 -> scale 1.
-  std::vector<float> m(q ? scale_count(mode, rows_pad, cols_pad) : 0, 0.0f);
-  std::vector<float> mt(q_t ? scale_count(mode_t, cols_pad, rows_pad) : 0, 0.0f);
+  std::vector<float> m(q || scale ? scale_count(mode, rows_pad, cols_pad) : 0, 0.0f);
+  std::vector<float> mt(q_t || scale_t ? scale_count(mode_t, cols_pad, rows_pad) : 0, 0.0f);
   std::vector<float> v(static_cast<size_t>(rows * cols));
   dispatch_dtype(x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

@@ -359,3 +359,21 @@ def test_fp8_stats_count_the_operands_at_the_recipes_granularity(gen, granularit
     assert down["x"]["numel"] == 2 * 24 * 160 and down["x_wgrad"]["numel"] == 2 * 24 * 160
     for role in ("x", "dy", "x_wgrad"):
         assert down[role]["saturated"] == 0 and 0 <= down[role]["underflow_frac"] < 0.01
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_zero_tokens_at_every_granularity(device, granularity):
+    """An empty batch (a rank's share of a ragged split) runs forward and backward at every
+    granularity: empty outputs and dX, all-zero weight gradients of the weights' shape."""
+    from coat.nn.mlp import Fp8SwiGLUMLP
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    mlp = Fp8SwiGLUMLP(64, 96, recipe=Fp8Recipe(granularity=granularity)).to(device, torch.bfloat16)
+    x = torch.randn(0, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+    y = mlp(x)
+    y.sum().backward()
+    assert y.shape == (0, 64) and x.grad.shape == (0, 64)
+    for p in mlp.parameters():
+        assert p.grad.shape == p.shape and not p.grad.any()

@@ -101,7 +101,8 @@ void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t
 // padding is zeros of X, inside their groups like any element. scale / scale_t hold
 // scale_count(mode, rows_pad, cols_pad) / scale_count(mode_t, cols_pad, rows_pad) fp32 values in
 // the mode's layout. Each group takes the per-tensor rules: s = scale_for(max |x| over its finite
-// values), q = fp8(x * (1/s)). A null q (q_t) makes neither that output nor its scale; modes are
+// values), q = fp8(x * (1/s)). Null q and scale (q_t and scale_t) make neither that output nor its scales (an empty X
+// may pass null codes beside its row scales, which come out 1: all-zero groups); modes are
 // kRow, kVec128 or kBlock128 (kTensor is quantize_stacked). Groups inside one 128 x 128 tile (1x128,
 // 128x1, 128x128, and rows or columns no longer than 128) need one read of X: each tile computes
 // its groups' maxima and quantizes in the same pass. Longer kRow groups take a first pass for
