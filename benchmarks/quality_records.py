@@ -2,7 +2,7 @@
 
 Each record holds one lease's runs: {"commit", "device", "commands": {setup: command}, "runs":
 {name: run}}. A run's name starts with its setup's letter (A, B, ...), then the seed, then a
-suffix for the recipe (B3: bf16 seed 3, B3c: coat, B2l: coat lean, B0r: coat lean + release, B1k /
+suffix for the recipe (B3: bf16 seed 3, B3c: coat, B2l: coat lean, B0r: coat lean + release, B0s: SubsetNormSM, B1k /
 B1w: coat with block / row scaling); a run carries recipe, seed, master_weights (fp32 / bf16_sr),
 release_grads (absent: off), fp8_granularity (absent: tensor),
 final_val_loss, final_val_prose_loss (runs that scored the held-out prose set), tokens_per_s,
