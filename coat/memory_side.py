@@ -47,11 +47,12 @@ def side_shape(shape: ModelShape, r: int = SIDE_R) -> ModelShape:
 
 def side_params(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNSAMPLE) -> int:
     """Trainable parameters of the side network: L + 1 downsamplers (Linear(h, d), Linear(d, w), RMSNorm),
-    L side layers, the upsample Linear(w, h), L mixing gates and the top gate."""
+    L side layers, the upsample Linear(w, h), the layers' mixing gates (one per side channel) and the
+    top gates (one per hidden channel)."""
     side = side_shape(shape, r)
     h, w, d, n = shape.hidden, side.hidden, downsample, shape.layers
     down = h * d + d + d * w + w + w
-    return (n + 1) * down + n * side.layer_params + w * h + h + n + 1
+    return (n + 1) * down + n * side.layer_params + w * h + h + n * w + h
 
 
 def side_saved_per_token(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNSAMPLE) -> list[tuple[str, float]]:

@@ -4,18 +4,24 @@ The base causal LM is frozen and converted with ``coat.convert(base, frozen_weig
 projections are kept only as FP8 codes, and it runs under ``torch.no_grad()``, so it saves nothing
 for backward. Beside it a narrow side network trains: the base's hidden state after each decoder
 layer (and its embedding output) is downsampled (Linear(hidden, downsample) -> SiLU ->
-Linear(downsample, hidden // r) -> RMSNorm) and mixed into the side stream by a learnable gate
-``g = sigmoid(alpha)`` (alpha = 0 at first: g = 0.5); the side stream runs through L small Llama
-decoder layers of width hidden // r, one beside each base layer. At the top the side stream is
-upsampled and mixed with the base's final hidden state by a scalar gate ``w`` (1 at first, so the
-model starts as the base exactly), then the base's frozen final norm and LM head take it, through
-coat's fused LM head + loss when labels are given (the logits never exist).
+Linear(downsample, hidden // r) -> RMSNorm) and mixed into the side stream by learnable gates
+``g = sigmoid(alpha)``, one per side channel (alpha = -0.5 at first: QST's 0.62 on the side
+stream); the side stream runs through L small Llama decoder layers of width hidden // r, one beside
+each base layer. At the top the side stream is upsampled and mixed with the base's final hidden
+state by gates ``w = sigmoid(beta)``, one per hidden channel (beta = 1 at first, QST's), then the
+base's frozen final norm and LM head take it, through coat's fused LM head + loss when labels are
+given (the logits never exist). The upsample starts at zero, so the model starts as the base: the
+final RMSNorm cancels w's uniform scale, up to its epsilon and one rounding.
 
 Layout of the side stream (L base layers, h_0 the embedding output, h_i base layer i's output)::
 
     s = D_0(h_0)
     for i in 1..L:  s = side_i(s);  s = g_i * D_i(h_i) + (1 - g_i) * s
     h = w * h_L + (1 - w) * up(s)          -> final norm -> LM head (-> fused loss)
+
+(Format 1, until 2026-11-27, had one scalar top gate used as is, starting at exactly 1: every
+gradient into the side network was scaled by 1 - w = 0 at first, and the side network learned only
+as fast as AdamW moved w; benchmarks/RESULTS.md section 23 measures the difference.)
 
 docs/side_tuning.md describes the API, the defaults and what is not done yet.
 """
@@ -42,7 +48,7 @@ __all__ = ["SideTuned"]
 
 CONFIG_FILE = "side_config.json"
 WEIGHTS_FILE = "side_model.safetensors"
-_FORMAT = "coat-side-tuning/1"
+_FORMAT = "coat-side-tuning/2"
 
 
 def _positive_int(value, name: str) -> int:
@@ -253,10 +259,12 @@ class SideTuned(nn.Module):
         eps = self.side_config["rms_norm_eps"]
         dev = base.lm_head.weight.device
         self.down = nn.ModuleList(_downsampler(hidden, downsample, width, eps) for _ in range(n_layers + 1))
-        self.alpha = nn.Parameter(torch.zeros(n_layers))
+        self.alpha = nn.Parameter(torch.full((n_layers, width), -0.5))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, layer_idx=i) for i in range(n_layers))
         self.up = nn.Linear(width, hidden)
-        self.top_gate = nn.Parameter(torch.ones(()))
+        nn.init.zeros_(self.up.weight)  # the model starts as the base; up gets gradients at once
+        nn.init.zeros_(self.up.bias)
+        self.top_gate = nn.Parameter(torch.ones(hidden))  # w = sigmoid(1) = 0.73 per channel, QST's
         for p in self.side_parameters():
             p.data = p.data.to(device=dev, dtype=dtype)
         self.rotary = LlamaRotaryEmbedding(cfg).to(dev)
@@ -317,7 +325,7 @@ class SideTuned(nn.Module):
         # off its causal flash kernel in every side layer. Without one (coat train, coat bench) no sync.
         padded = attention_mask is not None and not bool(attention_mask.all())
         s = self._side_stream(states, position_ids, attention_mask if padded else None)
-        w = self.top_gate
+        w = torch.sigmoid(self.top_gate)
         h = w * states[-1] + (1 - w) * self.up(s)
         norm, head = self.base.model.norm, self.base.lm_head
         if labels is None and shift_labels is None:
@@ -388,7 +396,7 @@ class SideTuned(nn.Module):
                             **{caches.base_kw: caches.base})
         states = rec.states
         s = self._side_stream(states, pos, mask, caches)
-        w = self.top_gate
+        w = torch.sigmoid(self.top_gate)
         h = w * states[-1][:, -1:] + (1 - w) * self.up(s[:, -1:])
         return self.base.lm_head(self.base.model.norm(h))[:, 0].float()
 
@@ -458,6 +466,9 @@ def _read_config(folder: str, base: nn.Module) -> dict:
     """side_config.json of ``folder``, checked against ``base`` (model type, hidden size, layers)."""
     with open(os.path.join(folder, CONFIG_FILE)) as f:
         cfg = json.load(f)
+    if isinstance(cfg, dict) and cfg.get("format") == "coat-side-tuning/1":
+        raise ValueError(f"folder {folder!r}: saved by an older coat (format 1: one scalar top gate); this coat's "
+                         "side network has per-channel gates (format 2): train it again")
     if not isinstance(cfg, dict) or cfg.get("format") != _FORMAT:
         raise ValueError(f"folder {folder!r}: {CONFIG_FILE} is not a coat side-tuning config")
     if not isinstance(cfg.get("side_layer"), dict):

@@ -66,7 +66,7 @@ def test_load_side_refuses_bad_weights_before_touching_the_base(tmp_path, gen):
 def test_load_side_refuses_non_float_weights(tmp_path, gen):
     folder, fresh = _saved(tmp_path, gen)
     tensors = load_file(folder / "side_model.safetensors")
-    tensors["top_gate"] = torch.ones((), dtype=torch.int64)
+    tensors["top_gate"] = torch.ones_like(tensors["top_gate"], dtype=torch.int64)
     save_file(tensors, folder / "side_model.safetensors")
     with pytest.raises(ValueError, match="top_gate"):
         SideTuned.load_side(folder, fresh)

@@ -40,9 +40,10 @@ def test_starts_as_the_base_on_the_gpu():
     with torch.no_grad():
         got, want = st(ids).logits, base(input_ids=ids).logits
         loss, want_loss = st(ids, labels=ids).loss, base(input_ids=ids, labels=ids).loss
-    # The same FP8 base and the same modules compute both: equal up to cuBLAS's choice of algorithm.
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-4)
+    # The same FP8 base and the same modules compute both: equal up to cuBLAS's choice of algorithm,
+    # the final norm's epsilon (it cancels the top gates' uniform scale w) and the rounding of w * h_L in bf16.
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(loss, want_loss, rtol=2e-3, atol=2e-3)
 
 
 def test_base_keeps_no_saved_tensors_on_the_gpu():
@@ -90,8 +91,9 @@ def test_cached_generate_matches_full_forwards_on_the_gpu():
     the whole sequence's forward without caches: each step's logits within FP8 rounding (15%, as
     tests/python/test_generate.py states), the tokens mostly the full forward's argmax."""
     st = SideTuned(_base(), r=8)
-    with torch.no_grad():
-        st.top_gate.fill_(0.5)  # the side network counts
+    with torch.no_grad():  # the side network counts: top gates at 0.5, the upsample not zero
+        st.top_gate.zero_()
+        torch.nn.init.normal_(st.up.weight, std=0.5)
     st.eval()
     prompt = _ids(seq=16)
     seq, logits = st.generate(prompt, max_new_tokens=8, output_logits=True)
