@@ -116,7 +116,8 @@ _handoff = threading.local()
 
 
 def _give_amax(dx: torch.Tensor, amax: Optional[torch.Tensor]) -> None:
-    _handoff.item = None if amax is None else (weakref.ref(dx), dx._version, amax)
+    traced = amax is None or torch.compiler.is_compiling()  # a traced backward's tensors are not the run's
+    _handoff.item = None if traced else (weakref.ref(dx), dx._version, amax)
 
 
 def _take_amax(dout: torch.Tensor) -> Optional[torch.Tensor]:
