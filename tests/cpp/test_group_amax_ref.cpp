@@ -13,17 +13,13 @@
 #include "coat/quantize.h"
 #include "coat/swiglu.h"
 
+#include "test_data.h"
+
 using namespace coat;
 
 namespace {
 
-std::vector<float> randn(size_t n, unsigned seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
+using coat_test::randn;
 
 // The amax pass's amax of an fp32 [rows, cols] tensor, and its codes and scale.
 struct Pass {

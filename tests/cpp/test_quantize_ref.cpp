@@ -10,17 +10,13 @@
 #include "common/dre.h"
 #include "common/fp8.h"
 
+#include "test_data.h"
+
 using namespace coat;
 
 namespace {
 
-std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using coat_test::randn;
 
 double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
