@@ -1,11 +1,11 @@
 // CUDA fused AdamW step with 4-bit states (coat/adamw4.h): three launches for all tensors of a
 // configuration. The per-element math is adamw4_math.h, shared with the CPU reference; this file
-// is compiled with --fmad=false (CMakeLists.txt) and IEEE division and square root, so the two
-// agree bit for bit.
+// is compiled with -ftz=true and keeps fma, and takes square roots, divisions and the encoders'
+// reciprocals from the hardware (adamw4_math.h says what that changes against the reference).
 //
 // Work: a warp per group of 128 elements, a lane per 4 consecutive elements (one stochastic-
-// rounding quad). The step is instruction-bound before it is memory-bound (3 IEEE divisions and a
-// square root per element), so the common case takes a lean path: a whole group of a tensor whose
+// rounding quad). The step is instruction-bound before it is memory-bound, so the common case
+// takes a lean path: a whole group of a tensor whose
 // buffers allow vector access loads and stores 4 elements at once, decodes m through a 16-entry
 // table in shared memory, encodes m by a 4-step binary search over the midpoints and v
 // arithmetically (adamw4_math.h), and finds rows and columns with 32-bit arithmetic. Groups at a
@@ -330,8 +330,8 @@ __device__ __forceinline__ void store_codes(const Adamw4Tensor& d, int64_t lg, i
   for (int k = 0; k < kPer; ++k, rc.next(d.cols)) {
     if (e0 + k >= n) break;
     const float vs = d.kind == Adamw4Kind::kBlock ? vb : adamw4::v_scale_of(d, lg, rc.i, rc.j, adamw4::new_buffer(t));
-    mc[k] = adamw4::encode_m_table(m[k], ms, 1.0f / ms, tb.mid);
-    vc[k] = adamw4::encode_v_fast(v[k], vs, 1.0f / vs);
+    mc[k] = adamw4::encode_m_table(m[k], ms, adamw4::recip(ms), tb.mid);
+    vc[k] = adamw4::encode_v_fast(v[k], vs, adamw4::recip(vs));
   }
   auto* mq = static_cast<uint8_t*>(d.m);
   auto* vq = static_cast<uint8_t*>(d.v);
@@ -385,7 +385,7 @@ __device__ __noinline__ void step_group(const Adamw4Tensor& d, int64_t lg, uint6
     m[k] = o.m;
     v[k] = o.v;
     const float p0 = M == MasterKind::kFp32 ? d.master[e] : Elem<P>::load(param[e]);
-    p[k] = adamw4::update(p0, Elem<Gr>::load(static_cast<const Gr*>(d.grad)[e]) * inv_gs, m[k], v[k], s);
+    p[k] = adamw::update(p0, Elem<Gr>::load(static_cast<const Gr*>(d.grad)[e]) * inv_gs, m[k], v[k], s);
     n = k + 1;
   }
   if (d.kind == Adamw4Kind::kFull) {
@@ -440,7 +440,7 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
     }
   }
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) p[k] = adamw4::update(p[k], g[k] * inv_gs, m[k], v[k], s);
+  for (int k = 0; k < kPer; ++k) p[k] = adamw::update(p[k], g[k] * inv_gs, m[k], v[k], s);
   if (d.kind == Adamw4Kind::kFull) {
     store4(static_cast<float*>(d.m) + e0, m);
     store4(static_cast<float*>(d.v) + e0, v);
@@ -455,7 +455,7 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
     float vs[kPer], rv[kPer];  // v's scales and their reciprocals
     if (d.kind == Adamw4Kind::kBlock) {
       vs[0] = vs[1] = vs[2] = vs[3] = float_of(__reduce_max_sync(0xFFFFFFFFu, vk));
-      rv[0] = rv[1] = rv[2] = rv[3] = 1.0f / vs[0];
+      rv[0] = rv[1] = rv[2] = rv[3] = adamw4::recip(vs[0]);
       if ((threadIdx.x & 31) == 0) d.v_scale[lg] = vs[0];
     } else {
       const float* new_r = d.v_scale + adamw4::new_buffer(t) * (d.rows + d.cols);
@@ -464,10 +464,10 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
       vs[0] = adamw4::rank1_scale(r, cs.x), vs[1] = adamw4::rank1_scale(r, cs.y);
       vs[2] = adamw4::rank1_scale(r, cs.z), vs[3] = adamw4::rank1_scale(r, cs.w);
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) rv[k] = 1.0f / vs[k];
+      for (int k = 0; k < kPer; ++k) rv[k] = adamw4::recip(vs[k]);
     }
     if ((threadIdx.x & 31) == 0) d.m_scale[lg] = ms;
-    const float rm = 1.0f / ms;
+    const float rm = adamw4::recip(ms);
     uint32_t mc = 0, vc = 0;
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {

@@ -1,6 +1,10 @@
 // Scalar pieces of the 4-bit AdamW step (coat/adamw4.h), shared by the CPU reference and the CUDA
-// kernel. Only correctly rounded IEEE operations (add, multiply, divide, sqrt, compare), no
-// contraction on either side: the two agree bit for bit.
+// kernel. The update is adamw::update, the FP8 step's: on the device its square root and division,
+// and the encoders' reciprocals (recip below), come from the hardware approximations and the kernel
+// keeps fma and flushes subnormals (-ftz=true); the host computes them correctly rounded. The step
+// is instruction-bound, and the IEEE sequences cost ~20 instructions each (section 14 of
+// benchmarks/RESULTS.md). So fp32 values agree to a few ulp, and a code may sit one step away where
+// its normalized moment lies on a midpoint (tests/cpp/test_adamw4_gpu.cpp states the contract).
 #pragma once
 
 #include <cfloat>
@@ -54,9 +58,20 @@ COAT_HD float v_mid(int k) { return static_cast<float>(2 * k + 3) * 0.03125f; }
 // moments) stores the zero code of m, code 0 of v.
 COAT_HD bool usable_scale(float s) { return s >= FLT_MIN && s <= FLT_MAX; }
 
-// A value is normalized as x = value * (1 / s), both correctly rounded: a block shares its
-// reciprocal, so the kernel divides once per block instead of once per element.
-COAT_HD float normalized(float value, float s) { return value * (1.0f / s); }
+// 1 / s: correctly rounded on the host, the hardware's approximation (~1 ulp) on the device. A
+// block shares its reciprocal, so the kernel takes one per block (per element for rank-1 v).
+COAT_HD float recip(float s) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+  return r;
+#else
+  return 1.0f / s;
+#endif
+}
+
+// A value is normalized as x = value * (1 / s).
+COAT_HD float normalized(float value, float s) { return value * recip(s); }
 
 // Code of m for the block absmax s: nearest map value of the normalized m, ties up.
 COAT_HD int encode_m(float m, float s) {
@@ -128,17 +143,10 @@ COAT_HD int nibble(const uint8_t* codes, int64_t e) {
   return (e & 1) ? (b >> 4) : (b & 0xF);
 }
 
-// v's update alone (the statistics pass needs nothing else), and the whole element update; both
-// passes evaluate v with this one expression, so the maxima of pass one are those of pass two's v.
+// v's update alone, as adamw::update computes it: the statistics pass needs nothing else. On the
+// device the two may contract differently and land an ulp apart; a v an ulp above its row's or
+// column's maximum normalizes to just above 1 and takes the top code, as the maximum itself does.
 COAT_HD float new_v(float v, float g, const adamw::Scalars& s) { return v * s.beta2 + (s.w2 * g) * g; }
-
-COAT_HD float update(float p, float g, float& m, float& v, const adamw::Scalars& s) {
-  p = p * s.wd_factor;
-  m = m + s.w1 * (g - m);
-  v = new_v(v, g, s);
-  const float denom = sqrtf(v) * s.inv_bc2_sqrt + s.eps;
-  return p - s.step_size * (m / denom);
-}
 
 // Rank-1 statistics buffers of step t (t >= 1): decode with the ones step t - 1 wrote, write the
 // other. Each buffer is rows + cols floats (rows first).

@@ -66,7 +66,7 @@ void store_states(const Adamw4Tensor& d, int64_t lg, int64_t begin, int n, const
     mk = adamw4::umax(mk, adamw4::max_key(m[i]));
     vk = adamw4::umax(vk, adamw4::max_key(v[i]));
   }
-  const float ms = float_of(mk), rm = 1.0f / ms;
+  const float ms = float_of(mk), rm = adamw4::recip(ms);
   d.m_scale[lg] = ms;
   if (d.kind == Adamw4Kind::kBlock) d.v_scale[lg] = float_of(vk);
   auto* mq = static_cast<uint8_t*>(d.m) + begin / 2;
@@ -78,7 +78,7 @@ void store_states(const Adamw4Tensor& d, int64_t lg, int64_t begin, int n, const
       const int64_t cols = d.kind == Adamw4Kind::kRank1 ? d.cols : 1;
       const float vs = adamw4::v_scale_of(d, lg, e / cols, e % cols, adamw4::new_buffer(t));
       mc[h] = adamw4::encode_m_table(m[i + h], ms, rm, m_mids());
-      vc[h] = adamw4::encode_v_fast(v[i + h], vs, 1.0f / vs);
+      vc[h] = adamw4::encode_v_fast(v[i + h], vs, adamw4::recip(vs));
     }
     mq[i / 2] = static_cast<uint8_t>(mc[0] | (mc[1] << 4));
     vq[i / 2] = static_cast<uint8_t>(vc[0] | (vc[1] << 4));
@@ -98,7 +98,7 @@ void step_group(const Adamw4Tensor& d, int64_t lg, const adamw::Scalars& s, floa
     m[i] = o.m;
     v[i] = o.v;
     const float p0 = M == MasterKind::kFp32 ? d.master[begin + i] : Elem<P>::load(param[i]);
-    p[i] = adamw4::update(p0, Elem<Gr>::load(grad[i]) * inv_gs, m[i], v[i], s);
+    p[i] = adamw::update(p0, Elem<Gr>::load(grad[i]) * inv_gs, m[i], v[i], s);
   }
   store_states(d, lg, begin, n, m, v, t);
   if constexpr (M == MasterKind::kBf16Sr) {

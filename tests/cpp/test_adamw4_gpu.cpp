@@ -1,8 +1,10 @@
-// CUDA 4-bit AdamW step against the CPU reference, bit for bit: both evaluate the same IEEE
-// operations in the same order (adamw4_math.h; the kernel is compiled with --fmad=false and IEEE
-// division and square root), and maxima are exact in any order. Codes, scales, row / column maxima,
-// parameters and masters must be identical; only NaN payloads may differ (the hardware's NaN is
-// canonical, the host's keeps an operand's), so NaNs compare as NaNs.
+// CUDA 4-bit AdamW step against the CPU reference, to the contract of coat/adamw4.h: the kernel
+// keeps fma, flushes subnormals and takes square roots, divisions and the encoders' reciprocals
+// from the hardware, the reference is IEEE. Every step starts both from the reference's state;
+// then parameters agree to an ulp of their storage type (a few fp32 ulp can round a 16-bit value
+// the other way) plus a few ulp of the update, masters, full-precision moments, block scales and
+// row / column maxima to 2^-18 relative, and a code differs by at most one step, in few elements
+// (where its normalized moment lies on a midpoint). NaNs compare as NaNs.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -50,6 +52,18 @@ struct DeviceSlot {
     if (d.v_scale) d.v_scale = static_cast<float*>(copy(s.v_scale.data(), 4 * s.v_scale.size(), 0));
     d.step = static_cast<float*>(copy(&s.step, 4, 0));
   }
+  // The host's current state (everything but the gradient and the step, set per step).
+  void upload(const Slot& s) {
+    const auto put = [](void* to, const void* from, size_t bytes) {
+      if (bytes) EXPECT_EQ(cudaMemcpy(to, from, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    };
+    put(d.param, s.param.data(), s.param.size());
+    if (s.with_master) put(d.master, s.master.data(), 4 * s.master.size());
+    put(d.m, s.m.data(), s.m.size());
+    put(d.v, s.v.data(), s.v.size());
+    if (d.m_scale) put(d.m_scale, s.m_scale.data(), 4 * s.m_scale.size());
+    if (d.v_scale) put(d.v_scale, s.v_scale.data(), 4 * s.v_scale.size());
+  }
   ~DeviceSlot() {
     for (void* p : allocs) cudaFree(p);
   }
@@ -61,21 +75,41 @@ struct DeviceSlot {
   }
 };
 
-void expect_values_equal(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, DType t,
+// Parameters and full-precision moments: one ulp of the storage type relative (2^-18 for fp32),
+// plus `abs` (for parameters 2^-16 lr, the update's own few ulp: p near zero has few ulp; for m a
+// few ulp of its inputs, as m + (1 - b1)(g - m) can cancel).
+void expect_values_close(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, DType t, double abs,
                          const std::string& where) {
+  const double rel = t == DType::kFloat32 ? std::ldexp(1.0, -18) : t == DType::kBFloat16 ? std::ldexp(1.0, -7)
+                                                                                            : std::ldexp(1.0, -10);
   for (size_t i = 0; i < want.size() / dtype_size(t); ++i) {
-    const float a = value_at(got, i, t), b = value_at(want, i, t);
+    const double a = value_at(got, i, t), b = value_at(want, i, t);
     if (std::isnan(b)) ASSERT_TRUE(std::isnan(a)) << where << " element " << i;
-    else ASSERT_EQ(bits_of(a), bits_of(b)) << where << " element " << i << ": " << a << " vs " << b;
+    else ASSERT_LE(std::fabs(a - b), rel * std::fabs(b) + abs) << where << " element " << i << ": " << a << " vs " << b;
   }
 }
 
-void expect_floats_equal(const std::vector<float>& got, const std::vector<float>& want, const std::string& where) {
+// Masters (abs as above), scales and maxima (abs 0: the largest of a few-ulp-apart set is itself a
+// few ulp apart).
+void expect_floats_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& where,
+                         double abs = 0.0) {
   ASSERT_EQ(got.size(), want.size()) << where;
   for (size_t i = 0; i < want.size(); ++i) {
     if (std::isnan(want[i])) ASSERT_TRUE(std::isnan(got[i])) << where << " " << i;
-    else ASSERT_EQ(bits_of(got[i]), bits_of(want[i])) << where << " " << i << ": " << got[i] << " vs " << want[i];
+    else ASSERT_LE(std::fabs(got[i] - want[i]), std::ldexp(std::fabs(want[i]), -18) + abs) << where << " " << i << ": " << got[i] << " vs " << want[i];
   }
+}
+
+// Packed codes: each nibble within one step, and at most 1% of them (plus 2) off at all.
+void expect_codes_close(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, const std::string& where) {
+  ASSERT_EQ(got.size(), want.size()) << where;
+  size_t off = 0;
+  for (size_t i = 0; i < 2 * want.size(); ++i) {
+    const int a = (got[i / 2] >> (4 * (i % 2))) & 0xF, b = (want[i / 2] >> (4 * (i % 2))) & 0xF;
+    ASSERT_LE(std::abs(a - b), 1) << where << " code " << i;
+    off += a != b;
+  }
+  EXPECT_LE(off, 2 + want.size() / 50) << where << ": codes differ in many elements";
 }
 
 struct Combo {
@@ -129,6 +163,7 @@ void run_combo(const Combo& cb) {
       host[i].set_grad(g);  // a new buffer: the host descriptor must point at it
       host[i].step = static_cast<float>(it);
       ht[i] = host[i].desc(begins[i], 4321);
+      dev[i]->upload(host[i]);
       CK(cudaMemcpy(const_cast<void*>(dt[i].grad), host[i].grad.data(), host[i].grad.size(), cudaMemcpyHostToDevice));
       CK(cudaMemcpy(const_cast<float*>(dt[i].step), &host[i].step, 4, cudaMemcpyHostToDevice));
     }
@@ -142,23 +177,23 @@ void run_combo(const Combo& cb) {
                                 std::to_string(h.rows) + "x" + std::to_string(h.cols) + ", kind " +
                                 std::to_string(static_cast<int>(h.kind)) + ", master " +
                                 std::to_string(static_cast<int>(cb.m)) + ")";
-      expect_values_equal(d.back<uint8_t>(d.d.param, h.param.size()), h.param, cb.p, where + " param");
-      if (h.with_master) expect_floats_equal(d.back<float>(d.d.master, h.n), h.master, where + " master");
+      expect_values_close(d.back<uint8_t>(d.d.param, h.param.size()), h.param, cb.p, std::ldexp(c.lr, -16), where + " param");
+      if (h.with_master) expect_floats_close(d.back<float>(d.d.master, h.n), h.master, where + " master", std::ldexp(c.lr, -16));
       if (h.kind == Adamw4Kind::kFull) {
-        expect_values_equal(d.back<uint8_t>(d.d.m, h.m.size()), h.m, DType::kFloat32, where + " m");
-        expect_values_equal(d.back<uint8_t>(d.d.v, h.v.size()), h.v, DType::kFloat32, where + " v");
+        expect_values_close(d.back<uint8_t>(d.d.m, h.m.size()), h.m, DType::kFloat32, 1e-9, where + " m");
+        expect_values_close(d.back<uint8_t>(d.d.v, h.v.size()), h.v, DType::kFloat32, 1e-12, where + " v");
         continue;
       }
-      ASSERT_EQ(d.back<uint8_t>(d.d.m, h.m.size()), h.m) << where << " m codes";
-      ASSERT_EQ(d.back<uint8_t>(d.d.v, h.v.size()), h.v) << where << " v codes";
-      expect_floats_equal(d.back<float>(d.d.m_scale, h.m_scale.size()), h.m_scale, where + " m absmax");
-      expect_floats_equal(d.back<float>(d.d.v_scale, h.v_scale.size()), h.v_scale, where + " v scales");
+      expect_codes_close(d.back<uint8_t>(d.d.m, h.m.size()), h.m, where + " m codes");
+      expect_codes_close(d.back<uint8_t>(d.d.v, h.v.size()), h.v, where + " v codes");
+      expect_floats_close(d.back<float>(d.d.m_scale, h.m_scale.size()), h.m_scale, where + " m absmax");
+      expect_floats_close(d.back<float>(d.d.v_scale, h.v_scale.size()), h.v_scale, where + " v scales");
     }
   }
   CK(cudaFree(dtab));
 }
 
-TEST(Adamw4Gpu, MatchesReferenceBitForBit) {
+TEST(Adamw4Gpu, MatchesReferenceToItsContract) {
   const Combo combos[] = {{DType::kFloat32, DType::kFloat32, MasterKind::kNone},
                           {DType::kFloat32, DType::kBFloat16, MasterKind::kNone},
                           {DType::kBFloat16, DType::kBFloat16, MasterKind::kFp32},

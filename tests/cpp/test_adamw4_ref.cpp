@@ -178,7 +178,7 @@ std::vector<float> oracle(Slot& s, const AdamwConfig& c) {
                                                     : adamw4::rank1_scale(old[e / s.cols], old[s.rows + e % s.cols]);
       v[e] = adamw4::decode_v(adamw4::nibble(s.v.data(), e), vs);
     }
-    p[e] = adamw4::update(s.p(e), value_at(s.grad, e, s.gt) * adamw::grad_multiplier(c), m[e], v[e], sc);
+    p[e] = adamw::update(s.p(e), value_at(s.grad, e, s.gt) * adamw::grad_multiplier(c), m[e], v[e], sc);
   }
   if (s.kind == Adamw4Kind::kFull) {
     std::memcpy(s.m.data(), m.data(), 4 * n);
@@ -301,7 +301,7 @@ TEST(Adamw4Ref, StochasticRoundingIsCoatAdamwsAndUnbiased) {
   double mean = 0.0;
   for (int64_t e = 0; e < s.n; ++e) {
     float m = 0.0f, v = 0.0f;
-    const float exact = adamw4::update(1.0f, 1e-3f, m, v, sc);
+    const float exact = adamw::update(1.0f, 1e-3f, m, v, sc);
     const uint64_t r = adamw::sr_bits(99, 1, static_cast<uint64_t>(e / 4));
     ASSERT_EQ(s.p(e), host_bf16_to_float(adamw::bf16_sr(exact, static_cast<uint32_t>(r >> (16 * (e % 4))))));
     mean += s.p(e);

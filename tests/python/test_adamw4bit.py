@@ -1,7 +1,7 @@
 """coat.optim.AdamW4bit (4-bit states) on the CPU path: against a pure-PyTorch reference of the same
 algorithm written here, convergence next to torch.optim.AdamW, bytes per parameter, state dicts and
 exact resume, bf16 stochastic rounding, gradient release, GradScaler, non-finite gradients and bad
-input; and (marked gpu) the CUDA kernel against the CPU path."""
+input; and (marked gpu) the CUDA kernel against the CPU path, to the contract of coat/adamw4.h."""
 
 from __future__ import annotations
 
@@ -413,15 +413,25 @@ def test_bad_arguments():
     assert torch.equal(q, torch.zeros(10)) and not opt.state
 
 
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    return torch.stack([q & 15, q >> 4], -1).reshape(-1).long()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,master", [(F32, "fp32"), (torch.bfloat16, "fp32"), (torch.float16, "fp32"),
                                           (torch.bfloat16, "bf16_sr")])
-def test_cuda_matches_cpu_bit_for_bit(dtype, master):
-    # The kernel and the CPU reference evaluate the same IEEE operations (csrc/adamw4): equal bits.
+def test_cuda_matches_cpu(dtype, master):
+    """The contract of coat/adamw4.h: the kernel keeps fma, flushes subnormals and takes sqrt,
+    division and the encoders' reciprocals from the hardware; the CPU path is IEEE. From the same
+    state, one step: parameters within an ulp of their dtype plus a few ulp of the update, scales,
+    maxima and fp32 moments within 2^-18, codes at most one step apart in at most 1% of elements.
+    Each step starts the GPU from the CPU's state, so steps 2-4 check the rank-1 buffers' parity."""
     cpu = _params(dtype=dtype)
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
-    oc = co.AdamW4bit(cpu, lr=1e-2, weight_decay=0.1, master_weights=master)
-    og = co.AdamW4bit(gpu, lr=1e-2, weight_decay=0.1, master_weights=master)
+    lr = 1e-2
+    oc = co.AdamW4bit(cpu, lr=lr, weight_decay=0.1, master_weights=master)
+    og = co.AdamW4bit(gpu, lr=lr, weight_decay=0.1, master_weights=master)
+    ulp = {F32: 2.0**-18, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
     for step in range(1, 5):
         _set_grads(cpu, step)
         for p, q in zip(cpu, gpu):
@@ -429,9 +439,23 @@ def test_cuda_matches_cpu_bit_for_bit(dtype, master):
         oc.step()
         og.step()
         for p, q in zip(cpu, gpu):
-            assert torch.equal(p, q.cpu())
+            torch.testing.assert_close(q.detach().cpu().float(), p.detach().float(), rtol=ulp, atol=lr * 2.0**-16)
             for k, t in oc.state[p].items():
-                assert torch.equal(t, og.state[q][k].cpu()), k
+                u = og.state[q][k].cpu()
+                if k.endswith("_q4"):
+                    a, b = _nibbles(u), _nibbles(t)
+                    assert (a - b).abs().max() <= 1, k
+                    assert (a != b).sum() <= 2 + b.numel() // 100, k
+                elif k in ("exp_avg", "exp_avg_sq"):  # full precision: m can cancel to near zero
+                    torch.testing.assert_close(u, t, rtol=2.0**-18, atol=1e-9 if k == "exp_avg" else 1e-12)
+                elif k == "master":
+                    torch.testing.assert_close(u, t, rtol=2.0**-18, atol=lr * 2.0**-16)
+                else:
+                    torch.testing.assert_close(u, t, rtol=2.0**-18, atol=0, equal_nan=True)
+            with torch.no_grad():  # the next step starts from the CPU's state
+                q.copy_(p)
+                for k, t in oc.state[p].items():
+                    og.state[q][k].copy_(t)
 
 
 @pytest.mark.gpu

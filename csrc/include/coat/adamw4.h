@@ -31,8 +31,10 @@
 // old v codes (v's update needs nothing else), with atomic max on the bits of non-negative floats,
 // then runs the step in a second pass: no fp32 copy of v exists at any time.
 //
-// The CUDA kernel and the CPU reference use the same IEEE operations (the kernel is compiled
-// without fma contraction, and IEEE division and square root): they agree bit for bit.
+// The update is coat/adamw.h's (adamw::update): the CPU reference computes it in IEEE arithmetic,
+// the CUDA kernel with fma, flushed subnormals and the hardware's square root, division and
+// reciprocal (the encoders'), as the FP8 step does. They agree to a few fp32 ulp, and a code may
+// sit one step away where its normalized moment lies on a midpoint (tests/cpp/test_adamw4_gpu.cpp).
 //
 // Non-finite moments: 4-bit codes have no NaN. A NaN or +-Inf moment (from a non-finite gradient)
 // sets its block's scale (m, kBlock v) or its row's and column's maxima (kRank1 v) to NaN, so the
