@@ -58,10 +58,10 @@ COAT_HD float v_mid(int k) { return static_cast<float>(2 * k + 3) * 0.03125f; }
 // moments) stores the zero code of m, code 0 of v.
 COAT_HD bool usable_scale(float s) { return s >= FLT_MIN && s <= FLT_MAX; }
 
-// 1 / s: correctly rounded on the host, the hardware's approximation (~1 ulp) on the device
-// (dre.h's fast_div). A block shares its reciprocal, so the kernel takes one per block (per element
-// for rank-1 v).
-COAT_HD float recip(float s) { return fast_div(1.0f, s); }
+// 1 / s (dre.h's fast_rcp: correctly rounded on the host, the hardware's ~1-ulp approximation on
+// the device). A block shares its reciprocal, so the kernel takes one per block (per element for
+// rank-1 v).
+COAT_HD float recip(float s) { return fast_rcp(s); }
 
 // A value is normalized as x = value * (1 / s).
 COAT_HD float normalized(float value, float s) { return value * recip(s); }
