@@ -8,9 +8,10 @@
 // takes a lean path: a whole group of a tensor whose buffers allow vector access loads and stores
 // 4 elements at once, decodes m through a 16-entry table in shared memory, encodes m by a 4-step
 // binary search over the midpoints and v arithmetically (adamw4_math.h), and finds rows and
-// columns with 32-bit arithmetic. Groups at a tensor's end, misaligned views and rank-1 tensors with cols % 4 != 0 take the element-wise path.
-// The rank-1 statistics pass walks column strips (128 columns x 16 rows per warp) so that column
-// maxima are reduced in registers and reach memory once per strip.
+// columns with 32-bit arithmetic. Groups at a tensor's end, misaligned views and rank-1 tensors
+// with cols % 4 != 0 take the element-wise path. The rank-1 statistics pass walks column strips
+// (128 columns x 16 rows per warp) so that column maxima are reduced in registers and reach memory
+// once per strip.
 #include <cstdint>
 #include <type_traits>
 
