@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from coat import memory, models, recipes
+from coat.integrations import meta_init
 from coat.memory_side import SIDE_R  # the coat+side setup: side width hidden / SIDE_R (QST default)
 
 GiB = memory.GiB
@@ -108,6 +109,8 @@ def _shard(model: torch.nn.Module, ctx: Context, mp_policy=None) -> None:
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+    if meta_init.has_meta(model):  # built by run_config with its matrices on meta: allocate the shards
+        meta_init.materialize(model, ctx.device)
 
 
 def _torch_adamw(model: torch.nn.Module, ctx: Context) -> torch.optim.Optimizer:
@@ -531,7 +534,9 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         torch.manual_seed(cfg.get("seed", 0))
         t0 = time.perf_counter()
-        model = (setup.build or build_model)(shape, setup.param_dtype, dev)
+        # Under FSDP the matrices wait on the meta device until _shard: a rank holds its shards only.
+        with meta_init.matrices_on_meta() if fsdp and setup.build is None else nullcontext():
+            model = (setup.build or build_model)(shape, setup.param_dtype, dev)
         step = setup.prepare(model, Context(dev, mesh))
         res["init_s"] = time.perf_counter() - t0
         g = torch.Generator(device=dev).manual_seed(1234 + rank)
