@@ -9,13 +9,19 @@ is ahead of the GPU by a full launch queue: it then waits for the GPU, and a hos
 GPU-bound step look alike. Compare the figure with the 7B step's GPU time from bench_e2e.py.
 Targets (issue 11): at most ~25 us per coat op call; host time below 60% of the GPU time.
 
+Under torchrun the step is sharded with FSDP2 (coat.integrations.fsdp.shard, as ``bench_e2e.py
+--fsdp``), once per ``--fsdp-units`` value (decoder layers per fully_shard unit); only the step
+table is printed (issue 30 item 2: the host's own work in a sharded step).
+
     python benchmarks/bench_host.py [--out results/bench_host.json] [--setups bf16 coat coat-lean]
+    torchrun --nproc-per-node 2 benchmarks/bench_host.py --fsdp-units 1 2 4 --setups coat coat-lean
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -48,7 +54,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the table as JSON here")
     ap.add_argument("--setups", nargs="*", default=["bf16", "coat", "coat-lean"],
                     help="bench_e2e setups whose whole step is timed on the narrow Llama-2-7B (none: skip)")
+    ap.add_argument("--fsdp-units", type=int, nargs="+", default=[1], metavar="K",
+                    help="under torchrun: decoder layers per fully_shard unit, one table row per value")
     args = ap.parse_args()
+    if "WORLD_SIZE" in os.environ:
+        return sharded_main(args)
     dev = torch.device("cuda")
     x = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
     w = torch.randn(64, device=dev, dtype=torch.bfloat16)
@@ -115,8 +125,9 @@ def main() -> None:
                        "step_host_ms": steps}, f, indent=1)
 
 
-def step_host_ms(setup: str, dev: torch.device, runs: int = 7) -> list[float]:
-    """Wall ms of issuing one whole step of ``setup`` (coat bench's own step) on an idle GPU."""
+def step_host_ms(setup: str, dev: torch.device, runs: int = 7, mesh=None, unit: int = 1) -> list[float]:
+    """Wall ms of issuing one whole step of ``setup`` (coat bench's own step) on an idle GPU; with
+    ``mesh``, sharded by FSDP2 at ``unit`` decoder layers per unit (every rank in step)."""
     from coat import memory
     from coat.cli import bench_worker as bw
 
@@ -124,18 +135,45 @@ def step_host_ms(setup: str, dev: torch.device, runs: int = 7) -> list[float]:
                               vocab=32000)
     s = bw.SETUPS[setup]
     model = bw.build_model(shape, s.param_dtype, dev)
-    step = s.prepare(model, bw.Context(dev, None))
+    step = s.prepare(model, bw.Context(dev, mesh, layers_per_unit=unit))
     ids = torch.randint(0, shape.vocab, (1, 2048), device=dev)
     for _ in range(3):
         step(ids)
     out = []
     for _ in range(runs):
         torch.cuda.synchronize()
+        if mesh is not None:
+            torch.distributed.barrier()
         t0 = time.perf_counter()
         step(ids)
         out.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
     return out
+
+
+def sharded_main(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl")
+    mesh = init_device_mesh("cuda", (world,))
+    rows = {(name, k): step_host_ms(name, dev, mesh=mesh, unit=k) for name in args.setups for k in args.fsdp_units}
+    if rank == 0:
+        print(f"\nhost ms per training step, FSDP2 over {world} GPUs ({torch.cuda.get_device_name()}), Llama-2-7B ops "
+              "on a narrow model (hidden 256), batch 1, sequence 2048")
+        print("| setup | layers per unit | median | min - max of 7 |\n|---|---:|---:|---:|")
+        for (name, k), ms in rows.items():
+            print(f"| {name} | {k} | {statistics.median(ms):.1f} | {min(ms):.1f} - {max(ms):.1f} |")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": world,
+                           "step_host_ms": [{"setup": n, "layers_per_unit": k, "ms": v} for (n, k), v in rows.items()]},
+                          f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

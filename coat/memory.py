@@ -39,7 +39,7 @@ from coat.memory_side import side_plan_parts
 __all__ = ["GiB", "MiB", "MODEL_TYPES", "NotModeled", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
            "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "saved_constants", "outside_saved",
            "fused_loss_transient", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan", "max_batch",
-           "GPU_RATES", "OPTIMIZER_BYTES", "step_time_floor", "rates_for"]
+           "GPU_RATES", "OPTIMIZER_BYTES", "model_flops", "step_time_floor", "rates_for"]
 
 
 #: cuBLAS workspaces taken from the caching allocator (one per thread: forward and autograd's).
@@ -310,10 +310,11 @@ def max_batch(shape: ModelShape, rec: Recipe | str, seq: int, memory_gib: float,
 # ---- time per step (roofline) -----------------------------------------------------------------------
 
 #: Dense bf16 and FP8 GEMM FLOP/s and device copy B/s per GPU, from benchmarks/RESULTS.md (its first section).
+#: "peak_bf16": the datasheet's dense BF16 FLOP/s (SXM), the denominator of model-FLOPs utilization (MFU).
 GPU_RATES: dict[str, dict[str, Any]] = {
-    "h200": {"bf16": 780e12, "fp8": 1470e12, "bw": 4.25e12, "memory_gib": 139.8,
+    "h200": {"bf16": 780e12, "fp8": 1470e12, "bw": 4.25e12, "memory_gib": 139.8, "peak_bf16": 989.4e12,
              "source": "measured on an H200 (benchmarks/RESULTS.md)"},
-    "h100": {"bf16": 780e12, "fp8": 1470e12, "bw": 3.0e12, "memory_gib": 79.2,
+    "h100": {"bf16": 780e12, "fp8": 1470e12, "bw": 3.0e12, "memory_gib": 79.2, "peak_bf16": 989.4e12,
              "source": "H100 80 GB: the H200's GEMM rates (the same compute die; benchmarks/RESULTS.md), copy ~90% "
                      "of its 3.35 TB/s"},
 }
@@ -327,6 +328,21 @@ OPTIMIZER_BYTES = {"amp": 28.0, "bf16": 14.0, "coat": 4 + 2 + COAT_STATE_BYTES +
                    "coat4bit-lean": 2 + 2 + ADAMW4_STATE_BYTES + 2 + ADAMW4_STATE_BYTES + 2.5}
 
 
+def model_flops(shape: ModelShape, batch: int, seq: int, base: str = "trained") -> tuple[float, float, float]:
+    """FLOPs of one training step on ``batch`` sequences of ``seq`` tokens: (decoder linears, LM
+    head, attention). ``base``: "trained" (every GEMM), "frozen" (no weight gradients: LoRA) or
+    "forward" (side tuning: the base runs forward only; the thin side network is not counted)."""
+    t = batch * seq
+    # 2 FLOPs per parameter and token forward, 2 for the input gradient, 2 for the weight gradient,
+    # which a frozen base does not compute; LoRA's adapters' GEMMs are rank-thin (not counted).
+    per = {"trained": 6.0, "frozen": 4.0, "forward": 2.0}[base]
+    dec = per * shape.layers * shape.layer_linear_params * t
+    head = per * (shape.head_params or shape.embed_params) * t
+    # Causal attention: QK^T and PV, half the square, backward 2.5x the forward.
+    attn = (1.0 if base == "forward" else 3.5) * 2.0 * batch * seq * seq * shape.q_width * shape.layers
+    return dec, head, attn
+
+
 def step_time_floor(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, rates: dict[str, float],
                     gpus: int = 1) -> dict[str, float]:
     """A lower bound on the time of one step per GPU: GEMM and attention FLOPs at ``rates``' GEMM
@@ -334,13 +350,7 @@ def step_time_floor(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, 
     communication not counted)."""
     rec = recipe(rec) if isinstance(rec, str) else rec
     t = batch * seq
-    # 2 FLOPs per parameter and token forward, 2 for the input gradient, 2 for the weight gradient,
-    # which a frozen base (LoRA) does not compute; its adapters' GEMMs are rank-thin (not counted).
-    per = 4.0 if rec.lora else 6.0
-    dec = per * shape.layers * shape.layer_linear_params * t
-    head = per * (shape.head_params or shape.embed_params) * t
-    # Causal attention: QK^T and PV, half the square, backward 2.5x the forward.
-    attn = 3.5 * 2.0 * batch * seq * seq * shape.q_width * shape.layers
+    dec, head, attn = model_flops(shape, batch, seq, "frozen" if rec.lora else "trained")
     dec_rate = rates["fp8"] if rec.fp8_weights else rates["bf16"]
     gemm_s = dec / dec_rate + (head + attn) / rates["bf16"]
     if rec.lora:  # torch AdamW over the fp32 adapters: as amp's optimizer, per adapter parameter

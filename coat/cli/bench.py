@@ -113,7 +113,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     else:
         batches = _positive_ints("--batches", args.batches)
     batches = sorted(set(batches) | {b for bs in per_setup.values() for b in bs})
-    for flag, v in (("--seq", seq), ("--warmup", args.warmup + 1), ("--steps", args.steps), ("--fsdp", args.fsdp)):
+    if args.fsdp_unit != 1 and not args.fsdp:
+        raise BenchError("argument --fsdp-unit: applies to --fsdp runs only")
+    for flag, v in (("--seq", seq), ("--warmup", args.warmup + 1), ("--steps", args.steps), ("--fsdp", args.fsdp),
+                    ("--fsdp-unit", args.fsdp_unit)):
         if v is not None and v <= 0:
             raise BenchError(f"argument {flag}: must be positive")
     if args.max_seconds is not None and args.max_seconds <= 0:
@@ -240,7 +243,7 @@ def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dic
                 timeout = args.timeout if left is None else max(10.0, min(args.timeout, left))
                 cfg = {"setup": s, "shape": asdict(shape), "batch": batch, "seq": opts["seq"], "warmup": args.warmup,
                        "steps": args.steps, "device": opts["device"], "fsdp": fsdp, "run_id": run_id, "commit": sha,
-                       "deadline": None if left is None else start + args.max_seconds}
+                       "fsdp_unit": args.fsdp_unit, "deadline": None if left is None else start + args.max_seconds}
                 t0 = time.time()
                 res = launch(cfg, world, timeout, fsdp)
                 last_cost[s] = time.time() - t0
@@ -266,7 +269,16 @@ def progress_line(r: dict[str, Any]) -> str:
 
 
 def add_ratios(records: list[dict[str, Any]]) -> None:
-    """tokens/s over each BF16 baseline's at the same model, batch and world size, from this run."""
+    """tokens/s over each BF16 baseline's at the same model, batch and world size, from this run;
+    model TFLOP/s per GPU (memory.model_flops at the measured tokens/s) and MFU (over the datasheet's
+    dense BF16 peak, the usual denominator, also for FP8 recipes, whose GEMMs peak twice as high)."""
+    for r in records:
+        if r.get("status") == "ok" and r.get("shape"):
+            base = "frozen" if "lora" in r["setup"] else "forward" if "side" in r["setup"] else "trained"
+            flops = sum(memory.model_flops(memory.ModelShape(**r["shape"]), r["batch"], r["seq"], base))
+            r["model_tflops"] = flops / (r["batch"] * r["seq"]) * r["tokens_per_s"] / 1e12
+            rates = memory.rates_for(r.get("device") or "")
+            r["mfu"] = r["model_tflops"] * 1e12 / rates["peak_bf16"] if rates else None
     base = {(r["model"], r["batch"], r["world"], r["setup"]): r["tokens_per_s"] for r in records
             if r.get("status") == "ok" and r["setup"] in BASELINES}
     for r in records:
@@ -284,6 +296,11 @@ def _f(v: Any, fmt: str) -> str:
     return "" if v is None else format(v, fmt)
 
 
+def _mfu(r: dict[str, Any]) -> str:
+    t = r.get("model_tflops")
+    return "" if t is None else f"{t:.0f}" + ("" if r.get("mfu") is None else f" ({r['mfu'] * 100:.0f}%)")
+
+
 def _unit(records: list[dict[str, Any]]) -> tuple[float, str]:
     """GiB, or MiB when every peak is below 1 GiB (CPU-sized models)."""
     peaks = [r.get(k) for r in records for k in ("peak_gib", "estimate_gib") if r.get(k) is not None]
@@ -293,22 +310,24 @@ def _unit(records: list[dict[str, Any]]) -> tuple[float, str]:
 def markdown(records: list[dict[str, Any]]) -> str:
     k, unit = _unit(records)
     cols = ["model", "setup", "batch", f"peak {unit}", f"estimate {unit}", f"resident {unit}", "tokens/s", "vs amp",
-            "vs bf16", "step ms", "spread", "host ms", "host / step"]
+            "vs bf16", "step ms", "spread", "host ms", "host / step", "TFLOP/s (MFU)"]
     align = ["---" if c in ("model", "setup") else "---:" for c in cols]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(align) + "|"]
     order = {s: i for i, s in enumerate(dict.fromkeys(r["setup"] for r in records))}
     for r in sorted(records, key=lambda r: (r["model"], r.get("world", 1), order[r["setup"]], r["batch"])):
-        model = r["model"] + (f" (FSDP2 x{r['world']}, per GPU)" if r.get("world", 1) > 1 else "")
+        unit = f", {r['fsdp_unit']} layers per unit" if r.get("fsdp_unit", 1) != 1 else ""
+        model = r["model"] + (f" (FSDP2 x{r['world']}{unit}, per GPU)" if r.get("world", 1) > 1 else "")
         est, peak, res = (r.get(x) for x in ("estimate_gib", "peak_gib", "resident_gib"))
         if r["status"] != "ok":
             what = "oom (predicted)" if r.get("predicted") else r["status"]
-            cells = [model, r["setup"], str(r["batch"]), what, _f(est and est * k, ".1f")] + [""] * 8
+            cells = [model, r["setup"], str(r["batch"]), what, _f(est and est * k, ".1f")] + [""] * 9
         else:
             est_s = "" if est is None else f"{est * k:.1f}" + ("" if not peak else f" ({(est / peak - 1) * 100:+.0f}%)")
             cells = [model, r["setup"], str(r["batch"]), "n/a" if peak is None else f"{peak * k:.2f}", est_s,
                      _f(res and res * k, ".2f"), f"{r['tokens_per_s']:,.0f}",
                      _f(r.get("vs_amp"), ".2f"), _f(r.get("vs_bf16"), ".2f"), f"{r['step_ms']:.1f}",
-                     f"{r['spread'] * 100:.1f}%", f"{r['host_ms']:.1f}", f"{r['host_ms'] / r['step_ms']:.2f}"]
+                     f"{r['spread'] * 100:.1f}%", f"{r['host_ms']:.1f}", f"{r['host_ms'] / r['step_ms']:.2f}",
+                     _mfu(r)]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {r['model']} {r['setup']} batch {r['batch']}: {r['status']}: {r.get('reason') or r.get('error')}"
              for r in records if r["status"] not in ("ok", "oom") or r.get("predicted")]
@@ -322,7 +341,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
 
 def record_key(r: dict[str, Any]) -> str:
     return (f"{r.get('device', '?')}|{r['model']}|{recipes.canonical(r['setup'])}|batch{r['batch']}|seq{r['seq']}|"
-            f"world{r.get('world', 1)}")
+            f"world{r.get('world', 1)}" + (f"|unit{r['fsdp_unit']}" if r.get("fsdp_unit", 1) != 1 else ""))
 
 
 def merge_json(path: Path, records: list[dict[str, Any]]) -> None:
@@ -444,6 +463,8 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
     g.add_argument("--seq", type=int, metavar="N", help="tokens per sequence (default: 2048 GPU, 128 CPU)")
     g.add_argument("--fsdp", type=int, metavar="N", help="run each configuration under torchrun on N processes "
                    "(FSDP2, fully_shard per decoder layer; NCCL on GPUs, gloo on CPUs)")
+    g.add_argument("--fsdp-unit", type=int, default=1, metavar="K", help="with --fsdp: K consecutive decoder layers "
+                   "per fully_shard unit (fewer, larger collectives; K layers' weights gathered at a time)")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     g = p.add_argument_group("how long")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first")
@@ -506,7 +527,7 @@ def run_here(opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     (name, shape), = opts["shapes"].items()
     setup, batch = opts["setups"][0], opts["batches"][0]
     cfg = {"setup": setup, "shape": asdict(shape), "batch": batch, "seq": opts["seq"], "warmup": args.warmup,
-           "steps": args.steps, "device": opts["device"], "fsdp": True, "commit": commit(),
+           "steps": args.steps, "device": opts["device"], "fsdp": True, "commit": commit(), "fsdp_unit": args.fsdp_unit,
            "run_id": time.strftime("%Y%m%dT%H%M%S")}
     import torch.distributed as dist
 

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from coat import memory, models, recipes
-from coat.integrations import meta_init
+from coat.integrations import fsdp as coat_fsdp
 from coat.memory_side import SIDE_R  # the coat+side setup: side width hidden / SIDE_R (QST default)
 
 GiB = memory.GiB
@@ -56,6 +56,7 @@ class Context:
     device: torch.device
     mesh: Any  # a DeviceMesh under --fsdp, else None
     lr: float = 1e-5
+    layers_per_unit: int = 1  # decoder layers per fully_shard unit (--fsdp-unit)
 
 
 @dataclass(frozen=True)
@@ -102,15 +103,8 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast, gr
 
 
 def _shard(model: torch.nn.Module, ctx: Context, mp_policy=None) -> None:
-    """FSDP2: one ``fully_shard`` per decoder layer, then the root (embedding, final norm, LM head)."""
-    from torch.distributed.fsdp import fully_shard
-
-    kw = {"mesh": ctx.mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
-    for layer in model.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    if meta_init.has_meta(model):  # built by run_config with its matrices on meta: allocate the shards
-        meta_init.materialize(model, ctx.device)
+    """FSDP2: one ``fully_shard`` per ``ctx.layers_per_unit`` decoder layers, then the root."""
+    coat_fsdp.shard(model, ctx.mesh, ctx.device, mp_policy, ctx.layers_per_unit)
 
 
 def _torch_adamw(model: torch.nn.Module, ctx: Context) -> torch.optim.Optimizer:
@@ -509,7 +503,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     res: dict[str, Any] = {"setup": setup.name, "model": shape.name, "shape": asdict(shape), "batch": cfg["batch"],
                            "seq": cfg["seq"], "world": world if fsdp else 1, "rank": rank, "run_id": cfg.get("run_id"),
                            "commit": cfg.get("commit"), "warmup": cfg["warmup"], "steps": cfg["steps"],
-                           "recipe": setup.recipe, **_versions()}
+                           "recipe": setup.recipe, **_versions()} | ({"fsdp_unit": cfg.get("fsdp_unit", 1)} if fsdp else {})
     mesh = None
     if fsdp:
         import torch.distributed as dist
@@ -535,9 +529,9 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         torch.manual_seed(cfg.get("seed", 0))
         t0 = time.perf_counter()
         # Under FSDP the matrices wait on the meta device until _shard: a rank holds its shards only.
-        with meta_init.matrices_on_meta() if fsdp and setup.build is None else nullcontext():
+        with coat_fsdp.matrices_on_meta() if fsdp and setup.build is None else nullcontext():
             model = (setup.build or build_model)(shape, setup.param_dtype, dev)
-        step = setup.prepare(model, Context(dev, mesh))
+        step = setup.prepare(model, Context(dev, mesh, layers_per_unit=cfg.get("fsdp_unit", 1)))
         res["init_s"] = time.perf_counter() - t0
         g = torch.Generator(device=dev).manual_seed(1234 + rank)
         ids = torch.randint(0, shape.vocab, (cfg["batch"], cfg["seq"]), device=dev, generator=g)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coat.integrations import fsdp
+
 
 @dataclass
 class Dist:
@@ -104,28 +106,11 @@ def shutdown(d: Dist, clean: bool = True) -> None:
         d.initialized = False
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a Hugging Face Llama-family causal LM (``model.model.layers``; inside a
-    PEFT model, its base model's)."""
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base):
-        model = get_base()
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers: not a Llama-family causal LM")
-    return list(layers)
-
-
 def shard(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` per decoder layer, then the root (embeddings, final norm, LM head)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (d.world,))
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return fsdp.shard(model, init_device_mesh(device.type, (d.world,)), device)
 
 
 def full_state_dict(model: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor] | None:

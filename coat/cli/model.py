@@ -13,6 +13,7 @@ from coat.cli import distributed_train as dt
 from coat.cli.config import ConfigError, TrainConfig
 from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, eval_batches
 from coat.cli.stats import mean_se
+from coat.integrations import fsdp
 
 
 # ---- model and optimizer ------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def wdt_of(model: torch.nn.Module) -> torch.dtype:
 
 def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> dict[str, Any]:
     """Which parts of the step ran in FP8 and which did not, read from the model and optimizer."""
-    layers = dt.decoder_layers(model.base if cfg.side_tuning else model)
+    layers = fsdp.decoder_layers(model.base if cfg.side_tuning else model)
     # coat.convert gives each converted layer a class named Fp8<Original>; FSDP2 subclasses it again.
     fp8_layers = sum(any(c.__name__.startswith("Fp8") for c in type(m).__mro__) for m in layers)
     high = "bf16 (autocast)" if cfg.dtype == "bf16" else "fp32"

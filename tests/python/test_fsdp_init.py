@@ -1,4 +1,4 @@
-"""coat.integrations.meta_init: a model built with its matrices on the meta device, converted by
+"""coat.integrations.fsdp: a model built with its matrices on the meta device, converted by
 coat, sharded by FSDP2 over two ranks and materialized holds only its shards, keeps the values of
 its vectors and buffers (RoPE's inverse frequencies: lost if the whole model were built on meta),
 draws its matrices from N(0, initializer_range), and trains (a step of coat.optim.AdamW4bit with
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _dist import BACKENDS, end_worker, free_port
 
-from coat.integrations import meta_init
+from coat.integrations import fsdp as meta_init  # the deferred-init half of the module
 
 
 def _tiny(on_meta: bool, device: str | torch.device = "cpu") -> torch.nn.Module:
@@ -69,9 +69,9 @@ def test_materialize_unsharded_and_bad_input():
         meta_init.materialize(_tiny(True), "cpu", std=0.0)
 
 
-def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, backend: str, unit: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
     import coat
     import coat.optim
@@ -86,11 +86,8 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
         model = _tiny(True, dev)  # vectors and buffers on dev, the matrices on meta
         rope = model.model.rotary_emb.inv_freq.clone()
         coat.convert(model)
-        mesh = init_device_mesh(dev.type, (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        meta_init.materialize(model, dev)
+        meta_init.shard(model, init_device_mesh(dev.type, (world,)), dev, layers_per_unit=unit)  # materializes
+        assert not meta_init.has_meta(model)
         local = sum(p.to_local().numel() for p in model.parameters())
         full = sum(p.numel() for p in model.parameters())
         torch.testing.assert_close(model.model.rotary_emb.inv_freq, rope, rtol=0, atol=0)
@@ -105,7 +102,9 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
             losses.append(loss.item())
         norm = model.model.norm.weight.full_tensor().float()
         if rank == 0:
-            torch.save({"local": local, "full": full, "losses": losses, "norm": norm.cpu()}, out)
+            torch.save({"local": local, "full": full, "losses": losses, "norm": norm.cpu(),
+                        "groups": len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})},
+                       out)
         end_worker()
     finally:
         dist.destroy_process_group()
@@ -113,11 +112,18 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sharded_materialize_then_train(tmp_path, backend):
+@pytest.mark.parametrize("unit", [1, 2])
+def test_sharded_materialize_then_train(tmp_path, backend, unit):
     out = str(tmp_path / "meta.pt")
-    mp.spawn(_worker, args=(2, free_port(), out, backend), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out, backend, unit), nprocs=2, join=True)
     got = torch.load(out)
+    assert got["groups"] == 2 // unit + 1  # the decoder units and the root
     assert got["local"] <= got["full"] // 2 + 64  # each rank holds about half (FSDP2 pads dim 0)
     assert all(torch.isfinite(torch.tensor(got["losses"])))
     assert got["losses"][-1] < got["losses"][0]  # the same batch four times: the step trains
     assert torch.isfinite(got["norm"]).all() and not torch.equal(got["norm"], torch.ones_like(got["norm"]))
+
+
+def test_shard_refuses_a_bad_unit():
+    with pytest.raises(ValueError, match="layers_per_unit must be a positive integer, got 0"):
+        meta_init.shard(_tiny(False), None, "cpu", layers_per_unit=0)

@@ -1,5 +1,6 @@
-"""Deferred initialization for FSDP2: build a model whose matrices exist only on the meta device,
-shard it, then give each rank memory for its own shards alone.
+"""FSDP2 for Hugging Face causal LMs: one ``fully_shard`` unit per ``layers_per_unit`` decoder
+layers and the root, and deferred initialization: build a model whose matrices exist only on the
+meta device, shard it, then give each rank memory for its own shards alone.
 
 A 70B model is 140 GB in bf16: built whole on one GPU before ``fully_shard`` it would not fit, and
 built on the meta device entirely it would lose the values of its non-persistent buffers (RoPE's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,3 +73,37 @@ def materialize(model: nn.Module, device: torch.device, std: float | None = None
         _local(tensors[name]).copy_(value)
     for name in meta:
         _local(tensors[name]).normal_(0.0, std, generator=generator)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a Hugging Face Llama-family causal LM (``model.model.layers``; inside a
+    PEFT model, its base model's)."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        model = get_base()
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers: not a Llama-family causal LM")
+    return list(layers)
+
+
+def shard(model: nn.Module, mesh: Any, device: torch.device | str, mp_policy: Any = None,
+          layers_per_unit: int = 1) -> nn.Module:
+    """``fully_shard`` every ``layers_per_unit`` consecutive decoder layers as one unit (one
+    all-gather and one reduce-scatter each), then the root (embeddings, final norm, LM head); a
+    model built under ``matrices_on_meta`` is then materialized on ``device``. More layers per unit
+    mean fewer, larger collectives and fewer hooks on the host, and that many more layers' weights
+    unsharded at a time."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not isinstance(layers_per_unit, int) or layers_per_unit < 1:
+        raise ValueError(f"layers_per_unit must be a positive integer, got {layers_per_unit!r}")
+    kw = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
+    layers = decoder_layers(model)
+    for i in range(0, len(layers), layers_per_unit):
+        unit = layers[i:i + layers_per_unit]
+        fully_shard(unit if len(unit) > 1 else unit[0], **kw)
+    fully_shard(model, **kw)
+    if has_meta(model):
+        materialize(model, device)
+    return model
