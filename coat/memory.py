@@ -91,10 +91,14 @@ class Plan:
 _COMPUTE_BYTES = 2
 
 
-def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int = 1, device: str = "cuda") -> Plan:
-    """The memory plan of one full step at ``batch`` sequences of ``seq`` tokens (per GPU under FSDP2)."""
+def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int = 1, device: str = "cuda",
+         fsdp_unit: int = 1) -> Plan:
+    """The memory plan of one full step at ``batch`` sequences of ``seq`` tokens (per GPU under FSDP2,
+    with ``fsdp_unit`` decoder layers per ``fully_shard`` unit: coat.integrations.fsdp.shard)."""
     rec = recipe(rec) if isinstance(rec, str) else rec
     _check_step(batch, seq, gpus, device)
+    if not isinstance(fsdp_unit, int) or not 1 <= fsdp_unit <= shape.layers:
+        raise ValueError(f"fsdp_unit must be an integer from 1 to the model's {shape.layers} layers, got {fsdp_unit!r}")
     if rec.side:
         return _side_plan(shape, rec, batch, seq, gpus, device)
     s, n, t = shape, shape.n_params, batch * seq
@@ -120,7 +124,7 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     head_grad = 0.0 if rec.lora else head_bytes * head
     layer_tr, weight_tr = _layer_transients(s, rec, table, t)
     copies = 2.0 * (s.layers * s.layer_linear_params + head) if rec.weight_copies and not fsdp else 0.0
-    fsdp_tr, fsdp_end = _fsdp_transients(s, rec) if fsdp else (0.0, 0.0)
+    fsdp_tr, fsdp_end = _fsdp_transients(s, rec, fsdp_unit) if fsdp else (0.0, 0.0)
     work = CUDA_WORKSPACE if device == "cuda" else 0.0
 
     resident = weights + 4.0 * adapters + master + states
@@ -132,7 +136,7 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     # gradients of the bucket it steps (the LM head's, or a layer's), else after backward.
     step_tr = snsm_step_transient(s, rec.snsm_rank) if rec.snsm_rank else 0.0
     if rec.grad_release:
-        last_layer, live_grads = _released(s, rec, gpus, head_grad, layer_tr, weight_tr)
+        last_layer, live_grads = _released(s, rec, gpus, head_grad, layer_tr, weight_tr, fsdp_unit)
         if step_tr:
             last_layer = max(last_layer, max(head_grad, rec.grad_bytes * s.layer_params) + step_tr)
     else:
@@ -239,20 +243,20 @@ def _layer_transients(s: ModelShape, rec: Recipe, table: str, t: int) -> tuple[f
     return layer_tr, weight_tr
 
 
-def _fsdp_transients(s: ModelShape, rec: Recipe) -> tuple[float, float]:
+def _fsdp_transients(s: ModelShape, rec: Recipe, unit: int = 1) -> tuple[float, float]:
     """FSDP2's gathered bf16 weights at the start of backward: the root module's (embedding, head,
-    final norm) for the whole step, and two layers (the running one and the prefetched one); in
-    backward one layer's unsharded gradient, plus its copy in the reduce dtype. Then what of it is
-    alive at the end of backward."""
+    final norm) for the whole step, and two units of ``unit`` layers (the running one and the
+    prefetched one); in backward one unit's unsharded gradients, plus their copy in the reduce dtype.
+    Then what of it is alive at the end of backward."""
     compute = _COMPUTE_BYTES
     root = s.embed_params + s.head_params + s.hidden
     reduce_copy = rec.fsdp_reduce_bytes if rec.fsdp_reduce_bytes != compute else 0
-    start = compute * root + 2 * compute * s.layer_params + (compute + reduce_copy) * s.layer_params
+    start = compute * root + (2 * compute + compute + reduce_copy) * unit * s.layer_params
     return start, (compute + reduce_copy) * (s.embed_params + s.head_params)
 
 
 def _released(s: ModelShape, rec: Recipe, gpus: int, head_grad: float, layer_tr: float,
-              weight_tr: float) -> tuple[float, float]:
+              weight_tr: float, unit: int = 1) -> tuple[float, float]:
     """With gradient release: the last layer's backward, and the gradients alive at the end of backward.
 
     coat.optim.step_in_backward: a bucket (a decoder layer, the LM head, the embedding) is stepped
@@ -262,11 +266,11 @@ def _released(s: ModelShape, rec: Recipe, gpus: int, head_grad: float, layer_tr:
     of it) live the MLP's gradients; the whole layer's once its attention is done, with smaller
     transients. Under FSDP2 the root's unsharded gradients (LM head, embedding) wait for its
     reduce-scatter at the end of backward, as without release; the sharded gradients of one FSDP
-    group are what is released at a time."""
+    group (``unit`` layers) are what is released at a time."""
     last_layer = head_grad + layer_tr + weight_tr
     if gpus > 1:
-        last_layer += rec.grad_bytes * s.layer_params / gpus
-        return last_layer, rec.grad_bytes * max(s.layer_params, s.embed_params + s.head_params + s.hidden) / gpus
+        last_layer += rec.grad_bytes * unit * s.layer_params / gpus
+        return last_layer, rec.grad_bytes * max(unit * s.layer_params, s.embed_params + s.head_params + s.hidden) / gpus
     h, i = s.hidden, s.intermediate
     mlp = 3 * h * i + (2 * i + h if s.mlp_bias else 0)
     layer = max(rec.grad_bytes * mlp + layer_tr + weight_tr, rec.grad_bytes * s.layer_params)
@@ -287,12 +291,12 @@ def _start_part(rec: Recipe, fsdp: bool, loss_first: bool) -> str:
 
 
 def max_batch(shape: ModelShape, rec: Recipe | str, seq: int, memory_gib: float, gpus: int = 1,
-              device: str = "cuda", limit: int = 1 << 16) -> int:
+              device: str = "cuda", limit: int = 1 << 16, fsdp_unit: int = 1) -> int:
     """The largest batch (sequences per GPU) whose peak plus reserve fits in ``memory_gib``; 0 if none."""
     cap = memory_gib * GiB
 
     def fits(b: int) -> bool:
-        p = plan(shape, rec, b, seq, gpus, device)
+        p = plan(shape, rec, b, seq, gpus, device, fsdp_unit)
         return p.peak + p.reserve <= cap
 
     if not fits(1):

@@ -186,11 +186,12 @@ def launch(cfg: dict[str, Any], world: int, timeout: float, fsdp: bool) -> dict[
 
 
 def estimate(shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq: int, world: int,
-             device: str) -> float | None:
+             device: str, fsdp_unit: int = 1) -> float | None:
     if setup_recipe is None:
         return None
     try:
-        return memory.plan(shape, setup_recipe, batch, seq, world, "cuda" if device != "cpu" else "cpu").peak_gib
+        return memory.plan(shape, setup_recipe, batch, seq, world, "cuda" if device != "cpu" else "cpu",
+                           min(fsdp_unit, shape.layers)).peak_gib
     except memory.NotModeled:  # measured all the same, without an estimate beside it
         return None
 
@@ -221,7 +222,7 @@ def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dic
                 if s in stopped or (s in opts["per_setup"] and batch not in opts["per_setup"][s]):
                     continue
                 rec_name = SETUPS[s].recipe
-                est = estimate(shape, rec_name, batch, opts["seq"], world, opts["device"])
+                est = estimate(shape, rec_name, batch, opts["seq"], world, opts["device"], args.fsdp_unit)
                 base = {"model": name, "setup": s, "batch": batch, "seq": opts["seq"], "world": world,
                         "shape": asdict(shape), "recipe": rec_name, "estimate_gib": est, "run_id": run_id,
                         "commit": sha}
@@ -533,7 +534,8 @@ def run_here(opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
     res = run_config(cfg)
     rec = {**res, "model": name, "world": world, "estimate_gib": estimate(shape, SETUPS[setup].recipe, batch,
-                                                                            opts["seq"], world, opts["device"])}
+                                                                            opts["seq"], world, opts["device"],
+                                                                            args.fsdp_unit)}
     if rec.get("status") not in ("ok", "skipped"):
         # Peers may wait in a collective this rank never joins: report, then leave at once; the non-zero
         # exit makes torchrun stop the group.

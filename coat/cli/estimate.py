@@ -156,7 +156,11 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         mem, mem_src, gpu = here[1], here[0], here[0]
     else:
         mem, mem_src = DEFAULT_MEMORY_GIB, "default (no GPU here)"
-    p = memory.plan(shape, rec, args.batch, args.seq, args.gpus)
+    if args.fsdp_unit != 1 and args.gpus == 1:
+        raise ValueError("--fsdp-unit applies to FSDP2 plans: give --gpus 2 or more")
+    if args.fsdp_unit > shape.layers:
+        raise ValueError(f"--fsdp-unit {args.fsdp_unit}: {shape.name} has {shape.layers} decoder layers")
+    p = memory.plan(shape, rec, args.batch, args.seq, args.gpus, fsdp_unit=args.fsdp_unit)
     out = p.to_json()
     # The plan always models a CUDA GPU: a "device" key read as where the estimate ran ("cuda" on
     # a machine without one). "gpu" names the GPU instead, when there is one to name.
@@ -165,9 +169,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     # LoRA: the plan's own summary says what it models (rank, targets)
     modes = [recipes.MODES[m] for m in recipes.parse(rec.name).modes if m != "lora"]
     out.update(recipe_summary="; ".join([rec.summary, *modes]), gpu_memory_gib=mem, gpu_memory_source=mem_src,
-               max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus),
-               # measured on one GPU (benchmarks/RESULTS.md section 6), not yet under FSDP2
-               modeled_only=(rec.grad_release or rec.fused_loss) and args.gpus > 1)
+               max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus, fsdp_unit=args.fsdp_unit),
+               fsdp_unit=args.fsdp_unit)
     rates = None
     if args.measure_rates:
         if not here:
@@ -184,14 +187,12 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
-    per = f" per GPU (FSDP2 over {r['gpus']} GPUs)" if r["gpus"] > 1 else ""
+    unit = f", {r['fsdp_unit']} layers per unit" if r.get("fsdp_unit", 1) != 1 else ""
+    per = f" per GPU (FSDP2 over {r['gpus']} GPUs{unit})" if r["gpus"] > 1 else ""
     lines = [f"{r['model']}: {_count(r['n_params'])} parameters, {shape.layers} layers, hidden {shape.hidden}, "
              f"vocabulary {shape.vocab}",
              f"recipe {r['recipe']}: {r['recipe_summary']}",
              f"batch {r['batch']} x {r['seq']} tokens{per}", ""]
-    if r["modeled_only"]:
-        lines.append("note: gradient release / the fused loss under FSDP2 are modeled from their design, not yet "
-                     "measured on GPUs")
     other = "start" if r["phase"] == "backward end" else "end"
     lines.append(f"peak memory{per}: {r['peak_gib']:.2f} GiB, at the {r['phase']} "
                  f"(the backward {other} needs {r['other_phase'] / GiB:.2f} GiB)")
@@ -239,6 +240,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per GPU")
     p.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="FSDP2 over N GPUs (figures per GPU)")
+    p.add_argument("--fsdp-unit", type=int, default=1, metavar="K", help="with --gpus N > 1: K decoder layers per "
+                   "fully_shard unit, as coat bench --fsdp-unit (K layers' weights gathered at a time; default 1)")
     p.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help="size the fit (and, for h100/h200, the roofline) for "
                    "this GPU")
     p.add_argument("--gpu-memory", type=float, metavar="GiB",
@@ -252,7 +255,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--gpus", args.gpus)):
+    for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--gpus", args.gpus), ("--fsdp-unit", args.fsdp_unit)):
         if not 1 <= v <= MAX_SIZE:
             parser.error(f"argument {flag}: must be a positive integer up to {MAX_SIZE}, got {v}")
     if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):

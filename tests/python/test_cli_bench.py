@@ -105,10 +105,31 @@ def test_merge_json_replaces_by_key_and_refuses_bad_files(tmp_path):
     (["--setups", "fp16"], "--setups"), (["--model", "gpt-5"], "--model"), (["--batches", "0"], "--batches"),
     (["--batches", "one"], "--batches"), (["--setup-batches", "bf16"], "--setup-batches"),
     (["--setups", "bf16", "--setup-batches", "coat=1"], "--setup-batches"), (["--steps", "0"], "--steps"),
+    (["--fsdp-unit", "2"], "--fsdp-unit: applies to --fsdp runs only"),
+    (["--fsdp", "2", "--fsdp-unit", "0"], "--fsdp-unit: must be positive"),
 ])
 def test_bad_flags_are_named(argv, flag):
     with pytest.raises(bench.BenchError, match=flag):
         bench.resolve(_args(*argv, "--device", "cpu"))
+
+
+def test_model_flops_and_mfu():
+    shape = M.PRESETS["llama2-7b"]
+    rec = {"status": "ok", "shape": asdict(shape), "setup": "coat", "batch": 2, "seq": 2048, "tokens_per_s": 10000.0,
+           "model": "llama2-7b", "world": 1, "device": "NVIDIA H200"}
+    lora = dict(rec, setup="coat+lora")
+    side = dict(rec, setup="coat+side", device="cpu")
+    bench.add_ratios([rec, lora, side])
+    dec, head, attn = M.model_flops(shape, 2, 2048)
+    # 6 FLOPs per parameter and token of the linears (7B: ~6.5e9 of them), plus causal attention
+    assert dec + head == pytest.approx(6 * 2 * 2048 * (shape.layers * shape.layer_linear_params + shape.head_params))
+    assert rec["model_tflops"] == pytest.approx((dec + head + attn) / 4096 * 1e4 / 1e12)
+    assert rec["mfu"] == pytest.approx(rec["model_tflops"] / 989.4)
+    assert lora["model_tflops"] < rec["model_tflops"] and side["mfu"] is None  # no datasheet peak for a CPU
+    d2, _, a2 = M.model_flops(shape, 2, 2048, "forward")
+    assert d2 == dec / 3 and a2 == attn / 3.5
+    assert "| llama2-7b | coat | 2 |" in bench.markdown([dict(rec, peak_gib=1.0, resident_gib=1.0, step_ms=1.0,
+                                                             spread=0.0, host_ms=1.0)])
 
 
 def test_out_of_memory_is_this_configurations_result(monkeypatch):

@@ -55,10 +55,14 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
     assert two["gpus"] == 2 and two["peak_gib"] < preset["peak_gib"]
     assert two["parts_gib"]["weights"] == pytest.approx(preset["parts_gib"]["weights"] / 2, abs=0.01)
     assert "FSDP2" in _run(capsys, "--model", "llama3-8b", "--gpus", "2")
-    # a mode measured on one GPU but only modeled under FSDP2 says so there, and only there
-    assert "modeled from their design" in _run(capsys, "--model", "llama3-8b", "--recipe", "coat-lean+release",
-                                               "--gpus", "2")
-    assert "modeled from their design" not in _run(capsys, "--model", "llama3-8b", "--recipe", "coat-lean+release")
+    # K layers per fully_shard unit: 2K layers gathered and K layers' gradients at the backward start
+    s = M.PRESETS["llama3-8b"]
+    four = json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--gpus", "2", "--fsdp-unit", "4",
+                           "--json"))
+    assert four["fsdp_unit"] == 4 and "4 layers per unit" in _run(capsys, "--model", "llama3-8b", "--gpus", "2",
+                                                                  "--fsdp-unit", "4")
+    assert two["phase"] == "backward end" and four["phase"] == "backward start"
+    assert four["peak"] - two["other_phase"] == pytest.approx(3 * (2 + 2 + 2) * s.layer_params, rel=1e-6)
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -72,6 +76,9 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
     (["--model", "llama2-7b", "--gpu-memory", "inf"], "--gpu-memory: must be a positive number of GiB, got inf"),
     (["--model", "llama2-7b", "--recipe", "amp+release"], "gradient release steps coat.optim.AdamW inside backward"),
     (["--model", "llama2-7b", "--batch", str(2**80)], "--batch: must be a positive integer up to"),
+    (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "0"], "--fsdp-unit: must be a positive integer"),
+    (["--model", "llama2-7b", "--fsdp-unit", "2"], "--fsdp-unit applies to FSDP2 plans: give --gpus 2"),
+    (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "33"], "--fsdp-unit 33: llama2-7b has 32 decoder layers"),
 ])
 def test_bad_flags_are_named(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
