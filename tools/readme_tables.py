@@ -181,25 +181,31 @@ def e2e_two_gpus(data: dict[str, Any], source: str) -> str:
     where AMP was not run because it cannot fit."""
     from coat import memory  # the model `coat estimate` runs
 
-    rs = [r for r in data["records"] if r.get("world", 1) == 2 and r.get("device") == H200 and r["status"] == "ok"]
+    from coat.cli import bench  # its MFU: model FLOPs at the measured tokens/s over the dense BF16 peak
+
+    rs = [r for r in data["records"] if r.get("world", 1) == 2 and r.get("device") == H200 and r["status"] == "ok"
+          and r.get("fsdp_unit", 1) == 1]  # one fully_shard per layer; other unit sizes: RESULTS.md section 25
     amp = {(r["model"], r["batch"]): r for r in rs if recipes.canonical(r["setup"]) == "amp"}
     order = {m: i for i, m in enumerate(MODEL_NAMES)}
     rs.sort(key=lambda r: (order.get(r["model"], 99), r["model"], _setup_rank(r), r["batch"]))
-    lines = ["| model | setup | batch per GPU | peak per GPU (estimate) | tokens/s per GPU | vs BF16 AMP | host / step, spread |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    bench.add_mfu(rs)
+    lines = ["| model | setup | batch per GPU | peak per GPU (estimate) | tokens/s per GPU | vs BF16 AMP | TFLOP/s (MFU) "
+             "| host / step, spread |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rs:
         a = amp.get((r["model"], r["batch"]))
         lines.append(f"| {MODEL_NAMES.get(r['model'], r['model'])} | {recipes.canonical(r['setup'])} | {r['batch']} | "
                      f"{r['peak_gib']:.1f} GiB ({r['estimate_gib']:.1f}) | {_tok(r)} | "
                      f"{'-' if a is None else format(r['tokens_per_s'] / a['tokens_per_s'], '.2f') + 'x'} | "
-                     f"{r['host_ms'] / r['step_ms']:.2f}, {r['spread']:.1%} |")
+                     f"{bench.mfu_cell(r)} | {r['host_ms'] / r['step_ms']:.2f}, {r['spread']:.1%} |")
     notes = []
     for model in sorted({r["model"] for r in rs} - {m for m, _ in amp}, key=lambda m: order.get(m, 99)):
         need = memory.plan(memory.load_shape(model), "amp", 1, 2048, gpus=2).peak / memory.GiB
         notes.append(f"BF16 AMP was not run on {MODEL_NAMES.get(model, model)}: its plan at batch 1 is {need:.0f} GiB "
                      "per GPU, more than an H200's 140.")
     return "\n".join(lines + ([""] + notes if notes else []) + ["", f"Measured at {_commits(rs)}: `python "
-                      "benchmarks/bench_e2e.py --fsdp 2 ...` (benchmarks/RESULTS.md sections 11 and 13)."])
+                      "benchmarks/bench_e2e.py --fsdp 2 ...` (benchmarks/RESULTS.md sections 11, 13 and 25). MFU: model FLOPs (6 per "
+                      "parameter and token, plus causal attention) over the H200's dense BF16 peak (989 TFLOP/s); "
+                      "coat's GEMMs run in FP8, whose peak is twice that."])
 
 
 SIDE_PEERS = [("coat+lora", "coat LoRA, FP8 base"), ("bf16+lora", "PEFT LoRA, bf16 base"), ("qlora", "QLoRA")]

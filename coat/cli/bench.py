@@ -269,9 +269,8 @@ def progress_line(r: dict[str, Any]) -> str:
     return f"{head}: {r['status']} {r.get('reason') or r.get('error') or ''}".rstrip()
 
 
-def add_ratios(records: list[dict[str, Any]]) -> None:
-    """tokens/s over each BF16 baseline's at the same model, batch and world size, from this run;
-    model TFLOP/s per GPU (memory.model_flops at the measured tokens/s) and MFU (over the datasheet's
+def add_mfu(records: list[dict[str, Any]]) -> None:
+    """Model TFLOP/s per GPU (memory.model_flops at the measured tokens/s) and MFU (over the datasheet's
     dense BF16 peak, the usual denominator, also for FP8 recipes, whose GEMMs peak twice as high)."""
     for r in records:
         if r.get("status") == "ok" and r.get("shape"):
@@ -280,6 +279,11 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
             r["model_tflops"] = flops / (r["batch"] * r["seq"]) * r["tokens_per_s"] / 1e12
             rates = memory.rates_for(r.get("device") or "")
             r["mfu"] = r["model_tflops"] * 1e12 / rates["peak_bf16"] if rates else None
+
+
+def add_ratios(records: list[dict[str, Any]]) -> None:
+    """tokens/s over each BF16 baseline's at the same model, batch and world size, from this run; MFU."""
+    add_mfu(records)
     base = {(r["model"], r["batch"], r["world"], r["setup"]): r["tokens_per_s"] for r in records
             if r.get("status") == "ok" and r["setup"] in BASELINES}
     for r in records:
@@ -297,7 +301,9 @@ def _f(v: Any, fmt: str) -> str:
     return "" if v is None else format(v, fmt)
 
 
-def _mfu(r: dict[str, Any]) -> str:
+def mfu_cell(r: dict[str, Any]) -> str:
+    if "model_tflops" not in r:  # a record written before MFU was
+        add_mfu([r])
     t = r.get("model_tflops")
     return "" if t is None else f"{t:.0f}" + ("" if r.get("mfu") is None else f" ({r['mfu'] * 100:.0f}%)")
 
@@ -328,7 +334,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
                      _f(res and res * k, ".2f"), f"{r['tokens_per_s']:,.0f}",
                      _f(r.get("vs_amp"), ".2f"), _f(r.get("vs_bf16"), ".2f"), f"{r['step_ms']:.1f}",
                      f"{r['spread'] * 100:.1f}%", f"{r['host_ms']:.1f}", f"{r['host_ms'] / r['step_ms']:.2f}",
-                     _mfu(r)]
+                     mfu_cell(r)]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {r['model']} {r['setup']} batch {r['batch']}: {r['status']}: {r.get('reason') or r.get('error')}"
              for r in records if r["status"] not in ("ok", "oom") or r.get("predicted")]
