@@ -39,7 +39,8 @@ MAX_SEED = 2**32 - 1
 #: Flags that may differ from the original run when resuming it (any other flag given must
 #: repeat the run's value). A new --steps of a cosine or linear schedule continues the decay from
 #: the lr at the resume point (coat.cli.train's ``_continue_schedule``).
-RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "threads", "cache_dir", "fp8_stats")
+RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "threads", "cache_dir", "fp8_stats",
+                    "fsdp_unit")
 MODEL_FLAGS = ("model", "hidden_size", "layers", "heads", "intermediate_size", "max_positions")
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -126,6 +127,7 @@ class TrainConfig:
     snsm_proj: str = "svd"
     fp8_granularity: str = "tensor"  # the FP8 layers' scaling (coat.nn.recipe.GRANULARITIES)
     release_grads: bool = False
+    fsdp_unit: int = 1  # under torchrun: decoder layers per fully_shard unit (coat.integrations.fsdp.shard)
     lora: int = 0  # LoRA rank; 0: full fine-tuning
     lora_alpha: int = 8
     lora_dropout: float = 0.0
@@ -334,7 +336,8 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(flag(name), f"invalid choice {getattr(cfg, name)!r} (choose from {', '.join(allowed)})")
-    ints = ["steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "threads", "keep_last"]
+    ints = ["steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "threads", "keep_last",
+            "fsdp_unit"]
     if cfg.init is None:
         ints += ["hidden_size", "layers", "heads", "intermediate_size", "max_positions"]
     if cfg.save_every is not None:
@@ -342,6 +345,8 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     for name in ints:
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) <= 0:
             raise ConfigError(flag(name), f"must be a positive integer, got {getattr(cfg, name)}")
+    if cfg.init is None and cfg.fsdp_unit > cfg.layers:
+        raise ConfigError("--fsdp-unit", f"{cfg.fsdp_unit} is more than the model's {cfg.layers} decoder layers")
     if not isinstance(cfg.warmup_steps, int) or cfg.warmup_steps < 0:
         raise ConfigError("--warmup-steps", f"must be an integer >= 0, got {cfg.warmup_steps}")
     if cfg.warmup_steps > cfg.steps:

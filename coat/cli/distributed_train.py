@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coat.cli.config import ConfigError
 from coat.integrations import fsdp
 
 
@@ -106,11 +107,15 @@ def shutdown(d: Dist, clean: bool = True) -> None:
         d.initialized = False
 
 
-def shard(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
-    """FSDP2: ``fully_shard`` per decoder layer, then the root (embeddings, final norm, LM head)."""
+def shard(model: torch.nn.Module, d: Dist, device: torch.device, layers_per_unit: int = 1) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` per ``layers_per_unit`` decoder layers, then the root (embeddings, final
+    norm, LM head). ``ConfigError`` naming --fsdp-unit for more layers per unit than the model has."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return fsdp.shard(model, init_device_mesh(device.type, (d.world,)), device)
+    n = len(fsdp.decoder_layers(model))
+    if layers_per_unit > n:
+        raise ConfigError("--fsdp-unit", f"{layers_per_unit} is more than the model's {n} decoder layers")
+    return fsdp.shard(model, init_device_mesh(device.type, (d.world,)), device, layers_per_unit=layers_per_unit)
 
 
 def full_state_dict(model: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor] | None:

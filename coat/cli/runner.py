@@ -209,7 +209,7 @@ class _Training:
             if cfg.optim == "snsm":  # refused before sharding: SubsetNormSM refuses DTensor parameters
                 raise ConfigError("--optim", "snsm does not support FSDP2 (a shard's rows or columns are not the "
                                   "matrix's: its subset norms and SVD would be the shard's); use --optim coat there")
-            dt.shard(model, self.d, device)
+            dt.shard(model, self.d, device, cfg.fsdp_unit)
         self.model = model
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))

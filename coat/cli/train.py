@@ -171,6 +171,9 @@ def _check_settings(cfg: TrainConfig, d: dt.Dist) -> tuple[TrainConfig, Any]:
         if missing:
             raise ConfigError("--lora-targets", f"the --init model has no module named {', '.join(missing)}; its "
                               f"Linear layers are {', '.join(linear)}")
+    if cfg.fsdp_unit != 1 and not d.enabled:
+        raise ConfigError("--fsdp-unit", "applies to FSDP2 runs: start coat train under torchrun "
+                                         "(torchrun --nproc_per_node N -m coat train ...)")
     if cfg.lora and d.enabled:
         raise ConfigError("--lora", "LoRA under torchrun (FSDP2 of a PEFT model) is not supported yet; "
                                     "run it in one process")

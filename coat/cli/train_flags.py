@@ -141,6 +141,9 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    "clipping, optimizer step) in CUDA graphs after 3 eager steps and replay it "
                    "(coat.CudaGraphStep): much less host time per step, for small batches where the GPU waits "
                    "on Python; one GPU, no --release-grads / --compile")
+    g.add_argument("--fsdp-unit", **_N, help="under torchrun: N consecutive decoder layers per FSDP2 fully_shard "
+                   "unit: fewer, larger collectives and less host time per step, N layers' weights gathered at a "
+                   "time (coat estimate --fsdp-unit; may change on --resume)" + _default("fsdp_unit"))
     g.add_argument("--threads", **_N, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
     g.add_argument("--seed", **_N, help="seeds model init and batch sampling" + _default("seed"))
     g.add_argument("--seeds", **_N, help="with the comparison: N paired comparisons, seeds --seed .. --seed + N - 1, "
