@@ -250,13 +250,20 @@ def e2e_4bit(data: dict[str, Any], source: str) -> str:
 
 
 def train_scaling(data: dict[str, Any], source: str) -> str:
-    """`coat train` on one GPU and under torchrun on two: tokens/s per GPU, scaling efficiency."""
-    one, two = (next(r for r in data["runs"] if r["world"] == w) for w in (1, 2))
-    per = two["tokens_per_s"] / two["world"]
+    """`coat train` on one GPU and under torchrun on two (per --fsdp-unit where the record has
+    several): tokens/s per GPU, scaling efficiency."""
+    one = next(r for r in data["runs"] if r["world"] == 1)
+    twos = [r for r in data["runs"] if r["world"] == 2]
+
+    def two_text(r: dict[str, Any]) -> str:
+        per = r["tokens_per_s"] / r["world"]
+        unit = f" --fsdp-unit {r['fsdp_unit']}" if r.get("fsdp_unit", 1) != 1 else ""
+        return (f"`torchrun --nproc_per_node 2 -m coat train{unit}` {r['tokens_per_s']:,.0f} tokens/s, {per:,.0f} per "
+                f"GPU: {per / one['tokens_per_s']:.0%} scaling efficiency")
+
     return (f"`coat train` (the GPU default model, {data['n_params'] / 1e6:.0f}M parameters, {data['tokens_per_rank_step']:,} "
             f"tokens per GPU and step, coat recipe) on {data['device_short']}: one GPU {one['tokens_per_s']:,.0f} tokens/s; "
-            f"`torchrun --nproc_per_node 2 -m coat train` {two['tokens_per_s']:,.0f} tokens/s, {per:,.0f} per GPU: "
-            f"{per / one['tokens_per_s']:.0%} scaling efficiency (commit `{data['commit']}`).")
+            f"{'; '.join(two_text(r) for r in twos)} (commit `{data['commit']}`, benchmarks/RESULTS.md section 25).")
 
 
 ESTIMATE_ROWS = [("llama2-7b", "Llama-2-7B", "amp", "amp", "BF16 AMP"),
@@ -409,7 +416,7 @@ BLOCKS: dict[str, tuple[str, Formatter]] = {
     "e2e-two-gpus": (E2E, e2e_two_gpus),
     "e2e-side": (E2E, e2e_side),
     "e2e-4bit": (E2E, e2e_4bit),
-    "train-scaling": ("benchmarks/results/train_scaling_h200.json", train_scaling),
+    "train-scaling": ("benchmarks/results/train_scaling_fsdp_unit_aa14618_h200.json", train_scaling),
     "quality-study": ("benchmarks/results/quality_*.json", quality_study),
     "quality-main": ("benchmarks/results/quality_*.json", quality_main),
 }
