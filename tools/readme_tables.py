@@ -246,7 +246,8 @@ def e2e_4bit(data: dict[str, Any], source: str) -> str:
                 lines.append(f"| {MODEL_NAMES[model]} | 1 | {setup} | {r['peak_gib']:.1f} GiB ({r['estimate_gib']:.1f}) "
                              f"| {_tok(r)} |")
                 used.append(r)
-    return "\n".join(lines + ["", f"One H200, sequence 2048, {_commits(used)} (benchmarks/RESULTS.md section 13)."])
+    return "\n".join(lines + ["", f"One H200, sequence 2048, {_commits(used)} (benchmarks/RESULTS.md sections 13 and "
+                              "25)."])
 
 
 def train_scaling(data: dict[str, Any], source: str) -> str:
