@@ -119,6 +119,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
                     ("--fsdp-unit", args.fsdp_unit)):
         if v is not None and v <= 0:
             raise BenchError(f"argument {flag}: must be positive")
+    too_deep = [n for n, s in shapes.items() if args.fsdp_unit > s.layers]
+    if too_deep:
+        raise BenchError(f"argument --fsdp-unit: {args.fsdp_unit} is more than the decoder layers of "
+                         f"{', '.join(too_deep)}")
     if args.max_seconds is not None and args.max_seconds <= 0:
         raise BenchError("argument --max-seconds: must be positive")
     if args.json and Path(args.json).exists():  # refuse before running, not after
@@ -191,7 +195,7 @@ def estimate(shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq
         return None
     try:
         return memory.plan(shape, setup_recipe, batch, seq, world, "cuda" if device != "cpu" else "cpu",
-                           min(fsdp_unit, shape.layers)).peak_gib
+                           fsdp_unit).peak_gib
     except memory.NotModeled:  # measured all the same, without an estimate beside it
         return None
 

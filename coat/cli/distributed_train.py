@@ -113,7 +113,7 @@ def shard(model: torch.nn.Module, d: Dist, device: torch.device, layers_per_unit
     from torch.distributed.device_mesh import init_device_mesh
 
     n = len(fsdp.decoder_layers(model))
-    if layers_per_unit > n:
+    if layers_per_unit > n:  # an --init model's layers are known only here
         raise ConfigError("--fsdp-unit", f"{layers_per_unit} is more than the model's {n} decoder layers")
     return fsdp.shard(model, init_device_mesh(device.type, (d.world,)), device, layers_per_unit=layers_per_unit)
 

@@ -159,7 +159,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     if args.fsdp_unit != 1 and args.gpus == 1:
         raise ValueError("--fsdp-unit applies to FSDP2 plans: give --gpus 2 or more")
     if args.fsdp_unit > shape.layers:
-        raise ValueError(f"--fsdp-unit {args.fsdp_unit}: {shape.name} has {shape.layers} decoder layers")
+        raise ValueError(f"--fsdp-unit: {args.fsdp_unit} is more than {shape.name}'s {shape.layers} decoder layers")
     p = memory.plan(shape, rec, args.batch, args.seq, args.gpus, fsdp_unit=args.fsdp_unit)
     out = p.to_json()
     # The plan always models a CUDA GPU: a "device" key read as where the estimate ran ("cuda" on

@@ -96,10 +96,11 @@ def shard(model: nn.Module, mesh: Any, device: torch.device | str, mp_policy: An
     unsharded at a time."""
     from torch.distributed.fsdp import fully_shard
 
-    if not isinstance(layers_per_unit, int) or layers_per_unit < 1:
-        raise ValueError(f"layers_per_unit must be a positive integer, got {layers_per_unit!r}")
-    kw = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
     layers = decoder_layers(model)
+    if not isinstance(layers_per_unit, int) or not 1 <= layers_per_unit <= len(layers):
+        raise ValueError(f"layers_per_unit must be an integer from 1 to the model's {len(layers)} decoder layers, "
+                         f"got {layers_per_unit!r}")
+    kw = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
     for i in range(0, len(layers), layers_per_unit):
         unit = layers[i:i + layers_per_unit]
         fully_shard(unit if len(unit) > 1 else unit[0], **kw)

@@ -107,6 +107,7 @@ def test_merge_json_replaces_by_key_and_refuses_bad_files(tmp_path):
     (["--setups", "bf16", "--setup-batches", "coat=1"], "--setup-batches"), (["--steps", "0"], "--steps"),
     (["--fsdp-unit", "2"], "--fsdp-unit: applies to --fsdp runs only"),
     (["--fsdp", "2", "--fsdp-unit", "0"], "--fsdp-unit: must be positive"),
+    (["--fsdp", "2", "--fsdp-unit", "3", "--model", "tiny"], "--fsdp-unit: 3 is more than the decoder layers of tiny"),
 ])
 def test_bad_flags_are_named(argv, flag):
     with pytest.raises(bench.BenchError, match=flag):

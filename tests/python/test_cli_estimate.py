@@ -78,7 +78,7 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
     (["--model", "llama2-7b", "--batch", str(2**80)], "--batch: must be a positive integer up to"),
     (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "0"], "--fsdp-unit: must be a positive integer"),
     (["--model", "llama2-7b", "--fsdp-unit", "2"], "--fsdp-unit applies to FSDP2 plans: give --gpus 2"),
-    (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "33"], "--fsdp-unit 33: llama2-7b has 32 decoder layers"),
+    (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "33"], "--fsdp-unit: 33 is more than llama2-7b's 32 decoder layers"),
 ])
 def test_bad_flags_are_named(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:

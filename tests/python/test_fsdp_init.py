@@ -125,5 +125,6 @@ def test_sharded_materialize_then_train(tmp_path, backend, unit):
 
 
 def test_shard_refuses_a_bad_unit():
-    with pytest.raises(ValueError, match="layers_per_unit must be a positive integer, got 0"):
-        meta_init.shard(_tiny(False), None, "cpu", layers_per_unit=0)
+    for bad in (0, 3, 1.5):
+        with pytest.raises(ValueError, match=f"an integer from 1 to the model's 2 decoder layers, got {bad}"):
+            meta_init.shard(_tiny(False), None, "cpu", layers_per_unit=bad)
