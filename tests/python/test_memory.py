@@ -52,7 +52,8 @@ def _is_recipe(name) -> bool:
 
 
 def _recorded(results_dir: str) -> list[tuple]:
-    """(source, device, shape, recipe, batch, seq, world, peak GiB) of every configuration that fit."""
+    """(source, device, shape, recipe, batch, seq, world, peak GiB, layers per FSDP2 unit) of every
+    configuration that fit."""
     rows = []
     for path in sorted(glob.glob(os.path.join(results_dir, "bench_e2e*.json"))):
         with open(path) as f:
@@ -63,14 +64,14 @@ def _recorded(results_dir: str) -> list[tuple]:
             if r.get("status") != "ok" or r.get("peak_gib") is None or not _is_recipe(rec):
                 continue
             rows.append((os.path.basename(path), r["device"], M.ModelShape(**r["shape"]), rec, r["batch"],
-                         r["seq"], r.get("world", 1), r["peak_gib"]))
+                         r["seq"], r.get("world", 1), r["peak_gib"], r.get("fsdp_unit", 1)))
     return rows
 
 
 def _off_by_more_than_10pct(rows: list[tuple]) -> list[str]:
     bad = []
-    for src, device, shape, rec, batch, seq, world, peak in rows:
-        est = M.plan(shape, rec, batch, seq, world, "cpu" if device == "cpu" else "cuda").peak_gib
+    for src, device, shape, rec, batch, seq, world, peak, unit in rows:
+        est = M.plan(shape, rec, batch, seq, world, "cpu" if device == "cpu" else "cuda", unit).peak_gib
         if abs(est / peak - 1) > 0.10:
             bad.append(f"{src}: {device} {shape.name} {rec} batch {batch} x{world}: plan {est:.2f} GiB, "
                        f"measured {peak:.2f}")
@@ -78,7 +79,7 @@ def _off_by_more_than_10pct(rows: list[tuple]) -> list[str]:
 
 
 def test_plan_within_10pct_of_every_measured_peak():
-    seeds = [("issues 11/15", dev, M.PRESETS[m], rec, b, 2048, g, peak) for dev, m, rec, b, g, peak in SEED]
+    seeds = [("issues 11/15", dev, M.PRESETS[m], rec, b, 2048, g, peak, 1) for dev, m, rec, b, g, peak in SEED]
     rows = seeds + _recorded(os.path.join(REPO, "benchmarks", "results"))
     bad = _off_by_more_than_10pct(rows)
     assert not bad, "coat/memory.py is more than 10% off:\n" + "\n".join(bad)
@@ -99,7 +100,7 @@ def test_recorded_results_are_read(tmp_path):
                                                              batch=1, peak_gib=31.0)])
     assert ("coat-lean+release", 1, 31.0) in [(r[3], r[4], r[7]) for r in _recorded(str(tmp_path))]
     assert _off_by_more_than_10pct(rows) == []
-    assert _off_by_more_than_10pct([rows[0][:7] + (50.0,)])  # a 20% miss is reported
+    assert _off_by_more_than_10pct([rows[0][:7] + (50.0, 1)])  # a 20% miss is reported
 
 
 def test_preset_parameter_counts_match_transformers():
