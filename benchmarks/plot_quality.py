@@ -34,7 +34,7 @@ def main() -> None:
         groups[qr.label(r)][r["seed"]] = {s: v for s, v in r["val_curve"]}
     if "bf16" not in groups:
         raise SystemExit(f"no bf16 runs under prefix {args.prefix!r} in {', '.join(records)}")
-    devices = sorted({rec["device"].split(" (")[0] for rec in records.values()})
+    devices = sorted({records[r["source"]]["device"].split(" (")[0] for r in runs.values()})  # the plotted runs
     commits = sorted({r["commit"] for r in runs.values()})
     fig = _figure(12)
     ax, dx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)

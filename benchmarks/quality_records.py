@@ -9,15 +9,24 @@ final_val_loss, final_val_prose_loss (runs that scored the held-out prose set), 
 val_curve (and prose_curve), train_curve. Records of the same setup on different commits are one
 study as long as training's numerics did not change between them (a record's "notes" say so):
 seed s gives every recipe the same initial weights and batches on each commit. Used by
-tools/readme_tables.py (README's quality block) and benchmarks/plot_quality.py.
+tools/readme_tables.py (README's quality block) and benchmarks/plot_quality.py. Run as a script, it
+writes a record from `coat train` output folders:
+
+    python benchmarks/quality_records.py OUT.json --commit C --device D --command "C=coat train ..." \
+        C0=runs/C0 C0c=runs/C0c ...
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from coat.cli.plot import read_metrics  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PATTERN = "quality_*.json"
@@ -69,3 +78,62 @@ def groups(runs: Mapping[str, Mapping[str, Any]], prefix: str = "") -> dict[str,
         if name.startswith(prefix):
             out.setdefault(setup(name), {}).setdefault(label(run), {})[run["seed"]] = run
     return out
+
+
+def run_from_dir(out: Path) -> dict[str, Any]:
+    """One run of a record from a finished ``coat train`` output folder (config.json, summary.json,
+    metrics.jsonl). A run resumed from a checkpoint keeps its whole curves; its tokens/s is the
+    last process's (summary.json's), its train_time_s the whole run's."""
+    cfg = json.loads((out / "config.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    if not summary.get("finished"):
+        raise ValueError(f"{out}: the run did not finish (step {summary.get('steps')} of {summary.get('planned_steps')})")
+    train, records = cfg["train"], read_metrics(out / "metrics.jsonl")
+
+    def curve(key: str) -> list[list[float]]:
+        return [[r["step"], r[key]] for r in records if r.get(key) is not None]
+
+    run = {"recipe": summary["recipe"], "setup": cfg["setup"], "seed": train["seed"],
+           "master_weights": train["master_weights"], "lr": train["lr"],
+           # the setup's flags (the record's command gives the rest); amp is bf16's name on a GPU
+           "flags": f"--recipe {'bf16' if cfg['setup'] == 'amp' else cfg['setup']} --seed {train['seed']}",
+           "val_curve": curve("val_loss"), "prose_curve": curve("val_prose_loss"), "train_curve": curve("loss")}
+    if train.get("release_grads"):
+        run["release_grads"] = True
+    if train.get("fp8_granularity", "tensor") != "tensor":
+        run["fp8_granularity"] = train["fp8_granularity"]
+    for key in ("final_val_loss", "final_val_prose_loss", "tokens_per_s", "train_time_s", "n_params", "tokens",
+                "steps", "peak_memory_bytes", "optimizer_state_bytes", "device"):
+        run[key] = summary.get(key)
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Write a quality record from coat train output folders.")
+    ap.add_argument("out", type=Path, help="the record to write (benchmarks/results/quality_<what>_<commit>.json)")
+    ap.add_argument("runs", nargs="+", metavar="NAME=DIR", help="run name (setup letter, seed, recipe suffix) "
+                    "and its output folder")
+    ap.add_argument("--commit", required=True, help="the commit the runs trained at")
+    ap.add_argument("--device", required=True, help="device, software and how runs shared it")
+    ap.add_argument("--command", action="append", default=[], metavar="SETUP=COMMAND", required=True)
+    ap.add_argument("--notes", default=None)
+    args = ap.parse_args(argv)
+    if args.out.exists():
+        raise SystemExit(f"{args.out} exists: records are written once")
+    runs = {}
+    for item in args.runs:
+        name, sep, path = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"run {item!r}: expected NAME=DIR")
+        runs[name] = dict(run_from_dir(Path(path)), commit_ran=args.commit)
+    commands = dict(c.partition("=")[::2] for c in args.command)
+    rec = {"commit": args.commit, "device": args.device, "commands": commands, "runs": runs}
+    if args.notes:
+        rec["notes"] = args.notes
+    merge({str(args.out): rec})  # one name, one (setup, recipe, seed) per record
+    args.out.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"{args.out}: {len(runs)} runs")
+
+
+if __name__ == "__main__":
+    main()
