@@ -71,7 +71,8 @@ def read(paths: Iterable[Path] | None = None) -> dict[str, dict[str, Any]]:
     return {str(p): json.loads(Path(p).read_text()) for p in paths}
 
 
-def groups(runs: Mapping[str, Mapping[str, Any]], prefix: str = "") -> dict[str, dict[str, dict[int, Mapping[str, Any]]]]:
+def groups(runs: Mapping[str, Mapping[str, Any]],
+           prefix: str = "") -> dict[str, dict[str, dict[int, Mapping[str, Any]]]]:
     """setup -> recipe label -> seed -> run, of the runs whose name starts with prefix."""
     out: dict[str, dict[str, dict[int, Mapping[str, Any]]]] = {}
     for name, run in runs.items():
@@ -87,7 +88,8 @@ def run_from_dir(out: Path) -> dict[str, Any]:
     cfg = json.loads((out / "config.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
     if not summary.get("finished"):
-        raise ValueError(f"{out}: the run did not finish (step {summary.get('steps')} of {summary.get('planned_steps')})")
+        raise ValueError(f"{out}: the run did not finish "
+                         f"(step {summary.get('steps')} of {summary.get('planned_steps')})")
     train, records = cfg["train"], read_metrics(out / "metrics.jsonl")
 
     def curve(key: str) -> list[list[float]]:

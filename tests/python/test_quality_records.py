@@ -1,0 +1,71 @@
+"""benchmarks/quality_records.py writes a quality record from `coat train` output folders: the
+fields README's study table and the plot read, curves without repeated steps, an unfinished run
+refused, and a record written once."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli_train_checkpoint import _argv, tiny
+
+from coat.cli.main import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import quality_records as qr  # noqa: E402
+
+sys.path.pop(0)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name, recipe in (("X0", "bf16"), ("X0r", "coat-lean+release")):
+        cfg = tiny(tmp, name, steps=4, eval_every=2, save_every=None, recipe=recipe, compare=False)
+        assert main(_argv(cfg)) == 0
+        out[name] = Path(cfg.out)
+    return out
+
+
+def test_run_from_a_finished_folder(runs: dict[str, Path]) -> None:
+    base, lean = qr.run_from_dir(runs["X0"]), qr.run_from_dir(runs["X0r"])
+    assert qr.label(base) == "bf16" and qr.label(lean) == "coat lean + release"
+    assert lean["flags"] == "--recipe coat-lean+release --seed 0" and lean["release_grads"] is True
+    summary = json.loads((runs["X0r"] / "summary.json").read_text())
+    assert lean["final_val_loss"] == summary["final_val_loss"] and lean["steps"] == 4
+    assert [s for s, _ in lean["val_curve"]] == [0, 2, 4]
+    assert lean["val_curve"][-1][1] == summary["final_val_loss"]
+    assert [s for s, _ in lean["train_curve"]] == [1, 2, 3, 4]
+    # --data given: no built-in prose set to score
+    assert lean["prose_curve"] == [] and lean["final_val_prose_loss"] is None
+
+
+def test_an_unfinished_run_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for f in ("config.json", "metrics.jsonl"):
+        (cut / f).write_bytes((runs["X0"] / f).read_bytes())
+    summary = json.loads((runs["X0"] / "summary.json").read_text())
+    (cut / "summary.json").write_text(json.dumps(dict(summary, finished=False, steps=2)))
+    with pytest.raises(ValueError, match="did not finish"):
+        qr.run_from_dir(cut)
+
+
+def test_a_record_is_written_once_and_reads_as_a_study(runs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "quality_x.json"
+    argv = [str(out), f"X0={runs['X0']}", f"X0r={runs['X0r']}", "--commit", "abc1234", "--device", "cpu",
+            "--command", "X=coat train --recipe R --seed S"]
+    qr.main(argv)
+    rec = json.loads(out.read_text())
+    assert rec["commands"] == {"X": "coat train --recipe R --seed S"} and set(rec["runs"]) == {"X0", "X0r"}
+    groups = qr.groups(qr.merge(qr.read([out])))
+    assert set(groups["X"]) == {"bf16", "coat lean + release"} and groups["X"]["bf16"][0]["commit"] == "abc1234"
+    with pytest.raises(SystemExit, match="exists"):
+        qr.main(argv)
+    with pytest.raises(ValueError, match="run twice"):  # one (setup, recipe, seed), two names
+        qr.main([str(tmp_path / "dup.json"), f"X0={runs['X0']}", f"X1={runs['X0']}", "--commit", "c",
+                 "--device", "cpu", "--command", "X=..."])
+    assert not (tmp_path / "dup.json").exists()
