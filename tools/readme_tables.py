@@ -339,22 +339,28 @@ def quality_study(data: dict[str, Any], source: str) -> str:
 
     qr = _quality_records()
     runs = qr.merge(data)
-    lines = ["| setup | recipe | seeds | mean final val loss | std / mean | paired diff. from bf16 | 95% CI |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+
+    def paired(base: dict, seeds: dict, key: str) -> str:
+        """The mean paired difference from bf16 on one held-out set, with its 95% CI (2+ pairs)."""
+        pairs = {s: (base[s][key], r[key]) for s, r in seeds.items()
+                 if s in base and base[s].get(key) is not None and r.get(key) is not None}
+        if len(pairs) < 2:
+            return "- | -"
+        st = paired_stats(pairs)
+        bm = st["base"]["mean"]
+        return f"{st['mean_diff'] / bm:+.2%} ({len(pairs)}) | [{st['ci95'][0] / bm:+.2%}, {st['ci95'][1] / bm:+.2%}]"
+
+    lines = ["| setup | recipe | seeds | mean final val loss | std / mean | val: paired diff. from bf16 (pairs) | 95% CI "
+             "| prose: paired diff. (pairs) | 95% CI |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for setup, recipes_ in sorted(qr.groups(runs).items()):
-        base = {s: r["final_val_loss"] for s, r in recipes_.get("bf16", {}).items()}
+        base = recipes_.get("bf16", {})
         for recipe, seeds in sorted(recipes_.items(), key=lambda kv: (kv[0] != "bf16", kv[0])):
-            losses = {s: r["final_val_loss"] for s, r in sorted(seeds.items())}
-            mean, sd = mean_std(list(losses.values()))
+            losses = [r["final_val_loss"] for _, r in sorted(seeds.items())]
+            mean, sd = mean_std(losses)
             spread = f"{sd / mean:.2%}" if sd is not None else "-"
-            diff = ci = "-"
-            pairs = {s: (base[s], v) for s, v in losses.items() if s in base}
-            if recipe != "bf16" and len(pairs) >= 2:
-                st = paired_stats(pairs)
-                bm = st["base"]["mean"]
-                diff = f"{st['mean_diff'] / bm:+.2%}"
-                ci = f"[{st['ci95'][0] / bm:+.2%}, {st['ci95'][1] / bm:+.2%}]"
-            lines.append(f"| {setup} | {recipe} | {len(losses)} | {mean:.4f} | {spread} | {diff} | {ci} |")
+            diffs = "- | - | - | -" if recipe == "bf16" else (
+                f"{paired(base, seeds, 'final_val_loss')} | {paired(base, seeds, 'final_val_prose_loss')}")
+            lines.append(f"| {setup} | {recipe} | {len(losses)} | {mean:.4f} | {spread} | {diffs} |")
     lines.append("")
     for path, rec in data.items():
         lines.append(f"{rec['device']}, commit `{rec['commit']}`; " + "; ".join(
