@@ -60,6 +60,14 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": dict(model="mini", steps=150, batch_size=8, seq_len=128, lr=2e-3, warmup_steps=15, eval_batches=4),
     "cuda": dict(model="large", steps=600, batch_size=8, seq_len=2048, lr=3e-4, warmup_steps=60, eval_batches=8),
 }
+# Weight decay and beta2 by optimizer: AdamW's (the usual LM pretraining values) for torch, coat
+# and coat4bit; SubsetNormSM's own paper and reference code train with no weight decay and beta2
+# 0.999 (its learning rate, ~10x AdamW's, is --lr's to give). AdamW's decay at SN-SM's 10x rate
+# would pull weights toward zero 10x harder.
+OPTIM_DEFAULTS: dict[str, dict[str, float]] = {
+    "adamw": dict(weight_decay=0.1, beta2=0.95),
+    "snsm": dict(weight_decay=0.0, beta2=0.999),
+}
 # Fine-tuning a pretrained model (--init) wants a far smaller step size than training from scratch.
 INIT_LR = 3e-5
 # LoRA (--lora) trains a few small matrices from zero: the usual PEFT rate, not a full fine-tune's.
@@ -97,9 +105,9 @@ class TrainConfig:
     min_lr: float | None = None
     warmup_steps: int | None = None
     schedule: str = "cosine"
-    weight_decay: float = 0.1
+    weight_decay: float | None = None  # OPTIM_DEFAULTS
     beta1: float = 0.9
-    beta2: float = 0.95
+    beta2: float | None = None  # OPTIM_DEFAULTS
     grad_clip: float = 1.0
     data: str | None = None
     tokenizer: str | None = None
@@ -286,6 +294,8 @@ def resolve_config(cfg: TrainConfig, init_max_positions: int | None = None) -> T
     Raises ``ConfigError`` for flags that contradict each other."""
     check_init_flags(cfg)
     cfg = _resolve_recipe(cfg)
+    by_optim = OPTIM_DEFAULTS["snsm" if cfg.optim == "snsm" else "adamw"]
+    cfg = replace(cfg, **{k: v for k, v in by_optim.items() if getattr(cfg, k) is None})
     device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, FP8_GRANULARITIES, INIT_LR, LORA_LR,
-                             MASTER_WEIGHTS, MODEL_PRESETS, OPTIMIZERS, RESUME_OVERRIDES, SCHEDULES, SIDE_LR, SIDE_R,
+                             MASTER_WEIGHTS, MODEL_PRESETS, OPTIM_DEFAULTS, OPTIMIZERS, RESUME_OVERRIDES, SCHEDULES, SIDE_LR, SIDE_R,
                              SNSM_PROJ, TRAIN_SETUPS, TrainConfig, flag)
 from coat.cli.data import TOKENIZERS
 
@@ -23,6 +23,10 @@ _N, _X = dict(type=int, metavar="N"), dict(type=float, metavar="X")
 
 def _default(name: str) -> str:  # flags default to "not given"; TrainConfig holds the value
     return f" (default: {getattr(TrainConfig, name)})"
+
+
+def _by_optim(name: str) -> str:
+    return f" (default: {OPTIM_DEFAULTS['adamw'][name]}; {OPTIM_DEFAULTS['snsm'][name]} with --optim snsm, its paper's)"
 
 
 def _by_device(name: str) -> str:
@@ -74,9 +78,9 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
                    f"{DEVICE_DEFAULTS['cpu']['warmup_steps']} on CPU, "
                    f"{DEVICE_DEFAULTS['cuda']['warmup_steps']} on GPU)")
     g.add_argument("--schedule", choices=SCHEDULES, help="decay after warmup" + _default("schedule"))
-    g.add_argument("--weight-decay", **_X, help="AdamW weight decay (matrices only)" + _default("weight_decay"))
+    g.add_argument("--weight-decay", **_X, help="AdamW weight decay (matrices only)" + _by_optim("weight_decay"))
     g.add_argument("--beta1", **_X, help="AdamW beta1" + _default("beta1"))
-    g.add_argument("--beta2", **_X, help="AdamW beta2" + _default("beta2"))
+    g.add_argument("--beta2", **_X, help="AdamW beta2" + _by_optim("beta2"))
     g.add_argument("--grad-clip", **_X, help="max gradient norm (0 disables clipping)" + _default("grad_clip"))
     g.add_argument("--optim", choices=OPTIMIZERS, help="torch: torch.optim.AdamW; coat: coat.optim.AdamW with FP8 "
                    "states; coat4bit: coat.optim.AdamW4bit with 4-bit states; snsm: coat.optim.SubsetNormSM (Subset-Norm + "

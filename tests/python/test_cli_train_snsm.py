@@ -22,7 +22,14 @@ def test_builds_snsm_and_describes_its_states() -> None:
     model = build_model(cfg)
     opt = build_optimizer(model, cfg)
     assert isinstance(opt, co.SubsetNormSM)
-    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]
+    # the paper's beta2 and weight decay, not AdamW's (which a flag still sets)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0, 0.0]
+    assert all(g["betas"] == (0.9, 0.999) for g in opt.param_groups)
+    given = resolve_config(TrainConfig(model="tiny", activations="bf16", optim="snsm", compare=False, lr=1e-2,
+                                       device="cpu", weight_decay=0.1, beta2=0.95))
+    assert [g["weight_decay"] for g in build_optimizer(model, given).param_groups] == [0.1, 0.1, 0.0]
+    adamw = resolve_config(TrainConfig(model="tiny", optim="coat", compare=False, device="cpu"))
+    assert (adamw.weight_decay, adamw.beta2) == (0.1, 0.95)
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     assert embedded and embedded <= {id(p) for p in opt.param_groups[1]["params"]}
     assert all(p.ndim == 2 and id(p) not in embedded for p in opt.param_groups[0]["params"])
@@ -75,3 +82,19 @@ def test_refused_flags(flags: dict, flag: str) -> None:
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert flag in str(e.value)
+
+
+def test_a_comparison_trains_each_arm_at_its_optimizers_defaults(tmp_path: Path) -> None:
+    """--recipe snsm with --compare: the BF16 arm keeps AdamW's weight decay and beta2, the SN-SM
+    arm takes its paper's; a flag given sets both arms."""
+    from coat.cli.compare import _arm_flags, arms
+
+    for given, want in (({}, {"bf16": (0.1, 0.95), "snsm": (0.0, 0.999)}),
+                        ({"weight_decay": 0.05}, {"bf16": (0.05, 0.95), "snsm": (0.05, 0.999)})):
+        flags = TrainConfig(model="tiny", recipe="snsm", compare=True, device="cpu", lr=1e-2, **given)
+        cfg = resolve_config(flags)
+        got = {}
+        for arm in arms(cfg):
+            sub = resolve_config(_arm_flags(flags, cfg, arm, tmp_path / arm))
+            got[sub.optim if sub.optim == "snsm" else "bf16"] = (sub.weight_decay, sub.beta2)
+        assert got == want
