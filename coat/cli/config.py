@@ -48,6 +48,8 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "mini": dict(hidden_size=256, layers=4, heads=4, intermediate_size=688, max_positions=1024),
     "small": dict(hidden_size=384, layers=6, heads=6, intermediate_size=1024, max_positions=1024),
     "base": dict(hidden_size=768, layers=12, heads=12, intermediate_size=3072, max_positions=2048),
+    # 354M parameters: the quality study's setup C (benchmarks/RESULTS.md section 26)
+    "medium": dict(hidden_size=1536, layers=12, heads=12, intermediate_size=4352, max_positions=2048),
     "large": dict(hidden_size=2048, layers=12, heads=16, intermediate_size=5632, max_positions=2048),
 }
 
