@@ -1,7 +1,8 @@
 """coat.integrations.fsdp: a model built with its matrices on the meta device, converted by
 coat, sharded by FSDP2 over two ranks and materialized holds only its shards, keeps the values of
 its vectors and buffers (RoPE's inverse frequencies: lost if the whole model were built on meta),
-draws its matrices from N(0, initializer_range), and trains (a step of coat.optim.AdamW4bit with
+draws its matrices from N(0, initializer_range) (each rank its own rows; the same whole matrix at
+any world size; tied weights tied; a padding row zero), and trains (a step of coat.optim.AdamW4bit with
 bf16 stochastic rounding and the step in backward, the 70B setup's optimizer)."""
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from _dist import BACKENDS, end_worker, free_port
 from coat.integrations import fsdp as meta_init  # the deferred-init half of the module
 
 
-def _tiny(on_meta: bool, device: str | torch.device = "cpu") -> torch.nn.Module:
+def _tiny(on_meta: bool, device: str | torch.device = "cpu", **config) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0, initializer_range=0.05)
+    cfg = LlamaConfig(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0,
+                                initializer_range=0.05), **config})
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -67,6 +69,21 @@ def test_materialize_unsharded_and_bad_input():
     assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
     with pytest.raises(ValueError, match="std must be > 0"):
         meta_init.materialize(_tiny(True), "cpu", std=0.0)
+
+
+def test_materialize_keeps_ties_zeroes_the_padding_row_and_refuses_meta_vectors():
+    torch.manual_seed(0)
+    model = _tiny(True, tie_word_embeddings=True, pad_token_id=3, vocab_size=3000)
+    meta_init.materialize(model, "cpu")
+    emb = model.model.embed_tokens.weight
+    assert model.lm_head.weight is emb  # one tensor, drawn once (not left as uninitialized memory)
+    assert abs(emb.float().std().item() - 0.05) < 0.005 and torch.equal(emb[3], torch.zeros_like(emb[3]))
+    # rows drawn from different generators: no block repeats another
+    assert not torch.equal(emb[:1024], emb[1024:2048])
+    whole = _tiny(False, "meta")  # wholly on meta: norms and RoPE would come out random
+    assert meta_init.has_meta(whole)
+    with pytest.raises(ValueError, match="meta vector.*matrices_on_meta"):
+        meta_init.materialize(whole, "cpu")
 
 
 def _worker(rank: int, world: int, port: int, out: str, backend: str, unit: int) -> None:
@@ -122,6 +139,42 @@ def test_sharded_materialize_then_train(tmp_path, backend, unit):
     assert all(torch.isfinite(torch.tensor(got["losses"])))
     assert got["losses"][-1] < got["losses"][0]  # the same batch four times: the step trains
     assert torch.isfinite(got["norm"]).all() and not torch.equal(got["norm"], torch.ones_like(got["norm"]))
+
+
+def _draw_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = _tiny(True, vocab_size=3000, pad_token_id=2999)
+        meta_init.shard(model, init_device_mesh("cpu", (world,)), "cpu")
+        full = {n: p.full_tensor() for n, p in model.named_parameters() if p.dim() >= 2}
+        if rank == 0:
+            torch.save(full, out)
+        end_worker()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_every_rank_draws_its_own_rows_and_the_world_size_changes_nothing(tmp_path):
+    """Each rank draws the rows of its shard (before: every rank repeated the same draws, so a
+    matrix sharded over 2 ranks was one half twice); the whole matrix equals the unsharded draw."""
+    out = str(tmp_path / "draw.pt")
+    mp.spawn(_draw_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    sharded = torch.load(out)
+    torch.manual_seed(0)
+    alone = _tiny(True, vocab_size=3000, pad_token_id=2999)
+    meta_init.materialize(alone, "cpu")
+    for name, p in alone.named_parameters():
+        if p.dim() >= 2:
+            assert torch.equal(sharded[name], p), name
+            half = p.shape[0] // 2
+            assert not torch.equal(p[:half], p[half:2 * half]), name
+    emb = sharded["model.embed_tokens.weight"]
+    assert torch.equal(emb[2999], torch.zeros_like(emb[2999]))  # the padding row, on the second rank
 
 
 def test_shard_refuses_a_bad_unit():
