@@ -148,7 +148,7 @@ def _draw_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        model = _tiny(True, vocab_size=3000, pad_token_id=2999)
+        model = _tiny(True, vocab_size=3001, pad_token_id=3000)  # odd: uneven shards
         meta_init.shard(model, init_device_mesh("cpu", (world,)), "cpu")
         full = {n: p.full_tensor() for n, p in model.named_parameters() if p.dim() >= 2}
         if rank == 0:
@@ -166,7 +166,7 @@ def test_every_rank_draws_its_own_rows_and_the_world_size_changes_nothing(tmp_pa
     mp.spawn(_draw_worker, args=(2, free_port(), out), nprocs=2, join=True)
     sharded = torch.load(out)
     torch.manual_seed(0)
-    alone = _tiny(True, vocab_size=3000, pad_token_id=2999)
+    alone = _tiny(True, vocab_size=3001, pad_token_id=3000)
     meta_init.materialize(alone, "cpu")
     for name, p in alone.named_parameters():
         if p.dim() >= 2:
@@ -174,7 +174,7 @@ def test_every_rank_draws_its_own_rows_and_the_world_size_changes_nothing(tmp_pa
             half = p.shape[0] // 2
             assert not torch.equal(p[:half], p[half:2 * half]), name
     emb = sharded["model.embed_tokens.weight"]
-    assert torch.equal(emb[2999], torch.zeros_like(emb[2999]))  # the padding row, on the second rank
+    assert torch.equal(emb[3000], torch.zeros_like(emb[3000]))  # the padding row, on the second rank
 
 
 def test_shard_refuses_a_bad_unit():
