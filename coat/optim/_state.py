@@ -343,14 +343,38 @@ def _torch_group_defaults() -> dict[str, Any]:
     return {k: v for k, v in ref.param_groups[0].items() if k != "params"}
 
 
+# coat's other optimizers keep other states (AdamW4bit: 4-bit codes and block scales; SubsetNormSM:
+# subset norms and subspace momentum beside its AdamW part's), which these conversions do not know.
+_ONLY_ADAMW = ("converts coat.optim.AdamW (FP8 states) only. coat.optim.AdamW4bit states have no "
+               "conversion to or from torch.optim.AdamW; of a coat.optim.SubsetNormSM only the AdamW part "
+               "(its non-matrix parameters) converts: pass opt.adamw")
+
+
+def _check_coat_adamw(optimizer: Any, what: str) -> None:
+    from .adamw import AdamW  # adamw.py imports this module
+
+    if not isinstance(optimizer, AdamW):
+        raise TypeError(f"{what} got a {type(optimizer).__module__}.{type(optimizer).__qualname__}, but it "
+                        f"{_ONLY_ADAMW}")
+
+
 def to_torch_adamw_state(src: Any) -> dict[str, Any]:
     """A ``torch.optim.AdamW`` state dict (fp32 ``exp_avg`` / ``exp_avg_sq`` laid out like their
     parameters, CPU float step; each group's ``maximize`` kept) from a coat.optim.AdamW or its state
     dict. fp32 master weights are not part of torch's format: copy them into an fp32 model first if
     they are needed."""
+    if isinstance(src, torch.optim.Optimizer):
+        _check_coat_adamw(src, "to_torch_adamw_state")
     sd = src.state_dict() if isinstance(src, torch.optim.Optimizer) else src
+    for i, g in enumerate(sd["param_groups"]):
+        if "update_proj_gap" in g:  # a SubsetNormSM's, whose AdamW part has groups of its own
+            raise ValueError(f"param_groups[{i}] is a coat.optim.SubsetNormSM group: to_torch_adamw_state "
+                             f"{_ONLY_ADAMW}")
     state = {}
     for pid, st in sd["state"].items():
+        if "exp_avg_q" not in st:
+            raise ValueError(f"state[{pid}] is not a coat.optim.AdamW state (keys {sorted(st)}): "
+                             f"to_torch_adamw_state {_ONLY_ADAMW}")
         sharded = st["exp_avg_q"] if _is_dtensor(st["exp_avg_q"]) else None
         if sharded is not None:  # a shard of an FSDP2 parameter: moments as DTensors like it
             st = _from_dtensors(st, sharded.to_local().numel())
@@ -400,18 +424,31 @@ def from_torch_adamw_state(torch_state: dict[str, Any], optimizer: Any) -> dict[
     groups) from a ``torch.optim.AdamW`` state dict: moments quantized with each group's formats (in
     each parameter's memory order), fp32 masters taken from the current parameters, ``maximize``
     kept. Load it with ``optimizer.load_state_dict``."""
+    _check_coat_adamw(optimizer, "from_torch_adamw_state")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in torch_state["param_groups"] for i in g["params"]]
     if len(ids) != len(params) or len(torch_state["param_groups"]) != len(optimizer.param_groups):
         raise ValueError("torch_state does not match the optimizer's parameter groups")
     if any(tg.get("amsgrad") for tg in torch_state["param_groups"]):
         raise ValueError("amsgrad groups cannot be converted (coat.optim.AdamW has no amsgrad)")
+    for i, tg in enumerate(torch_state["param_groups"]):
+        # Only lr, betas, eps, weight_decay and maximize are carried over. torch.optim.Adam's L2 decay
+        # (added to the gradient, through m and v) would silently become AdamW's decoupled decay;
+        # with weight_decay 0 the two are the same step.
+        if tg.get("decoupled_weight_decay", True) is not True and tg.get("weight_decay", 0) != 0:
+            raise ValueError(f"torch_state['param_groups'][{i}]: decoupled_weight_decay="
+                             f"{tg['decoupled_weight_decay']!r} with weight_decay={tg['weight_decay']} is not "
+                             "supported by coat.optim.AdamW: its weight decay is AdamW's (decoupled); a "
+                             "torch.optim.Adam state dict with weight decay does not convert (one of "
+                             "torch.optim.AdamW, or of Adam with weight_decay=0, does)")
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     state = {}
     for pos, (pid, p) in enumerate(zip(ids, params)):
         st = torch_state["state"].get(pid)
         if not st:
             continue
+        if "exp_avg" not in st or "exp_avg_sq" not in st:
+            raise ValueError(f"torch_state['state'][{pid}] is not a torch.optim.AdamW state (keys {sorted(st)})")
         if st.get("max_exp_avg_sq") is not None:
             raise ValueError("amsgrad states cannot be converted (coat.optim.AdamW has no amsgrad)")
         local, g = _local(p), group_of[id(p)]

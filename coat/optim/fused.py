@@ -86,6 +86,11 @@ class ReleaseTarget:
             self._release = None
 
 
+def _versions(p: torch.Tensor) -> tuple[int, int]:
+    """Autograd's in-place counters of a parameter and of its local shard (a DTensor's)."""
+    return p._version, _local(p)._version
+
+
 class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
     """Base of coat's fused multi-tensor optimizers: one kernel launch per device, parameter group
     and launch key covers every tensor, through a table of per-tensor descriptor rows, with no host
@@ -144,6 +149,11 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         """Host-side caches: rebuilt on demand, never saved (they hold raw pointers)."""
         self._desc_cache: dict[tuple, tuple] = {}
         self._graph_tables: dict[int, tuple] = {}  # tables a CUDA-graph capture of step() reads
+        # id(p) -> p's and its shard's autograd versions when the step last wrote p from its fp32
+        # master: a parameter changed in place since (model.load_state_dict, pruning, clamping) is
+        # the new starting point, so its master is read from it again, as torch.optim keeps the edit.
+        # Edits through p.data are invisible (autograd does not count them either).
+        self._synced: dict[int, tuple[int, int]] = {}
 
     # ---- pickling (copy.deepcopy, torch.save of the whole optimizer) --------------------------
     # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups; coat's own settings
@@ -288,6 +298,9 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         self.param_groups = groups
         self.state = state
         self._desc_cache.clear()
+        # loaded masters are the truth for the parameters as they are now (a model loaded first)
+        self._synced = {id(p): _versions(p) for p, st in state.items()
+                        if isinstance(p, torch.Tensor) and "master" in st}
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -317,6 +330,8 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         # its step count, so that every rank holds the same states with the same steps, as
         # distributed state dicts expect; it has no row in the kernel's descriptor table.
         state = self.state[p] or self._init_state(p, local, group, index)
+        if "master" in state and self._synced.get(id(p), _versions(p)) != _versions(p):
+            state["master"].copy_(local)  # edited since the last step: the edit stands
         return (local.device, gi, *self._launch_key(local, grad, group)), (p, local, grad, state)
 
     def _gather(self) -> tuple[dict[tuple, list], dict[tuple, list[int]]]:
@@ -375,7 +390,9 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         ``zero_grad(set_to_none=True)``, only their column is rewritten."""
         # Every pointer the table holds: a state tensor replaced in place (opt.state[p][k] = ...) must
         # not leave the kernel writing to the old one.
-        static = tuple((local.data_ptr(), id(state), *_state.tensor_ptrs(state)) for _, local, _, state in items)
+        # and every shape: a parameter shrunk in place at the same address must be checked again
+        static = tuple((local.data_ptr(), tuple(local.shape), id(state), *_state.tensor_ptrs(state))
+                       for _, local, _, state in items)
         grads = [grad.data_ptr() for _, _, grad, _ in items]
         hit = self._desc_cache.get(key)
         if hit is not None and hit[0] == static:
@@ -451,6 +468,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
             torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
         _compat.bump_versions([p for p, _, _, _ in items] + [st["master"] for *_, st in items if "master" in st])
+        self._synced.update((id(p), _versions(p)) for p, _, _, st in items if "master" in st)
 
     # ---- step ----------------------------------------------------------------------------------
 

@@ -10,13 +10,32 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import _snsm, _state
+from . import _compat, _snsm, _state
 from .adamw import AdamW
 from .fused import Launch, ReleaseTarget
 
 __all__ = ["SubsetNormSM", "snsm_param_groups"]
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")  # what the AdamW part takes from its group
+
+# torch.optim.AdamW's keywords (_compat.TORCH_FLAGS), none of which this optimizer implements: a group
+# written for torch.optim.AdamW must not step otherwise in silence (a maximize=True group would
+# descend), so any value but False (or None) is refused.
+_FLAG_WHY = {
+    "maximize": "its step always descends; negate the loss to ascend",
+    "amsgrad": "it keeps no running maximum of v",
+    "differentiable": "its step runs outside autograd",
+    "capturable": "its step count lives on the host, so step() cannot be captured in a CUDA graph",
+    "foreach": "it has one implementation (torch ops per matrix, coat.optim.AdamW's kernel for the rest)",
+    "fused": "it has one implementation (torch ops per matrix, coat.optim.AdamW's kernel for the rest)",
+}
+
+
+def _check_torch_flags(options: dict[str, Any], where: str) -> None:
+    for key in _compat.TORCH_FLAGS:
+        if options.get(key) not in (None, False):
+            raise ValueError(f"{where}{key}={options[key]!r} is not supported by coat.optim.SubsetNormSM: "
+                             f"{_FLAG_WHY.get(key, 'not implemented')}; leave {key} out")
 
 
 def _finite(x: Any) -> bool:
@@ -101,7 +120,9 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
     refresh, as soon as its gradient is complete (the AdamW part through coat.optim.AdamW's own
     launches); without clipping the result is the ordinary step's, bit for bit. Refused: sharded
     (FSDP2 / DTensor) parameters (a shard's rows or columns are not the matrix's: its subset norms
-    and SVD would be the shard's), sparse or complex gradients. ``torch.amp.GradScaler`` works the
+    and SVD would be the shard's), sparse or complex gradients, and torch.optim.AdamW's keywords
+    (``maximize``, ``amsgrad``, ``capturable``, ``differentiable``, ``foreach``, ``fused``) set to
+    anything but False or None, in groups or ``adamw_options``. ``torch.amp.GradScaler`` works the
     ordinary way (``scaler.step`` unscales first), not under gradient release.
     """
 
@@ -136,6 +157,7 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         if bad:
             raise ValueError(f"adamw_options must not set {bad}: the AdamW part takes lr, betas, eps and weight_decay "
                              "from the parameter groups, master_weights and seed from this optimizer")
+        _check_torch_flags(opts, "adamw_options: ")  # the AdamW part would honour them, the matrices not
         opts.update(master_weights=master_weights, seed=seed)
         self.master_weights = master_weights
         self.seed = seed
@@ -147,6 +169,9 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         self.adamw_options = opts
         super().__init__(params, defaults)
         self._adamw = self._build_adamw()
+        # id(matrix) -> its autograd version when last written from its fp32 master (see
+        # coat.optim.FusedOptimizer._synced: a matrix changed in place since is the new start)
+        self._synced: dict[int, int] = {}
 
     # ---- groups and routing --------------------------------------------------------------------
 
@@ -180,13 +205,23 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
                 raise ValueError(f"{key} must be a bool, got {group[key]!r}")
         if group.setdefault("proj_type", "svd") not in _snsm.PROJ_TYPES:  # groups saved before it existed: svd
             raise ValueError(f"proj_type must be one of {_snsm.PROJ_TYPES}, got {group['proj_type']!r}")
+        _check_torch_flags(group, "")
+        if group.get("decoupled_weight_decay", True) is not True and group["weight_decay"] != 0:
+            # torch.optim.Adam's L2 term, which both parts would silently turn into decoupled decay
+            raise ValueError(f"decoupled_weight_decay={group['decoupled_weight_decay']!r} with weight_decay="
+                             f"{group['weight_decay']} is not supported by coat.optim.SubsetNormSM: its weight "
+                             "decay is decoupled (AdamW's); leave decoupled_weight_decay out")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._check_group(group)
-        for p in group["params"]:
-            self._check_param(p)
+        try:  # a refused group is taken out again, so that it never steps
+            self._check_group(group)
+            for p in group["params"]:
+                self._check_param(p)
+        except Exception:
+            self.param_groups.pop()
+            raise
         if hasattr(self, "_adamw"):  # after construction: the AdamW part gets the group's other params
             self._adamw.add_param_group(self._adamw_group(group))
 
@@ -273,12 +308,17 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         return self.seed * 1_000_003 + position
 
     def _run_matrices(self, items: list[tuple], clip_scale: torch.Tensor | None) -> None:
+        synced = self._synced
         for p, g, group, proj, seed in items:
             state = self.state[p]
+            if "master" in state and synced.get(id(p), p._version) != p._version:
+                state["master"].copy_(p)  # changed in place since the last step: the change stands
             state["step"] += 1
             # bf16_sr: the rounding bits of a matrix come from its seed (the optimizer's and its position)
             sr_seed = seed if self.master_weights == "bf16_sr" else None
             _snsm.update(p, g, state, group, proj, clip_scale=clip_scale, sr_seed=sr_seed)
+            if "master" in state:
+                synced[id(p)] = p._version
 
     def _inner_positions(self) -> dict[int, int]:
         """Position in the whole parameter list -> position in the AdamW part's list."""
@@ -425,6 +465,7 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         self._adamw.load_state_dict(inner_sd)  # checks its states and replaces them, or raises
         self.param_groups[:] = groups
         self.state = state
+        self._synced = {id(p): p._version for p, st in state.items() if "master" in st}  # loaded: in sync
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -440,6 +481,7 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._release = None  # a copy is not attached: the hooks belong to the original's parameters
+        self._synced = {}
 
     def __getstate__(self) -> dict[str, Any]:
         st = super().__getstate__()

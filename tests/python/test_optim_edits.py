@@ -1,0 +1,91 @@
+"""A parameter changed in place between steps keeps the change under an fp32 master (as with
+torch.optim.AdamW: the master is read from the parameter again; SubsetNormSM's matrices too), and a
+parameter shrunk in place at the same address is checked again rather than stepped with its old
+size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import coat.optim as co
+
+OPTIMIZERS = [co.AdamW, co.AdamW4bit]
+
+
+def _params(n: int = 4096) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    w = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.05
+    return (torch.nn.Parameter(w.to(torch.bfloat16)), torch.nn.Parameter(w.clone()))
+
+
+def _grad(step: int, n: int = 4096) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 + step))
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_an_in_place_edit_between_steps_stands(cls):
+    p, ref = _params()
+    opt = cls([p], lr=1e-2, weight_decay=0.0, master_weights="fp32")
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0)
+    for step in range(6):
+        p.grad, ref.grad = _grad(step).to(torch.bfloat16), _grad(step).to(torch.bfloat16).float()
+        opt.step()
+        torch_opt.step()
+        if step == 2:  # a rollback, a clamp: what users do to weights between steps
+            with torch.no_grad():
+                p.fill_(0.5)
+                ref.fill_(0.5)
+    # both continue from 0.5: within a few lr of it after 3 more steps (the old master is ~0.05 away)
+    assert (p.float() - 0.5).abs().max() < 0.04 and (ref - 0.5).abs().max() < 0.04
+    torch.testing.assert_close(p.float(), ref.to(torch.bfloat16).float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_loaded_master_is_kept_when_the_model_was_loaded_first(cls):
+    """coat train's resume order: model.load_state_dict (an in-place copy), then the optimizer's:
+    the saved fp32 master, not the bf16 parameter, continues (exact resume)."""
+    p, _ = _params()
+    opt = cls([p], lr=1e-2, master_weights="fp32")
+    for step in range(3):
+        p.grad = _grad(step).to(torch.bfloat16)
+        opt.step()
+    saved_p, saved_opt = p.detach().clone(), opt.state_dict()
+    master = opt.state[p]["master"].clone()
+    q, _ = _params()
+    again = cls([q], lr=1e-2, master_weights="fp32")
+    with torch.no_grad():
+        q.copy_(saved_p)
+    again.load_state_dict(saved_opt)
+    q.grad = p.grad = _grad(3).to(torch.bfloat16)
+    opt.step()
+    again.step()
+    assert torch.equal(q, p) and not torch.equal(master, opt.state[p]["master"])
+    torch.testing.assert_close(again.state[q]["master"], opt.state[p]["master"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_parameter_shrunk_at_the_same_address_is_refused(cls):
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = cls([p], lr=1e-2)
+    p.grad = torch.randn(4096)
+    opt.step()
+    p.data = p.data[:128]  # same address, fewer elements: the cached table must not be reused
+    p.grad = torch.randn(128)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="shape"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+def test_subset_norm_sm_matrices_keep_an_edit():
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * 0.05
+    p = torch.nn.Parameter(w.to(torch.bfloat16))
+    opt = co.SubsetNormSM([p], lr=1e-3, rank=8, master_weights="fp32")
+    for step in range(6):
+        p.grad = torch.randn(64, 48, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        opt.step()
+        if step == 2:
+            with torch.no_grad():
+                p.fill_(0.5)
+    assert (p.float() - 0.5).abs().max() < 0.02  # three small steps from 0.5, not back to ~0.05
+    torch.testing.assert_close(opt.state[p]["master"].to(torch.bfloat16), p.detach(), rtol=0, atol=0)
