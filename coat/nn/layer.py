@@ -32,12 +32,30 @@ def _out_norm(layer, name: str | None, h: torch.Tensor, unit_offset: bool) -> to
     return rms_norm(h, norm.weight, norm_eps(norm), layer.self_attn.coat_recipe, unit_offset)
 
 
+def refuse_bypassed_hooks(layer) -> None:
+    """The converted layer reads its projections', norms' and LoRA adapters' weights without calling
+    those modules, so hooks on them would silently never run (activation capture or steering,
+    ``torch.nn.utils.prune``'s reparametrization, PEFT's per-row ``adapter_names`` routing). Only the
+    layer, its ``self_attn`` and its ``mlp`` are called as modules."""
+    called = (layer, layer.self_attn, layer.mlp)
+    for name, m in layer.named_modules():
+        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) \
+                and not any(m is c for c in called):
+            raise RuntimeError(
+                f"a hook is registered on {name} inside a coat-converted decoder layer ({type(layer).__name__}), "
+                "whose fused kernels read that module's weights without calling it: the hook would never run. "
+                "Register it on the decoder layer, its self_attn or its mlp, or remove it before the forward "
+                "(PEFT's adapter_names= routes rows through such hooks: mixed-adapter batches are not "
+                "supported by converted layers)")
+
+
 class Fp8DecoderLayerMixin:
     coat_family = LLAMA
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
         cache = pop_cache(kwargs, cache)  # transformers' name for it: ``cache`` or ``past_key_values``
+        refuse_bypassed_hooks(self)
         fam = self.coat_family
         if self.self_attn.coat_recipe.weight_cache and isinstance(self, _fsdp_module_type()):
             raise ValueError(
