@@ -86,6 +86,22 @@ class ReleaseTarget:
             self._release = None
 
 
+def add_checked_group(opt: torch.optim.Optimizer, param_group: dict[str, Any]) -> dict[str, Any]:
+    """torch's ``add_param_group`` (it fills in the defaults and appends), then the optimizer's
+    ``_check_group`` and ``_check_param``: a group refused after torch appended it is taken out
+    again, so it never steps (nor makes later steps fail). Returns the group as added."""
+    torch.optim.Optimizer.add_param_group(opt, param_group)
+    group = opt.param_groups[-1]
+    try:
+        opt._check_group(group)
+        for p in group["params"]:
+            opt._check_param(p)
+    except Exception:
+        opt.param_groups.pop()
+        raise
+    return group
+
+
 def _versions(p: torch.Tensor) -> tuple[int, int]:
     """Autograd's in-place counters of a parameter and of its local shard (a DTensor's)."""
     return p._version, _local(p)._version
@@ -211,17 +227,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
     # ---- parameter groups and state dicts -----------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        # torch fills in the defaults and appends; a group refused after that is taken out again,
-        # so a refused group never steps (nor makes later steps fail).
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            self._check_group(group)
-            for p in group["params"]:
-                self._check_param(p)
-        except Exception:
-            self.param_groups.pop()
-            raise
+        add_checked_group(self, param_group)
         self._desc_cache.clear()
 
     def _init_state(self, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any], index: int) -> dict[str, Any]:

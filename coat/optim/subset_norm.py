@@ -12,7 +12,7 @@ import torch
 
 from . import _compat, _snsm, _state
 from .adamw import AdamW
-from .fused import Launch, ReleaseTarget
+from .fused import Launch, ReleaseTarget, add_checked_group
 
 __all__ = ["SubsetNormSM", "snsm_param_groups"]
 
@@ -213,15 +213,7 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
                              "decay is decoupled (AdamW's); leave decoupled_weight_decay out")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:  # a refused group is taken out again, so that it never steps
-            self._check_group(group)
-            for p in group["params"]:
-                self._check_param(p)
-        except Exception:
-            self.param_groups.pop()
-            raise
+        group = add_checked_group(self, param_group)
         if hasattr(self, "_adamw"):  # after construction: the AdamW part gets the group's other params
             self._adamw.add_param_group(self._adamw_group(group))
 
