@@ -351,9 +351,9 @@ _ONLY_ADAMW = ("converts coat.optim.AdamW (FP8 states) only. coat.optim.AdamW4bi
 
 
 def _check_coat_adamw(optimizer: Any, what: str) -> None:
-    from .adamw import AdamW  # adamw.py imports this module
-
-    if not isinstance(optimizer, AdamW):
+    # by its display name: importing coat.optim.AdamW here would close an import circle (adamw.py
+    # imports this module); AdamW4bit and SubsetNormSM have their own names
+    if getattr(type(optimizer), "display_name", None) != "coat.optim.AdamW":
         raise TypeError(f"{what} got a {type(optimizer).__module__}.{type(optimizer).__qualname__}, but it "
                         f"{_ONLY_ADAMW}")
 
