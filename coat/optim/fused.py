@@ -337,6 +337,10 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         # distributed state dicts expect; it has no row in the kernel's descriptor table.
         state = self.state[p] or self._init_state(p, local, group, index)
         if "master" in state and self._synced.get(id(p), _versions(p)) != _versions(p):
+            if _capturing(local.device):  # a captured copy would replay at every step, rounding the master
+                raise RuntimeError(f"{name}: a parameter of shape {tuple(local.shape)} was changed in place since "
+                                   "the last step, and this step is being captured in a CUDA graph, whose replays "
+                                   "would overwrite it again each time: change parameters before the warm-up steps")
             state["master"].copy_(local)  # edited since the last step: the edit stands
         return (local.device, gi, *self._launch_key(local, grad, group)), (p, local, grad, state)
 
