@@ -11,24 +11,28 @@ import torch
 import coat.optim as co
 
 OPTIMIZERS = [co.AdamW, co.AdamW4bit]
+# the CUDA kernels take the re-read master through their own path: both devices
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _params(n: int = 4096) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
-    w = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.05
+def _params(n: int = 4096, device: str = "cpu") -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    w = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device) * 0.05
     return (torch.nn.Parameter(w.to(torch.bfloat16)), torch.nn.Parameter(w.clone()))
 
 
-def _grad(step: int, n: int = 4096) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(100 + step))
+def _grad(step: int, n: int = 4096, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 + step)).to(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", OPTIMIZERS)
-def test_an_in_place_edit_between_steps_stands(cls):
-    p, ref = _params()
+def test_an_in_place_edit_between_steps_stands(cls, device):
+    p, ref = _params(device=device)
     opt = cls([p], lr=1e-2, weight_decay=0.0, master_weights="fp32")
     torch_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0)
     for step in range(6):
-        p.grad, ref.grad = _grad(step).to(torch.bfloat16), _grad(step).to(torch.bfloat16).float()
+        g = _grad(step, device=device).to(torch.bfloat16)
+        p.grad, ref.grad = g, g.float()
         opt.step()
         torch_opt.step()
         if step == 2:  # a rollback, a clamp: what users do to weights between steps
@@ -40,49 +44,52 @@ def test_an_in_place_edit_between_steps_stands(cls):
     torch.testing.assert_close(p.float(), ref.to(torch.bfloat16).float(), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", OPTIMIZERS)
-def test_a_loaded_master_is_kept_when_the_model_was_loaded_first(cls):
+def test_a_loaded_master_is_kept_when_the_model_was_loaded_first(cls, device):
     """coat train's resume order: model.load_state_dict (an in-place copy), then the optimizer's:
     the saved fp32 master, not the bf16 parameter, continues (exact resume)."""
-    p, _ = _params()
+    p, _ = _params(device=device)
     opt = cls([p], lr=1e-2, master_weights="fp32")
     for step in range(3):
-        p.grad = _grad(step).to(torch.bfloat16)
+        p.grad = _grad(step, device=device).to(torch.bfloat16)
         opt.step()
     saved_p, saved_opt = p.detach().clone(), opt.state_dict()
     master = opt.state[p]["master"].clone()
-    q, _ = _params()
+    q, _ = _params(device=device)
     again = cls([q], lr=1e-2, master_weights="fp32")
     with torch.no_grad():
         q.copy_(saved_p)
     again.load_state_dict(saved_opt)
-    q.grad = p.grad = _grad(3).to(torch.bfloat16)
+    q.grad = p.grad = _grad(3, device=device).to(torch.bfloat16)
     opt.step()
     again.step()
     assert torch.equal(q, p) and not torch.equal(master, opt.state[p]["master"])
     torch.testing.assert_close(again.state[q]["master"], opt.state[p]["master"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", OPTIMIZERS)
-def test_a_parameter_shrunk_at_the_same_address_is_refused(cls):
-    p = torch.nn.Parameter(torch.randn(4096))
+def test_a_parameter_shrunk_at_the_same_address_is_refused(cls, device):
+    p = torch.nn.Parameter(torch.randn(4096, device=device))
     opt = cls([p], lr=1e-2)
-    p.grad = torch.randn(4096)
+    p.grad = torch.randn(4096, device=device)
     opt.step()
     p.data = p.data[:128]  # same address, fewer elements: the cached table must not be reused
-    p.grad = torch.randn(128)
+    p.grad = torch.randn(128, device=device)
     before = p.detach().clone()
     with pytest.raises(ValueError, match="shape"):
         opt.step()
     assert torch.equal(p, before)
 
 
-def test_subset_norm_sm_matrices_keep_an_edit():
-    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * 0.05
+@pytest.mark.parametrize("device", DEVICES)
+def test_subset_norm_sm_matrices_keep_an_edit(device):
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).to(device) * 0.05
     p = torch.nn.Parameter(w.to(torch.bfloat16))
     opt = co.SubsetNormSM([p], lr=1e-3, rank=8, master_weights="fp32")
     for step in range(6):
-        p.grad = torch.randn(64, 48, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        p.grad = torch.randn(64, 48, generator=torch.Generator().manual_seed(step)).to(device, torch.bfloat16)
         opt.step()
         if step == 2:
             with torch.no_grad():
