@@ -36,8 +36,10 @@ activations and return that dtype), and its state-dict weight takes the new dtyp
 (``.to(device)``, ``.cuda()``, ``.cpu()``) move them. Without that, the casts would turn the codes
 into numbers read without their scale. What FP8 codes cannot do is refused, naming what to do
 instead: training them (``requires_grad`` set on them again, e.g. by ``model.requires_grad_(True)``:
-the forward raises where gradients are recorded) and merging a LoRA adapter into them (PEFT's
-``merge_and_unload``/``merge_adapter``): call ``dequantize_frozen(model)`` first for either.
+the forward raises where gradients are recorded), writing them in place (``copy_`` of floats casts
+them to codes without the scale; any in-place write since coat wrote them is refused at the next
+forward, naming the group) and merging a LoRA adapter into them (PEFT's
+``merge_and_unload``/``merge_adapter``): call ``dequantize_frozen(model)`` first for any of these.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def freeze_to_fp8(layers, recipe: Fp8Recipe = DEFAULT) -> int:
     for layer in layers:
         if not getattr(layer, "_coat_frozen_hook", False):
             layer.register_forward_pre_hook(_refuse_training_codes)
+            # on the layer: it runs once all of its projections are loaded (a group's codes share one
+            # version counter, so a member loaded after another moves the other's too)
+            layer.register_load_state_dict_post_hook(_marked_after_load)
             layer._coat_frozen_hook = True
         layer._coat_frozen_fp8 = True  # asked for: groups frozen later must be stored too (hook below)
         for block, groups in GROUPS.items():
@@ -104,7 +109,36 @@ def _freeze_group(bases, dtype: torch.dtype) -> int:
             b.register_state_dict_post_hook(_dequantized_state)
             b.register_load_state_dict_pre_hook(_load_frozen_state)
             b._coat_state_dict_hooks = True
+    for b in bases:  # after the group: its codes are views of one buffer, sharing one version counter
+        _mark_codes(b)
     return freed
+
+
+def _mark_codes(linear: nn.Linear, written: bool = False) -> None:
+    """Records the codes the projection's scale belongs to: the Parameter and its version counter,
+    which every in-place write (``copy_``, ``fill_``, an optimizer's step) moves. ``written``: codes
+    already written since, which stay refused."""
+    if A.is_frozen_fp8(linear):
+        linear._coat_codes = (id(linear.weight), -1 if written else linear.weight._version)
+
+
+def _marked_after_load(layer: nn.Module, incompatible_keys) -> None:
+    """load_state_dict copied codes in place (their own, or coat's earlier codes with their scale)."""
+    for mod in layer.modules():
+        if isinstance(mod, nn.Linear):
+            _mark_codes(mod)
+
+
+def _codes_written(linear: nn.Linear) -> bool:
+    """Whether the codes were written in place since coat wrote them. Another Parameter object (a
+    deepcopy, an unpickled model) is adopted as it is: its version counter starts again."""
+    mark = getattr(linear, "_coat_codes", None)
+    if mark is None:
+        return False
+    if mark[0] != id(linear.weight):
+        _mark_codes(linear, written=mark[1] < 0)
+        return mark[1] < 0
+    return mark[1] != linear.weight._version
 
 
 def _apply_keeping_codes(linear: nn.Linear, fn, recurse: bool = True) -> nn.Module:
@@ -114,6 +148,7 @@ def _apply_keeping_codes(linear: nn.Linear, fn, recurse: bool = True) -> nn.Modu
     if not A.is_frozen_fp8(linear):  # dequantized or replaced since
         return type(linear)._apply(linear, fn, recurse)
     w, scale = linear.weight, linear.weight_scale
+    written = _codes_written(linear)  # codes written before a move or cast stay refused after it
     with torch.no_grad():
         dtype = fn(torch.empty(0, dtype=linear.coat_frozen_dtype, device=w.device)).dtype
     linear._parameters["weight"] = nn.Parameter(w.detach().view(torch.uint8), requires_grad=False)
@@ -128,6 +163,7 @@ def _apply_keeping_codes(linear: nn.Linear, fn, recurse: bool = True) -> nn.Modu
         else:
             w = nn.Parameter(codes, requires_grad=w.requires_grad)
         linear._parameters["weight"] = w
+        _mark_codes(linear, written)
     linear.coat_frozen_dtype = dtype
     return linear
 
@@ -149,16 +185,24 @@ def _refuse_training_codes(layer: nn.Module, args) -> None:
                         f"{bases[0].weight.dtype}, not FP8 (e.g. by peft.get_peft_model(coat.convert(model, "
                         "frozen_weights='fp8'), config)): call coat.convert(model, frozen_weights='fp8') again "
                         "after freezing them (after get_peft_model), or convert with frozen_weights='keep' before it")
-    if not torch.is_grad_enabled():
-        return
+    grad = torch.is_grad_enabled()
     for block, groups in GROUPS.items():
         for names in groups:
             for n, b in zip(names, _bases(layer, block, names)):
-                if b.weight.requires_grad and A.is_frozen_fp8(b):
-                    idx = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+                if not A.is_frozen_fp8(b) or not (_codes_written(b) or grad and b.weight.requires_grad):
+                    continue
+                idx = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+                where = f"{block}.{n}.weight" + (f" of decoder layer {idx}" if idx is not None else "")
+                if _codes_written(b):  # a float copied into E4M3 codes is stored without the scale
                     raise ValueError(
-                        f"{block}.{n}.weight" + (f" of decoder layer {idx}" if idx is not None else "")
-                        + " is frozen in FP8 (coat.convert(frozen_weights='fp8')) but has requires_grad=True: "
+                        where + f" (or another of {block}.{'/'.join(names)}, which share one buffer) holds FP8 codes with a per-tensor scale (coat.convert(frozen_weights='fp8')) "
+                        "and was written in place since (copy_, fill_, an optimizer step): the scale does not "
+                        "follow such writes, so the layer would compute with wrong weights. Load new weights "
+                        "with load_state_dict, or before coat.convert(frozen_weights='fp8'), or call "
+                        "coat.nn.dequantize_frozen(model) before editing them")
+                if grad and b.weight.requires_grad:
+                    raise ValueError(
+                        where + " is frozen in FP8 (coat.convert(frozen_weights='fp8')) but has requires_grad=True: "
                         "FP8 codes cannot train. Call requires_grad_(False) on it again (unfreeze only what "
                         "trains), or coat.nn.dequantize_frozen(model) before unfreezing it")
 

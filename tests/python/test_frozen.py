@@ -162,6 +162,49 @@ def test_training_the_codes_is_refused(gen):
     assert m.model.layers[0].self_attn.q_proj.weight.grad is not None
 
 
+@pytest.mark.parametrize("write", ["copy_", "fill_"])
+def test_codes_written_in_place_are_refused(write, gen):
+    """copy_ of floats into E4M3 codes stores them without the per-tensor scale (a silently other
+    weight); any in-place write since coat wrote the codes is refused at the next forward, with or
+    without grad, naming the group (its codes share one buffer), and stays refused after a move or a
+    deepcopy. Dequantized first, the same edit is a plain weight edit."""
+    ref, m = _frozen_fp8()
+    ids = torch.randint(0, V, (1, 7), generator=gen)
+    k = m.model.layers[1].self_attn.k_proj
+    with torch.no_grad():
+        if write == "copy_":
+            k.weight.copy_(ref.model.layers[1].self_attn.k_proj.weight)
+        else:
+            k.weight.fill_(0.5)
+    match = (r"self_attn\.q_proj\.weight of decoder layer 1 \(or another of self_attn\.q_proj/k_proj/v_proj, which "
+             r"share one buffer\) holds FP8 codes.*written in place.*dequantize_frozen")
+    with pytest.raises(ValueError, match=match):
+        m(input_ids=ids, labels=ids)
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        m(input_ids=ids)
+    for moved in (m.to(torch.bfloat16), copy.deepcopy(m)):
+        with torch.no_grad(), pytest.raises(ValueError, match=match):
+            moved(input_ids=ids)
+    # the other layer's codes, untouched, compute; a model dequantized first takes the edit
+    _, fresh = _frozen_fp8()
+    coat.nn.dequantize_frozen(fresh)
+    with torch.no_grad():
+        fresh.model.layers[1].self_attn.k_proj.weight.fill_(0.5)
+        assert torch.isfinite(fresh(input_ids=ids).logits).all()
+
+
+def test_a_loaded_and_a_copied_model_computes(gen):
+    """Writes coat makes itself (load_state_dict of the model's own state dict, casts, a deepcopy and
+    its own casts) are not edits."""
+    _, m = _frozen_fp8()
+    ids = torch.randint(0, V, (1, 7), generator=gen)
+    m.load_state_dict(m.state_dict())
+    c = copy.deepcopy(m).to(torch.bfloat16)
+    c.load_state_dict(c.state_dict())
+    with torch.no_grad():
+        assert torch.isfinite(m(input_ids=ids).logits).all() and torch.isfinite(c(input_ids=ids).logits).all()
+
+
 def test_compile_of_a_frozen_model(gen):
     _, m = _frozen_fp8()
     layer = m.model.layers[0]
