@@ -195,8 +195,9 @@ def _refuse_training_codes(layer: nn.Module, args) -> None:
                 where = f"{block}.{n}.weight" + (f" of decoder layer {idx}" if idx is not None else "")
                 if _codes_written(b):  # a float copied into E4M3 codes is stored without the scale
                     raise ValueError(
-                        where + f" (or another of {block}.{'/'.join(names)}, which share one buffer) holds FP8 codes with a per-tensor scale (coat.convert(frozen_weights='fp8')) "
-                        "and was written in place since (copy_, fill_, an optimizer step): the scale does not "
+                        where + f" (or another of {block}.{'/'.join(names)}, which share one buffer) holds FP8 "
+                        "codes with a per-tensor scale (coat.convert(frozen_weights='fp8')) and was written in "
+                        "place since (copy_, fill_, an optimizer step): the scale does not "
                         "follow such writes, so the layer would compute with wrong weights. Load new weights "
                         "with load_state_dict, or before coat.convert(frozen_weights='fp8'), or call "
                         "coat.nn.dequantize_frozen(model) before editing them")
