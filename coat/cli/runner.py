@@ -227,7 +227,10 @@ class _Training:
         if cfg.release_grads:  # each layer stepped inside backward; clipping by a running norm estimate
             import coat.optim
 
-            self.release = coat.optim.step_in_backward(self.optimizer, model, max_grad_norm=self.max_norm)
+            try:
+                self.release = coat.optim.step_in_backward(self.optimizer, model, max_grad_norm=self.max_norm)
+            except ValueError as e:  # e.g. FSDP2 on GPUs with FP8 layers (refused, RESULTS.md section 32)
+                raise ConfigError("--release-grads", str(e)) from None
         if cfg.cuda_graph:
             import coat
 

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from . import _state
 from ._state import _local
 from ._norm import _NormClip, clip_scale
 from .fused import ReleaseTarget
@@ -47,6 +48,34 @@ def _refuse_wrappers(model: torch.nn.Module | None) -> None:
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise ValueError("gradient release does not support FSDP1 (FullyShardedDataParallel): its flat "
                          "parameters are not the optimizer's; use FSDP2 (torch.distributed.fsdp.fully_shard)")
+
+
+#: Why FSDP2 release on CUDA is refused with FP8 layers (benchmarks/RESULTS.md section 32).
+_SHARDED_FP8_REFUSAL = (
+    "gradient release under FSDP2 on CUDA is refused for models with coat's FP8 layers: on 2 GPUs (NCCL) such a "
+    "model's steps under release differed from the ordinary FSDP2 step, and from one run to the next, from the "
+    "second step on (a race between the release launches and the backward, not yet found; exact with "
+    "CUDA_LAUNCH_BLOCKING=1; benchmarks/RESULTS.md section 32). Train the sharded FP8 model without release "
+    "(no step_in_backward; coat train: drop --release-grads / the +release mode); release stays available on "
+    "one GPU, under FSDP2 on CPU, and for sharded models without FP8 layers")
+
+
+def _sharded_on_cuda(p: torch.Tensor) -> bool:
+    return _state._is_dtensor(p) and p.device.type == "cuda"
+
+
+def _has_fp8_layers(roots: Iterable[Any]) -> bool:
+    """Whether any module under ``roots`` is one of coat's FP8 layers (coat.nn imported: else none
+    exists; coat.optim does not import coat.nn)."""
+    kinds = tuple(getattr(sys.modules[name], attr) for name, attr in
+                  (("coat.nn.layer", "Fp8DecoderLayerMixin"), ("coat.nn.linear", "Fp8Linear")) if name in sys.modules)
+    return bool(kinds) and any(isinstance(m, kinds) for r in roots if isinstance(r, torch.nn.Module)
+                               for m in r.modules())
+
+
+def _refuse_sharded_fp8(buckets: list[tuple[torch.nn.Parameter, ...]], roots: list[Any]) -> None:
+    if any(_sharded_on_cuda(p) for b in buckets for p in b) and _has_fp8_layers(roots):
+        raise ValueError(_SHARDED_FP8_REFUSAL)
 
 
 def _model_buckets(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
@@ -131,6 +160,8 @@ class GradRelease(_NormClip):
             for n, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), n)
         in_opt = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+        if buckets is not None:  # read twice (parameters, then the modules): generators become lists
+            buckets = [b if isinstance(b, (torch.nn.Module, torch.Tensor)) else list(b) for b in buckets]
         raw = _explicit_buckets(buckets) if buckets is not None else _model_buckets(model)
         chosen: list[list[torch.nn.Parameter]] = []
         placed: set[int] = set()
@@ -143,6 +174,8 @@ class GradRelease(_NormClip):
             if id(p) not in placed and p.requires_grad:
                 chosen.append([p])
         self._buckets: list[tuple[torch.nn.Parameter, ...]] = [tuple(b) for b in chosen]
+        roots = [model] if model is not None else [m for b in buckets for m in (b if isinstance(b, list) else [b])]
+        _refuse_sharded_fp8(self._buckets, roots)
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
         self._names = {id(p): names.get(id(p), f"param_groups parameter of shape {tuple(p.shape)}")
                        for b in self._buckets for p in b}

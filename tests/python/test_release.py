@@ -555,6 +555,25 @@ def test_refusals_and_remove():
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_fsdp2_on_cuda_with_fp8_layers_is_refused(monkeypatch):
+    # On 2 GPUs (NCCL) release with FP8 layers raced (RESULTS.md section 32): refused until found. The
+    # CPU cannot hold CUDA DTensors, so "sharded on CUDA" is stood in for; the rest is the real check.
+    from coat.optim import release
+
+    monkeypatch.setattr(release, "_sharded_on_cuda", lambda p: True)
+    fp8 = _llama(convert=True)
+    for how in ({"model": fp8}, {"buckets": iter(list(fp8.model.layers) + [fp8.lm_head, fp8.model.embed_tokens,
+                                                                           fp8.model.norm])}):
+        opt = co.AdamW(fp8.parameters())
+        with pytest.raises(ValueError, match="FSDP2 on CUDA is refused for models with coat's FP8 layers"):
+            co.step_in_backward(opt, **how)
+        assert opt._release is None  # nothing attached
+    plain = _llama()
+    co.step_in_backward(co.AdamW(plain.parameters()), plain).remove()  # no FP8 layers: allowed
+    monkeypatch.setattr(release, "_sharded_on_cuda", lambda p: False)
+    co.step_in_backward(co.AdamW(fp8.parameters()), fp8).remove()  # FP8 layers on one device: allowed
+
+
 def test_optimizer_parameters_outside_the_model_and_hand_set_gradients():
     model = _llama()
     outside = torch.nn.Parameter(torch.randn(130))
@@ -606,9 +625,19 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
     try:
         batches = [b.to(dev) for b in _batches()]
         result = {}
+        # FP8 layers under release raced on NCCL (RESULTS.md section 32): refused on CUDA, so the CUDA
+        # run compares unconverted models and checks the refusal.
+        fp8 = dev == "cpu"
+        if not fp8:
+            try:
+                converted = _shard(_llama(torch.bfloat16, convert=True).to(dev), world, dev)
+                co.step_in_backward(_opt(converted, "bf16_sr"), converted)
+                result["refused"] = None
+            except ValueError as e:
+                result["refused"] = str(e)
         for name, release, clip in (("plain", False, None), ("release", True, None), ("plain-clip", False, 0.5),
                                     ("release-clip", True, 0.5)):
-            model = _shard(_llama(torch.bfloat16, convert=True).to(dev), world, dev)
+            model = _shard(_llama(torch.bfloat16, convert=fp8).to(dev), world, dev)
             opt = _opt(model, "bf16_sr")
             handle = co.step_in_backward(opt, model, max_grad_norm=clip, norm_estimate="previous") if release \
                 else None
@@ -638,7 +667,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
                             "torch_norm": [n.cpu() for n in torch_norm]}
         # FSDP2's own accumulation: no reduce-scatter (so no hook) on all micro-batches but the last.
         for name, release in (("plain-accum", False), ("release-accum", True)):
-            model = _shard(_llama(torch.bfloat16, convert=True).to(dev), world, dev)
+            model = _shard(_llama(torch.bfloat16, convert=fp8).to(dev), world, dev)
             opt = _opt(model, "bf16_sr")
             if release:
                 co.step_in_backward(opt, model)
@@ -653,7 +682,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
                 opt.zero_grad()
             result[name] = {"params": [p.full_tensor().detach().float().cpu() for p in model.parameters()],
                             "live": live}
-        result.update(_fsdp_running(rank, world, batches, dev))
+        result.update(_fsdp_running(rank, world, batches, dev, fp8))
         if backend == "gloo":
             try:
                 co.step_in_backward(co.AdamW(_llama().parameters()), DistributedDataParallel(_llama()))
@@ -668,7 +697,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
 
 
 
-def _fsdp_running(rank, world, batches, dev):
+def _fsdp_running(rank, world, batches, dev, fp8):
     """The running estimate on sharded parameters: per-launch scales of every rank (a model bucketed
     by layers), and one bucket against the ordinary FSDP2 step clipped by the current norm."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -678,7 +707,7 @@ def _fsdp_running(rank, world, batches, dev):
             _loss(model, ids[rank:rank + 1]).backward()
 
     out = {}
-    model = _shard(_llama(torch.bfloat16, convert=True).to(dev), world, dev)
+    model = _shard(_llama(torch.bfloat16, convert=fp8).to(dev), world, dev)
     opt = _opt(model, "bf16_sr")
     handle = co.step_in_backward(opt, model, max_grad_norm=0.5)
     scales, last, norms = [], [], []
@@ -727,6 +756,8 @@ def test_fsdp2_release_matches_fsdp2_without_it(tmp_path, backend):
     got = torch.load(out)
     if backend == "gloo":
         assert "DistributedDataParallel" in got["ddp"]
+    else:
+        assert "FSDP2 on CUDA is refused" in got["refused"]
     # The running estimate on shards: every rank launches with the same scales, the last bucket of
     # an iteration with the exact norm (summed over the ranks); one bucket matches the ordinary
     # FSDP2 step clipped by the current norm (up to the rounding of the estimate's fp64 sums).

@@ -3,8 +3,6 @@ model of its groups and layouts, the GEMM in each scale mode against the dequant
 and the layers with ``Fp8Recipe(granularity="row" | "block")``. CPU (the references); the kernels
 are held bit for bit to them in the ``gpu`` tests at the end."""
 
-import math
-
 import pytest
 import torch
 
