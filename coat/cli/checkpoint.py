@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from coat.cli.config import IDENTITY_FLAGS, LATER_IDENTITY_FLAGS, TrainConfig
 from coat.cli.distributed_train import Dist
 
 CHECKPOINTS = "checkpoints"
@@ -318,12 +319,11 @@ def fingerprint(obj: Any) -> str:
 
 
 def run_identity(run_info: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint's state belongs to (from config.json): run id, model, the recipe parts that
-    shape the optimizer state (later flags only where not default). A resume refuses another's."""
+    """What a checkpoint belongs to (config.json): run id, model, config.IDENTITY_FLAGS; a resume refuses another's."""
     train = run_info.get("train", {})
-    keys = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
-    extra = {k: train[k] for k, dflt in (("side_tuning", 0), ("snsm_proj", "svd"), ("fp8_granularity", "tensor")) if train.get(k, dflt) != dflt}
-    return {"run_id": run_info.get("run_id"), **{k: train.get(k) for k in keys}, **extra,
+    later = {k: getattr(TrainConfig, k) for k in LATER_IDENTITY_FLAGS}  # recorded only away from the default
+    extra = {k: train[k] for k, default in later.items() if train.get(k, default) != default}
+    return {"run_id": run_info.get("run_id"), **{k: train.get(k) for k in IDENTITY_FLAGS}, **extra,
             "model": fingerprint(run_info.get("model"))}
 
 

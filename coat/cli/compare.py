@@ -41,6 +41,9 @@ def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainCo
                    master_weights=flags.master_weights if opt in COAT_OPTIMIZERS else "fp32",
                    snsm_proj=flags.snsm_proj if opt == "snsm" else "svd",
                    fp8_granularity=flags.fp8_granularity if act == "fp8" else "tensor",
+                   fp8_grad_format=flags.fp8_grad_format if act == "fp8" else None,
+                   fp8_fast_accum=flags.fp8_fast_accum if act == "fp8" else True,
+                   dre=flags.dre if opt == "coat" else True,
                    release_grads=flags.release_grads and opt in COAT_OPTIMIZERS,
                    frozen_fp8=flags.frozen_fp8 and act == "fp8", fp8_stats=flags.fp8_stats and act == "fp8")
 

@@ -34,6 +34,10 @@ MASTER_WEIGHTS = ("fp32", "bf16_sr")
 #: --optim snsm's projection refresh (coat.optim.SubsetNormSM's proj_type).
 SNSM_PROJ = ("svd", "randomized")
 from coat.nn.recipe import GRANULARITIES as FP8_GRANULARITIES  # noqa: E402  (the FP8 layers' scaling choices)
+from coat.nn.recipe import Fp8Recipe  # noqa: E402
+
+#: The FP8 layers' output-gradient formats (--fp8-grad-format).
+FP8_GRAD_FORMATS = ("e5m2", "e4m3")
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_SEED = 2**32 - 1
 #: Flags that may differ from the original run when resuming it (any other flag given must
@@ -41,6 +45,10 @@ MAX_SEED = 2**32 - 1
 #: the lr at the resume point (coat.cli.train's ``_continue_schedule``).
 RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "threads", "cache_dir", "fp8_stats",
                     "fsdp_unit")
+#: What a checkpoint's state belongs to, beyond its run id and model (coat.cli.checkpoint.run_identity):
+#: these flags, and the later ones only where away from their default (older checkpoints lack them).
+IDENTITY_FLAGS = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
+LATER_IDENTITY_FLAGS = ("side_tuning", "snsm_proj", "fp8_granularity", "fp8_grad_format", "fp8_fast_accum", "dre")
 MODEL_FLAGS = ("model", "hidden_size", "layers", "heads", "intermediate_size", "max_positions")
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -136,6 +144,9 @@ class TrainConfig:
     master_weights: str = "fp32"
     snsm_proj: str = "svd"
     fp8_granularity: str = "tensor"  # the FP8 layers' scaling (coat.nn.recipe.GRANULARITIES)
+    fp8_grad_format: str | None = None  # the FP8 layers' output-gradient format; None: the recipe's default
+    fp8_fast_accum: bool = True  # the FP8 forward GEMMs' fast accumulation (Fp8Recipe.fast_accum_fwd)
+    dre: bool = True  # coat.optim.AdamW's Dynamic Range Expansion of the FP8 states (its ``expansion``)
     release_grads: bool = False
     fsdp_unit: int = 1  # under torchrun: decoder layers per fully_shard unit (coat.integrations.fsdp.shard)
     lora: int = 0  # LoRA rank; 0: full fine-tuning
@@ -342,7 +353,8 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     reads no data and writes nothing (the checks that need the data or the file system are in
     ``coat.cli.train``)."""
     choices = {"device": DEVICES[1:], "dtype": DTYPES[1:], "activations": ACTIVATIONS, "optim": OPTIMIZERS,
-               "master_weights": MASTER_WEIGHTS, "snsm_proj": SNSM_PROJ, "fp8_granularity": FP8_GRANULARITIES, "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
+               "master_weights": MASTER_WEIGHTS, "snsm_proj": SNSM_PROJ, "fp8_granularity": FP8_GRANULARITIES,
+               "fp8_grad_format": (None, *FP8_GRAD_FORMATS), "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
     if cfg.init is None:
         choices["model"] = tuple(MODEL_PRESETS)
     for name, allowed in choices.items():
@@ -427,6 +439,17 @@ def _validate_fine_tuning(cfg: TrainConfig) -> None:
         raise ConfigError("--lora-dropout", f"must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.lora_targets is not None and not all(t.strip() for t in cfg.lora_targets.split(",")):
         raise ConfigError("--lora-targets", f"must be comma-separated module names, got {cfg.lora_targets!r}")
+    for name, default in (("fp8_grad_format", None), ("fp8_fast_accum", True)):
+        if getattr(cfg, name) != default and cfg.activations != "fp8":
+            raise ConfigError(flag(name), f"only applies to the FP8 layers (this run's activations are "
+                                          f"{cfg.activations})")
+    if cfg.fp8_fast_accum not in (True, False):
+        raise ConfigError("--fp8-fast-accum", f"must be on or off, got {cfg.fp8_fast_accum!r}")
+    if cfg.dre not in (True, False):
+        raise ConfigError("--dre", f"must be on or off, got {cfg.dre!r}")
+    if not cfg.dre and cfg.optim != "coat":
+        raise ConfigError("--no-dre", f"Dynamic Range Expansion is coat.optim.AdamW's (--optim coat), not "
+                                      f"--optim {cfg.optim}'s")
     if cfg.fp8_granularity != "tensor" and cfg.activations != "fp8":
         raise ConfigError("--fp8-granularity", f"only applies to the FP8 layers (this run's activations are "
                                                f"{cfg.activations})")
@@ -459,6 +482,13 @@ def _validate_side_tuning(cfg: TrainConfig) -> None:
                       ("fp8_stats", "not supported with side tuning yet")):
         if getattr(cfg, name):
             raise ConfigError("--side-tuning", f"cannot be combined with {flag(name)} ({why})")
+
+
+def fp8_recipe(cfg: TrainConfig) -> Fp8Recipe:
+    """The FP8 layers' recipe of a resolved ``cfg`` (--fp8-granularity, --fp8-grad-format,
+    --fp8-fast-accum): the one place coat train makes it."""
+    return Fp8Recipe(granularity=cfg.fp8_granularity, grad_format=cfg.fp8_grad_format,
+                     fast_accum_fwd=cfg.fp8_fast_accum)
 
 
 def artifact(cfg: TrainConfig) -> str:

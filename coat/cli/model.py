@@ -88,7 +88,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     ]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     if cfg.optim == "coat":
-        return _coat_adamw()(groups, master_weights=cfg.master_weights, **kwargs)
+        return _coat_adamw()(groups, master_weights=cfg.master_weights, expansion=cfg.dre, **kwargs)
     if cfg.optim == "coat4bit":
         from coat.optim import AdamW4bit
 
@@ -210,13 +210,14 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    "activations, fp32 accumulation), run without gradients")
         fp8.append("frozen base weights (E4M3 codes, one scale per fused group)")
     elif fp8_layers:
-        from coat.nn.recipe import Fp8Recipe
+        from coat.cli.config import fp8_recipe
 
-        rec = Fp8Recipe(granularity=cfg.fp8_granularity)
+        rec = fp8_recipe(cfg)
         scales = {"tensor": "one scale per tensor", "row": "one scale per token and per weight channel",
                   "block": "1x128 activation/gradient and 128x128 weight scales"}[rec.granularity]
         fp8.append(f"GEMMs of {fp8_layers}/{len(layers)} decoder layers (q/k/v, o, gate/up, down projections: "
-                   f"E4M3 activations and weights, {rec.grad_format.upper()} gradients, {scales}, fp32 accumulation)")
+                   f"E4M3 activations and weights, {rec.grad_format.upper()} gradients, {scales}, "
+                   f"{'forward GEMMs with fast accumulation, ' if rec.fast_accum_fwd else ''}fp32 accumulation)")
         fp8.append("activations the decoder layers save for backward (E4M3, one scale per 1x16 group)")
     else:
         other.append(f"decoder-layer GEMMs and saved activations ({high})")

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from coat.cli import chat_data
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import COAT_OPTIMIZERS, ConfigError, lr_lambda, setup_name
+from coat.cli.config import COAT_OPTIMIZERS, ConfigError, fp8_recipe, lr_lambda, setup_name
 from coat.cli.data import sample_batch
 from coat.cli.model import (add_lora, add_side, build_model, build_optimizer, describe_precision, evaluate, final_held_out,
                             held_out_sets, lm_loss, metric_name, optimizer_state_bytes)
@@ -199,7 +199,7 @@ class _Training:
         if cfg.activations == "fp8":
             import coat
 
-            coat.convert(model, recipe=coat.Fp8Recipe(granularity=cfg.fp8_granularity))
+            coat.convert(model, recipe=fp8_recipe(cfg))
         if cfg.lora:
             model = add_lora(model, cfg)
         if cfg.side_tuning:  # the frozen base in FP8 beside the side network (coat.SideTuned)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, FP8_GRANULARITIES, INIT_LR, LORA_LR,
+from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, FP8_GRAD_FORMATS, FP8_GRANULARITIES, INIT_LR, LORA_LR,
                              MASTER_WEIGHTS, MODEL_PRESETS, OPTIM_DEFAULTS, OPTIMIZERS, RESUME_OVERRIDES, SCHEDULES, SIDE_LR, SIDE_R,
                              SNSM_PROJ, TRAIN_SETUPS, TrainConfig, flag)
 from coat.cli.data import TOKENIZERS
@@ -112,6 +112,15 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
                         "per output channel) or block (DeepSeek-V3's 1x128 activation and gradient groups, 128x128 "
                         "weight tiles, E4M3 gradients); row and block need an sm_90 GPU (Hopper) or the CPU "
                         "(docs/scaling.md)" + _default("fp8_granularity"))
+    g.add_argument("--fp8-grad-format", choices=FP8_GRAD_FORMATS,
+                   help="the FP8 layers' output-gradient format: e5m2 (range) or e4m3 (precision) (default: e5m2; "
+                        "e4m3 with --fp8-granularity block)")
+    g.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction,
+                   help="Hopper's fast accumulation in the FP8 layers' forward GEMMs, as TransformerEngine's fprop "
+                        "(off: fp32 accumulation there too, a little slower)" + _default("fp8_fast_accum"))
+    g.add_argument("--dre", action=argparse.BooleanOptionalAction,
+                   help="with --optim coat: Dynamic Range Expansion of the FP8 optimizer states (off: plain "
+                        "per-group FP8 scaling)" + _default("dre"))
     g.add_argument("--frozen-fp8", action="store_true", help="with --lora and the FP8 layers: keep the frozen "
                    "base weights only as FP8 codes (1 byte per parameter instead of 2)")
     g.add_argument("--release-grads", action="store_true",

@@ -1,6 +1,7 @@
 """--fp8-granularity across the commands: `coat train` runs the FP8 layers at the granularity and
 keeps it as part of the run (a resume cannot change it), refuses it without FP8 layers; `coat
-estimate` and the memory plan count block scaling's saved scales. CPU."""
+estimate` and the memory plan count block scaling's saved scales. The other recipe flags of `coat
+train` (--fp8-grad-format, --fp8-fast-accum, --dre: issue 25's ablations) the same way. CPU."""
 
 from __future__ import annotations
 
@@ -61,3 +62,35 @@ def test_the_setup_vocabulary_names_the_granularity() -> None:
                        ("coat+block+lora", "does not combine with a base frozen in FP8")):
         with pytest.raises(ValueError, match=match):
             recipes.parse(bad)
+
+
+def test_the_recipe_flags_reach_the_layers_and_the_optimizer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from coat.cli.config import TrainConfig, fp8_recipe, resolve_config
+    from coat.cli.model import build_model, build_optimizer
+
+    assert (fp8_recipe(TrainConfig()).grad_format, fp8_recipe(TrainConfig()).fast_accum_fwd) == ("e5m2", True)
+    assert fp8_recipe(TrainConfig(fp8_granularity="block")).grad_format == "e4m3"  # the recipe's default there
+    rec = fp8_recipe(TrainConfig(fp8_grad_format="e4m3", fp8_fast_accum=False))
+    assert (rec.grad_format, rec.fast_accum_fwd) == ("e4m3", False)
+    cfg = resolve_config(TrainConfig(recipe="coat", model="tiny", device="cpu", dre=False))
+    assert all(g["expansion"] is False for g in build_optimizer(build_model(cfg), cfg).param_groups)
+
+    run = tmp_path / "run"
+    train(tiny(tmp_path, "run", steps=4, save_every=2, recipe="coat", fp8_grad_format="e4m3", fp8_fast_accum=False,
+               dre=False))
+    got = json.loads((run / "config.json").read_text())["train"]
+    assert (got["fp8_grad_format"], got["fp8_fast_accum"], got["dre"]) == ("e4m3", False, False)
+    err = usage_error(capsys, "--resume", str(run), "--steps", "6", "--dre")
+    assert "argument --dre: cannot change when resuming (the run in" in err
+    assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recipe", "bf16", "--fp8-grad-format", "e4m3"], "argument --fp8-grad-format: only applies to the FP8 layers"),
+    (["--recipe", "bf16", "--no-fp8-fast-accum"], "argument --fp8-fast-accum: only applies to the FP8 layers"),
+    (["--recipe", "fp8", "--no-dre"], "argument --no-dre: Dynamic Range Expansion is coat.optim.AdamW's"),
+    (["--recipe", "coat4bit", "--no-dre"], "not --optim coat4bit's"),
+])
+def test_the_recipe_flags_are_refused_where_they_do_nothing(tmp_path: Path, capsys: pytest.CaptureFixture, flags,
+                                                           message) -> None:
+    assert message in usage_error(capsys, *flags, "--steps", "1", "--out", str(tmp_path / "x"))

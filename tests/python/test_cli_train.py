@@ -279,15 +279,16 @@ def test_coat_optimizer_gets_master_weights(monkeypatch: pytest.MonkeyPatch) -> 
     created: dict = {}
 
     class FakeAdamW(torch.optim.AdamW):
-        def __init__(self, params, master_weights: str, **kwargs) -> None:
-            created.update(kwargs, master_weights=master_weights)
+        def __init__(self, params, master_weights: str, expansion: bool, **kwargs) -> None:
+            created.update(kwargs, master_weights=master_weights, expansion=expansion)
             super().__init__(params, **kwargs)
 
     monkeypatch.setitem(sys.modules, "coat.optim", types.SimpleNamespace(AdamW=FakeAdamW))
     cfg = resolve_config(TrainConfig(model="tiny", optim="coat", master_weights="bf16_sr", lr=1e-3, device="cpu"))
     opt = build_optimizer(build_model(cfg), cfg)
     assert isinstance(opt, FakeAdamW)
-    assert created == {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "master_weights": "bf16_sr"}
+    assert created == {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "master_weights": "bf16_sr",
+                       "expansion": True}
     # Matrices decay; norm gains do not.
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
