@@ -224,7 +224,7 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if cfg.optim == "coat":
         g = optimizer.param_groups[0]
         fp8.append(f"AdamW states: m {g['m_format'].upper()}, v {g['v_format'].upper()}, per 128-element group "
-                   "with Dynamic Range Expansion")
+                   + ("with Dynamic Range Expansion" if g["expansion"] else "(no Dynamic Range Expansion)"))
     elif cfg.optim == "snsm":
         other.append("Subset-Norm + Subspace-Momentum states on the matrices (fp32 row/column norms, rank-"
                      f"{optimizer.param_groups[0]['rank']} momentum and projection); FP8 AdamW states on embeddings, "

@@ -78,8 +78,11 @@ def test_the_recipe_flags_reach_the_layers_and_the_optimizer(tmp_path: Path, cap
     run = tmp_path / "run"
     train(tiny(tmp_path, "run", steps=4, save_every=2, recipe="coat", fp8_grad_format="e4m3", fp8_fast_accum=False,
                dre=False))
-    got = json.loads((run / "config.json").read_text())["train"]
+    saved = json.loads((run / "config.json").read_text())
+    got = saved["train"]
     assert (got["fp8_grad_format"], got["fp8_fast_accum"], got["dre"]) == ("e4m3", False, False)
+    fp8 = " ".join(saved["precision"]["fp8"])  # what the run says it does
+    assert "E4M3 gradients" in fp8 and "fast accumulation" not in fp8 and "(no Dynamic Range Expansion)" in fp8
     err = usage_error(capsys, "--resume", str(run), "--steps", "6", "--dre")
     assert "argument --dre: cannot change when resuming (the run in" in err
     assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 0
