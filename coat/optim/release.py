@@ -74,7 +74,13 @@ def _has_fp8_layers(roots: Iterable[Any]) -> bool:
 
 
 def _refuse_sharded_fp8(buckets: list[tuple[torch.nn.Parameter, ...]], roots: list[Any]) -> None:
-    if any(_sharded_on_cuda(p) for b in buckets for p in b) and _has_fp8_layers(roots):
+    if not any(_sharded_on_cuda(p) for b in buckets for p in b):
+        return
+    if not any(isinstance(r, torch.nn.Module) for r in roots):
+        raise ValueError("gradient release of FSDP2-sharded CUDA parameters given as bare parameters: pass the model "
+                         "too (step_in_backward(optimizer, model, buckets=...)), so that release can check it for "
+                         "coat's FP8 layers, with which it is refused under FSDP2 on GPUs for now")
+    if _has_fp8_layers(roots):
         raise ValueError(_SHARDED_FP8_REFUSAL)
 
 

@@ -568,8 +568,13 @@ def test_fsdp2_on_cuda_with_fp8_layers_is_refused(monkeypatch):
         with pytest.raises(ValueError, match="FSDP2 on CUDA is refused for models with coat's FP8 layers"):
             co.step_in_backward(opt, **how)
         assert opt._release is None  # nothing attached
+    with pytest.raises(ValueError, match="pass the model too"):  # bare parameters: cannot be checked
+        co.step_in_backward(co.AdamW(fp8.parameters()), buckets=[[p] for p in fp8.parameters()])
+    with pytest.raises(ValueError, match="refused for models with coat's FP8 layers"):  # the model checked
+        co.step_in_backward(co.AdamW(fp8.parameters()), fp8, buckets=[[p] for p in fp8.parameters()])
     plain = _llama()
     co.step_in_backward(co.AdamW(plain.parameters()), plain).remove()  # no FP8 layers: allowed
+    co.step_in_backward(co.AdamW(plain.parameters()), plain, buckets=[[p] for p in plain.parameters()]).remove()
     monkeypatch.setattr(release, "_sharded_on_cuda", lambda p: False)
     co.step_in_backward(co.AdamW(fp8.parameters()), fp8).remove()  # FP8 layers on one device: allowed
 
