@@ -4,7 +4,8 @@ Each record holds one lease's runs: {"commit", "device", "commands": {setup: com
 {name: run}}. A run's name starts with its setup's letter (A, B, ...), then the seed, then a
 suffix for the recipe (B3: bf16 seed 3, B3c: coat, B2l: coat lean, B0r: coat lean + release, B0s: SubsetNormSM, B1k /
 B1w: coat with block / row scaling); a run carries recipe, seed, master_weights (fp32 / bf16_sr),
-release_grads (absent: off), fp8_granularity (absent: tensor),
+release_grads (absent: off), fp8_granularity (absent: tensor), fp8_grad_format / fp8_fast_accum / dre
+(absent: coat train's defaults; set by an ablation, labelled "coat e4m3 gradients", "coat no DRE", ...),
 final_val_loss, final_val_prose_loss (runs that scored the held-out prose set), tokens_per_s,
 val_curve (and prose_curve), train_curve. Records of the same setup on different commits are one
 study as long as training's numerics did not change between them (a record's "notes" say so):
@@ -32,12 +33,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PATTERN = "quality_*.json"
 
 
+#: coat train's recipe flags that an ablation changes, absent from a run at their default, and how a
+#: label names them.
+ABLATIONS = {"fp8_grad_format": lambda v: f"{v} gradients", "fp8_fast_accum": lambda v: "no fast accumulation",
+             "dre": lambda v: "no DRE"}
+ABLATION_DEFAULTS = {"fp8_grad_format": None, "fp8_fast_accum": True, "dre": True}
+
+
 def label(run: Mapping[str, Any]) -> str:
     """A run's recipe as the study groups it: bf16, coat, coat lean (bf16 master weights with
     stochastic rounding), coat lean + release (and gradient release)."""
     name = run["recipe"] + (" lean" if run.get("master_weights") == "bf16_sr" else "")
     if run.get("fp8_granularity", "tensor") != "tensor":  # the FP8 layers' scaling (issue 28)
         name += f" {run['fp8_granularity']}"
+    for key, part in ABLATIONS.items():  # one FP8 part changed (issue 25 item 5)
+        if key in run:
+            name += f" {part(run[key])}"
     return name + (" + release" if run.get("release_grads") else "")
 
 
@@ -104,6 +115,9 @@ def run_from_dir(out: Path) -> dict[str, Any]:
         run["release_grads"] = True
     if train.get("fp8_granularity", "tensor") != "tensor":
         run["fp8_granularity"] = train["fp8_granularity"]
+    for key, default in ABLATION_DEFAULTS.items():
+        if train.get(key, default) != default:
+            run[key] = train[key]
     for key in ("final_val_loss", "final_val_prose_loss", "tokens_per_s", "train_time_s", "n_params", "tokens",
                 "steps", "peak_memory_bytes", "optimizer_state_bytes", "device"):
         run[key] = summary.get(key)

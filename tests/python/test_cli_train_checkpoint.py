@@ -61,6 +61,8 @@ def _env() -> dict:
 def _argv(cfg: TrainConfig) -> list[str]:
     argv = ["train"]
     for k, v in vars(cfg).items():
+        if v is False and getattr(TrainConfig, k) is True:  # a flag on by default: --no-...
+            argv.append(f"--no-{k.replace('_', '-')}")
         if v is None or v is False or k == "quiet":
             continue
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])

@@ -23,8 +23,9 @@ sys.path.pop(0)
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
-    for name, recipe in (("X0", "bf16"), ("X0r", "coat-lean+release")):
-        cfg = tiny(tmp, name, steps=4, eval_every=2, save_every=None, recipe=recipe, compare=False)
+    for name, recipe, more in (("X0", "bf16", {}), ("X0r", "coat-lean+release", {}),
+                               ("X0g", "coat", {"fp8_grad_format": "e4m3", "dre": False})):
+        cfg = tiny(tmp, name, steps=4, eval_every=2, save_every=None, recipe=recipe, compare=False, **more)
         assert main(_argv(cfg)) == 0
         out[name] = Path(cfg.out)
     return out
@@ -41,6 +42,14 @@ def test_run_from_a_finished_folder(runs: dict[str, Path]) -> None:
     assert [s for s, _ in lean["train_curve"]] == [1, 2, 3, 4]
     # --data given: no built-in prose set to score
     assert lean["prose_curve"] == [] and lean["final_val_prose_loss"] is None
+
+
+def test_an_ablation_is_its_own_cell(runs: dict[str, Path]) -> None:
+    abl = qr.run_from_dir(runs["X0g"])  # one FP8 part changed: not the coat cell of seed 0
+    assert (abl["fp8_grad_format"], abl["dre"]) == ("e4m3", False) and "fp8_fast_accum" not in abl
+    assert qr.label(abl) == "coat e4m3 gradients no DRE"
+    assert qr.label(dict(abl, fp8_fast_accum=False, fp8_granularity="row")) == \
+        "coat row e4m3 gradients no fast accumulation no DRE"
 
 
 def test_an_unfinished_run_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
