@@ -171,6 +171,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     out.update(recipe_summary="; ".join([rec.summary, *modes]), gpu_memory_gib=mem, gpu_memory_source=mem_src,
                max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus, fsdp_unit=args.fsdp_unit),
                fsdp_unit=args.fsdp_unit)
+    if args.gpus > 1 and recipes.parse(rec.name).has("release"):
+        out["note"] = ("coat refuses gradient release under FSDP2 on GPUs with FP8 layers for now (its updates raced "
+                       "on NCCL: benchmarks/RESULTS.md section 32); this plans the step it would run")
     rates = None
     if args.measure_rates:
         if not here:
@@ -218,6 +221,8 @@ def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
         lines.append(f"time per step >= {t['step_ms']:.0f} ms (GEMMs {t['gemm_ms']:.0f} ms + optimizer "
                      f"{t['optimizer_ms']:.0f} ms; {t['rates_source']}), so <= {t['tokens_per_s']:,.0f} tokens/s"
                      + (" per GPU" if r["gpus"] > 1 else ""))
+    if r.get("note"):
+        lines.append("note: " + r["note"])
     return "\n".join(lines)
 
 
