@@ -28,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coat.cli.plot import read_metrics  # noqa: E402
+from coat.nn.recipe import Fp8Recipe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PATTERN = "quality_*.json"
@@ -116,8 +117,11 @@ def run_from_dir(out: Path) -> dict[str, Any]:
     if train.get("fp8_granularity", "tensor") != "tensor":
         run["fp8_granularity"] = train["fp8_granularity"]
     for key, default in ABLATION_DEFAULTS.items():
-        if train.get(key, default) != default:
-            run[key] = train[key]
+        value = train.get(key, default)
+        if key == "fp8_grad_format" and value == Fp8Recipe(granularity=train.get("fp8_granularity", "tensor")).grad_format:
+            value = None  # the granularity's own default, given: changes nothing
+        if value != default:
+            run[key] = value
     for key in ("final_val_loss", "final_val_prose_loss", "tokens_per_s", "train_time_s", "n_params", "tokens",
                 "steps", "peak_memory_bytes", "optimizer_state_bytes", "device"):
         run[key] = summary.get(key)

@@ -354,7 +354,7 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     ``coat.cli.train``)."""
     choices = {"device": DEVICES[1:], "dtype": DTYPES[1:], "activations": ACTIVATIONS, "optim": OPTIMIZERS,
                "master_weights": MASTER_WEIGHTS, "snsm_proj": SNSM_PROJ, "fp8_granularity": FP8_GRANULARITIES,
-               "fp8_grad_format": (None, *FP8_GRAD_FORMATS), "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
+               "schedule": SCHEDULES, "tokenizer": TOKENIZERS}
     if cfg.init is None:
         choices["model"] = tuple(MODEL_PRESETS)
     for name, allowed in choices.items():
@@ -439,17 +439,7 @@ def _validate_fine_tuning(cfg: TrainConfig) -> None:
         raise ConfigError("--lora-dropout", f"must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.lora_targets is not None and not all(t.strip() for t in cfg.lora_targets.split(",")):
         raise ConfigError("--lora-targets", f"must be comma-separated module names, got {cfg.lora_targets!r}")
-    for name, default in (("fp8_grad_format", None), ("fp8_fast_accum", True)):
-        if getattr(cfg, name) != default and cfg.activations != "fp8":
-            raise ConfigError(flag(name), f"only applies to the FP8 layers (this run's activations are "
-                                          f"{cfg.activations})")
-    if cfg.fp8_fast_accum not in (True, False):
-        raise ConfigError("--fp8-fast-accum", f"must be on or off, got {cfg.fp8_fast_accum!r}")
-    if cfg.dre not in (True, False):
-        raise ConfigError("--dre", f"must be on or off, got {cfg.dre!r}")
-    if not cfg.dre and cfg.optim != "coat":
-        raise ConfigError("--no-dre", f"Dynamic Range Expansion is coat.optim.AdamW's (--optim coat), not "
-                                      f"--optim {cfg.optim}'s")
+    _validate_recipe_flags(cfg)
     if cfg.fp8_granularity != "tensor" and cfg.activations != "fp8":
         raise ConfigError("--fp8-granularity", f"only applies to the FP8 layers (this run's activations are "
                                                f"{cfg.activations})")
@@ -482,6 +472,29 @@ def _validate_side_tuning(cfg: TrainConfig) -> None:
                       ("fp8_stats", "not supported with side tuning yet")):
         if getattr(cfg, name):
             raise ConfigError("--side-tuning", f"cannot be combined with {flag(name)} ({why})")
+
+
+def _validate_recipe_flags(cfg: TrainConfig) -> None:
+    """--fp8-grad-format, --fp8-fast-accum and --dre: valid, and only where they change something."""
+    if cfg.fp8_grad_format not in (None, *FP8_GRAD_FORMATS):
+        raise ConfigError("--fp8-grad-format", f"invalid choice {cfg.fp8_grad_format!r} (choose from "
+                                               f"{', '.join(FP8_GRAD_FORMATS)})")
+    for name in ("fp8_fast_accum", "dre"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(flag(name), f"must be True or False, got {getattr(cfg, name)!r}")
+    changed = [n for n, off in (("--fp8-grad-format", cfg.fp8_grad_format is not None),
+                                ("--no-fp8-fast-accum", not cfg.fp8_fast_accum)) if off]
+    if changed and cfg.activations != "fp8":
+        raise ConfigError(changed[0], f"only applies to the FP8 layers (this run's activations are {cfg.activations})")
+    if not cfg.fp8_fast_accum and cfg.fp8_granularity == "block":
+        raise ConfigError("--no-fp8-fast-accum", "block-scaled GEMMs always accumulate in split fp32 (cuBLASLt has "
+                                                 "no fast accumulation for them): the flag would change nothing")
+    if cfg.fp8_grad_format is not None and cfg.side_tuning:
+        raise ConfigError("--fp8-grad-format", "side tuning runs the FP8 base without gradients: the flag would "
+                                               "change nothing")
+    if not cfg.dre and cfg.optim != "coat":
+        raise ConfigError("--no-dre", f"Dynamic Range Expansion is coat.optim.AdamW's (--optim coat), not "
+                                      f"--optim {cfg.optim}'s")
 
 
 def fp8_recipe(cfg: TrainConfig) -> Fp8Recipe:

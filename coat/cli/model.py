@@ -10,7 +10,7 @@ import torch
 
 from coat.cli import chat_data
 from coat.cli import distributed_train as dt
-from coat.cli.config import ConfigError, TrainConfig
+from coat.cli.config import ConfigError, TrainConfig, fp8_recipe
 from coat.cli.data import BYTE_VOCAB_SIZE, Corpus, eval_batches
 from coat.cli.stats import mean_se
 from coat.integrations import fsdp
@@ -64,7 +64,7 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     if cfg.activations == "fp8":
         import coat
 
-        coat.convert(model, recipe="fp8", frozen_weights="fp8" if cfg.frozen_fp8 else "keep")
+        coat.convert(model, recipe=fp8_recipe(cfg), frozen_weights="fp8" if cfg.frozen_fp8 else "keep")
     return model
 
 
@@ -210,14 +210,13 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    "activations, fp32 accumulation), run without gradients")
         fp8.append("frozen base weights (E4M3 codes, one scale per fused group)")
     elif fp8_layers:
-        from coat.cli.config import fp8_recipe
-
         rec = fp8_recipe(cfg)
         scales = {"tensor": "one scale per tensor", "row": "one scale per token and per weight channel",
                   "block": "1x128 activation/gradient and 128x128 weight scales"}[rec.granularity]
         fp8.append(f"GEMMs of {fp8_layers}/{len(layers)} decoder layers (q/k/v, o, gate/up, down projections: "
                    f"E4M3 activations and weights, {rec.grad_format.upper()} gradients, {scales}, "
-                   f"{'forward GEMMs with fast accumulation, ' if rec.fast_accum_fwd else ''}fp32 accumulation)")
+                   f"{'forward GEMMs with fast accumulation, ' if rec.fast_accum_fwd and rec.granularity != 'block' else ''}"
+                   "fp32 accumulation)")
         fp8.append("activations the decoder layers save for backward (E4M3, one scale per 1x16 group)")
     else:
         other.append(f"decoder-layer GEMMs and saved activations ({high})")

@@ -51,7 +51,7 @@ def _refuse_wrappers(model: torch.nn.Module | None) -> None:
 
 
 #: Why FSDP2 release on CUDA is refused with FP8 layers (benchmarks/RESULTS.md section 32).
-_SHARDED_FP8_REFUSAL = (
+SHARDED_FP8_REFUSAL = (
     "gradient release under FSDP2 on CUDA is refused for models with coat's FP8 layers: on 2 GPUs (NCCL) such a "
     "model's steps under release differed from the ordinary FSDP2 step, and from one run to the next, from the "
     "second step on (a race between the release launches and the backward, not yet found; exact with "
@@ -64,24 +64,25 @@ def _sharded_on_cuda(p: torch.Tensor) -> bool:
     return _state._is_dtensor(p) and p.device.type == "cuda"
 
 
-def _has_fp8_layers(roots: Iterable[Any]) -> bool:
-    """Whether any module under ``roots`` is one of coat's FP8 layers (coat.nn imported: else none
-    exists; coat.optim does not import coat.nn)."""
-    kinds = tuple(getattr(sys.modules[name], attr) for name, attr in
-                  (("coat.nn.layer", "Fp8DecoderLayerMixin"), ("coat.nn.linear", "Fp8Linear")) if name in sys.modules)
-    return bool(kinds) and any(isinstance(m, kinds) for r in roots if isinstance(r, torch.nn.Module)
-                               for m in r.modules())
+def _is_fp8(m: torch.nn.Module) -> bool:
+    """One of coat's converted modules (a class of coat.nn in its MRO: FP8 decoder layers, their
+    attention and MLP, FP8 linears and norms, the fused LM head loss, frozen FP8 weights)."""
+    return any(k.__module__.startswith("coat.nn") for k in type(m).__mro__)
 
 
 def _refuse_sharded_fp8(buckets: list[tuple[torch.nn.Parameter, ...]], roots: list[Any]) -> None:
-    if not any(_sharded_on_cuda(p) for b in buckets for p in b):
+    sharded = [p for b in buckets for p in b if _sharded_on_cuda(p)]
+    if not sharded:
         return
-    if not any(isinstance(r, torch.nn.Module) for r in roots):
-        raise ValueError("gradient release of FSDP2-sharded CUDA parameters given as bare parameters: pass the model "
-                         "too (step_in_backward(optimizer, model, buckets=...)), so that release can check it for "
-                         "coat's FP8 layers, with which it is refused under FSDP2 on GPUs for now")
-    if _has_fp8_layers(roots):
-        raise ValueError(_SHARDED_FP8_REFUSAL)
+    modules = [r for r in roots if isinstance(r, torch.nn.Module)]
+    covered = {id(p) for r in modules for p in r.parameters()}
+    if any(id(p) not in covered for p in sharded):
+        raise ValueError("gradient release of FSDP2-sharded CUDA parameters that the given model (or bucket modules) "
+                         "does not hold: pass the whole model (step_in_backward(optimizer, model, buckets=...)), so "
+                         "that release can check it for coat's FP8 layers, with which it is refused under FSDP2 on "
+                         "GPUs for now")
+    if any(_is_fp8(m) for r in modules for m in r.modules()):
+        raise ValueError(SHARDED_FP8_REFUSAL)
 
 
 def _model_buckets(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:

@@ -88,12 +88,37 @@ def test_the_recipe_flags_reach_the_layers_and_the_optimizer(tmp_path: Path, cap
     assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 0
 
 
+def test_bad_recipe_flag_values_from_python_are_config_errors() -> None:
+    from coat.cli.config import ConfigError, TrainConfig, resolve_config, validate
+
+    for bad, message in (({"fp8_grad_format": "e3m4"}, "argument --fp8-grad-format: invalid choice 'e3m4'"),
+                         ({"dre": 0}, "argument --dre: must be True or False"),
+                         ({"fp8_fast_accum": 1}, "argument --fp8-fast-accum: must be True or False")):
+        with pytest.raises(ConfigError, match=message):
+            validate(resolve_config(TrainConfig(recipe="coat", model="tiny", device="cpu", **bad)))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--recipe", "bf16", "--fp8-grad-format", "e4m3"], "argument --fp8-grad-format: only applies to the FP8 layers"),
-    (["--recipe", "bf16", "--no-fp8-fast-accum"], "argument --fp8-fast-accum: only applies to the FP8 layers"),
+    (["--recipe", "bf16", "--no-fp8-fast-accum"], "argument --no-fp8-fast-accum: only applies to the FP8 layers"),
+    (["--recipe", "coat+block", "--no-fp8-fast-accum"], "block-scaled GEMMs always accumulate in split fp32"),
     (["--recipe", "fp8", "--no-dre"], "argument --no-dre: Dynamic Range Expansion is coat.optim.AdamW's"),
     (["--recipe", "coat4bit", "--no-dre"], "not --optim coat4bit's"),
 ])
 def test_the_recipe_flags_are_refused_where_they_do_nothing(tmp_path: Path, capsys: pytest.CaptureFixture, flags,
                                                            message) -> None:
     assert message in usage_error(capsys, *flags, "--steps", "1", "--out", str(tmp_path / "x"))
+
+
+def test_lora_keeps_the_recipe_flags() -> None:
+    pytest.importorskip("peft")
+    import coat
+    from coat.cli.config import TrainConfig, fp8_recipe, resolve_config
+    from coat.cli.model import add_lora, build_model
+
+    cfg = resolve_config(TrainConfig(recipe="coat", model="tiny", device="cpu", lora=4, fp8_grad_format="e4m3",
+                                     fp8_fast_accum=False))
+    model = coat.convert(build_model(cfg), recipe=fp8_recipe(cfg))
+    model = add_lora(model, cfg)  # converts again for the adapters: with the run's recipe, not the default
+    recipes = {m.coat_recipe for m in model.modules() if hasattr(m, "coat_recipe")}
+    assert recipes and all((r.grad_format, r.fast_accum_fwd) == ("e4m3", False) for r in recipes)

@@ -48,6 +48,15 @@ def test_an_ablation_is_its_own_cell(runs: dict[str, Path]) -> None:
     abl = qr.run_from_dir(runs["X0g"])  # one FP8 part changed: not the coat cell of seed 0
     assert (abl["fp8_grad_format"], abl["dre"]) == ("e4m3", False) and "fp8_fast_accum" not in abl
     assert qr.label(abl) == "coat e4m3 gradients no DRE"
+    cfg_path = runs["X0g"] / "config.json"  # a format given that is the granularity's default: no ablation
+    cfg = json.loads(cfg_path.read_text())
+    given = json.loads(json.dumps(cfg))
+    given["train"].update(fp8_grad_format="e5m2", dre=True)
+    try:
+        cfg_path.write_text(json.dumps(given))
+        assert qr.label(qr.run_from_dir(runs["X0g"])) == "coat"
+    finally:
+        cfg_path.write_text(json.dumps(cfg))
     assert qr.label(dict(abl, fp8_fast_accum=False, fp8_granularity="row")) == \
         "coat row e4m3 gradients no fast accumulation no DRE"
 

@@ -568,8 +568,18 @@ def test_fsdp2_on_cuda_with_fp8_layers_is_refused(monkeypatch):
         with pytest.raises(ValueError, match="FSDP2 on CUDA is refused for models with coat's FP8 layers"):
             co.step_in_backward(opt, **how)
         assert opt._release is None  # nothing attached
-    with pytest.raises(ValueError, match="pass the model too"):  # bare parameters: cannot be checked
-        co.step_in_backward(co.AdamW(fp8.parameters()), buckets=[[p] for p in fp8.parameters()])
+    layers = fp8.model.layers
+    for how in ({"buckets": [[p] for p in fp8.parameters()]},  # bare parameters: nothing to check
+                {"buckets": [fp8.lm_head]},  # the rest become unchecked one-parameter buckets
+                {"buckets": [list(layers[0].parameters()), fp8.model.norm]},
+                {"model": fp8.lm_head}):  # a part of the model the optimizer holds
+        with pytest.raises(ValueError, match="pass the whole model"):
+            co.step_in_backward(co.AdamW(fp8.parameters()), **how)
+    parts = [m for layer in layers for m in (layer.self_attn, layer.mlp)]  # converted attention and MLP modules
+    rest = [layer.input_layernorm for layer in layers] + [layer.post_attention_layernorm for layer in layers]
+    with pytest.raises(ValueError, match="refused for models with coat's FP8 layers"):
+        co.step_in_backward(co.AdamW(fp8.parameters()),
+                            buckets=parts + rest + [fp8.lm_head, fp8.model.embed_tokens, fp8.model.norm])
     with pytest.raises(ValueError, match="refused for models with coat's FP8 layers"):  # the model checked
         co.step_in_backward(co.AdamW(fp8.parameters()), fp8, buckets=[[p] for p in fp8.parameters()])
     plain = _llama()
