@@ -50,13 +50,12 @@ def _refuse_wrappers(model: torch.nn.Module | None) -> None:
                          "parameters are not the optimizer's; use FSDP2 (torch.distributed.fsdp.fully_shard)")
 
 
-#: Why FSDP2 release on CUDA is refused with FP8 layers (benchmarks/RESULTS.md section 32).
+#: Why FSDP2 release on CUDA is refused with FP8 layers (benchmarks/RESULTS.md sections 32-36).
 SHARDED_FP8_REFUSAL = (
-    "gradient release under FSDP2 on CUDA is refused for models with coat's FP8 layers: on 2 GPUs (NCCL) such a "
-    "model's steps under release differed from the ordinary FSDP2 step, and from one run to the next (a race: "
-    "the launches corrupted the next layer's backward, not yet located; seen while another process kept the GPUs "
-    "busy, exact with CUDA_LAUNCH_BLOCKING=1; benchmarks/RESULTS.md sections 32 and 34). Train the sharded FP8 "
-    "model without release "
+    "gradient release under FSDP2 on CUDA is refused for models with coat's FP8 layers: on 2 GPUs (NCCL), while "
+    "another process kept them busy, such a model's first-step gradients (first decoder layer, embedding) differed "
+    "from run to run even without release, so release cannot yet be shown exact against the ordinary FSDP2 step "
+    "(cause not yet located; benchmarks/RESULTS.md sections 32-36). Train the sharded FP8 model without release "
     "(no step_in_backward; coat train: drop --release-grads / the +release mode); release stays available on "
     "one GPU, under FSDP2 on CPU, and for sharded models without FP8 layers")
 

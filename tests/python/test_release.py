@@ -556,7 +556,7 @@ def test_refusals_and_remove():
 
 
 def test_fsdp2_on_cuda_with_fp8_layers_is_refused(monkeypatch):
-    # On 2 GPUs (NCCL) release with FP8 layers raced (RESULTS.md section 32): refused until found. The
+    # On 2 GPUs (NCCL) FP8 layers' FSDP2 gradients differed run to run (RESULTS.md 32-36): refused until located. The
     # CPU cannot hold CUDA DTensors, so "sharded on CUDA" is stood in for; the rest is the real check.
     from coat.optim import release
 
@@ -640,7 +640,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, backend: str) -> No
     try:
         batches = [b.to(dev) for b in _batches()]
         result = {}
-        # FP8 layers under release raced on NCCL (RESULTS.md section 32): refused on CUDA, so the CUDA
+        # FP8 layers' FSDP2 runs were not reproducible on NCCL (RESULTS.md 32-36): refused on CUDA, so the CUDA
         # run compares unconverted models and checks the refusal.
         fp8 = dev == "cpu"
         if not fp8:
