@@ -403,6 +403,7 @@ def test_gradient_release_clips_matrices_like_clip_grad_norm():
     handle = co.step_in_backward(opt_rel, rel, max_grad_norm=0.05, first_iteration="unclipped",
                                  norm_estimate="previous")
     x = torch.randint(0, 11, (24,), generator=torch.Generator().manual_seed(1))
+    prev_norm = None  # iteration it - 1's norm, as release measured it
     for it in range(3):
         for model, opt in ((ref, opt_ref), (rel, opt_rel)):
             torch.nn.functional.cross_entropy(_layered_forward(model, x), x).backward()
