@@ -9,7 +9,9 @@ release_grads (absent: off), fp8_granularity (absent: tensor), fp8_grad_format /
 final_val_loss, final_val_prose_loss (runs that scored the held-out prose set), tokens_per_s,
 val_curve (and prose_curve), train_curve. Records of the same setup on different commits are one
 study as long as training's numerics did not change between them (a record's "notes" say so):
-seed s gives every recipe the same initial weights and batches on each commit. Used by
+seed s gives every recipe the same initial weights and batches on each commit. A record may list
+under "replaces" runs of its own that take the place of an earlier record's run of the same setup,
+recipe and seed (`--replaces`: a rerun that adds what the earlier one lacked). Used by
 tools/readme_tables.py (README's quality block) and benchmarks/plot_quality.py. Run as a script, it
 writes a record from `coat train` output folders:
 
@@ -58,20 +60,41 @@ def setup(name: str) -> str:
     return name[0]
 
 
+def _key(name: str, run: Mapping[str, Any]) -> tuple[str, str, int]:
+    return setup(name), label(run), run["seed"]
+
+
 def merge(records: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """{source: record} -> {run name: run, with the record's commit and source added}. A run name
-    in two records, or one (setup, recipe, seed) run twice, is an error: one cell, two figures."""
+    in two records, or one (setup, recipe, seed) run twice, is an error: one cell, two figures;
+    except a rerun that its record lists under "replaces" (a run repeated to add what the earlier
+    one lacked, e.g. the prose evaluation): it takes the earlier run's place, which must exist."""
+    replacing: dict[tuple[str, str, int], tuple[str, str]] = {}
+    for source, rec in records.items():
+        for name in rec.get("replaces", []):
+            if name not in rec["runs"]:
+                raise ValueError(f"{source} replaces with {name}, which is not one of its runs")
+            key = _key(name, rec["runs"][name])
+            if key in replacing:
+                raise ValueError(f"{key} is replaced twice: by {replacing[key][1]} and {name} ({source})")
+            replacing[key] = (source, name)
     runs: dict[str, dict[str, Any]] = {}
     seen: dict[tuple[str, str, int], str] = {}
+    replaced: set[tuple[str, str, int]] = set()
     for source, rec in records.items():
         for name, run in rec["runs"].items():
+            key = _key(name, run)
+            if key in replacing and replacing[key] != (source, name):
+                replaced.add(key)
+                continue
             if name in runs:
                 raise ValueError(f"run {name} is in both {runs[name]['source']} and {source}")
-            key = (setup(name), label(run), run["seed"])
             if key in seen:
                 raise ValueError(f"{key} is run twice: {seen[key]} and {name} ({source})")
             seen[key] = name
             runs[name] = dict(run, commit=rec["commit"], source=source)
+    for key in set(replacing) - replaced:
+        raise ValueError(f"{replacing[key][1]} ({replacing[key][0]}) replaces no earlier run of {key}")
     return runs
 
 
@@ -137,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", required=True, help="device, software and how runs shared it")
     ap.add_argument("--command", action="append", default=[], metavar="SETUP=COMMAND", required=True)
     ap.add_argument("--notes", default=None)
+    ap.add_argument("--replaces", nargs="+", default=[], metavar="NAME",
+                    help="runs of this record that replace the earlier run of their setup, recipe and seed "
+                         "(a rerun that adds what the earlier one lacked, e.g. the prose evaluation)")
     args = ap.parse_args(argv)
     if args.out.exists():
         raise SystemExit(f"{args.out} exists: records are written once")
@@ -150,7 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     rec = {"commit": args.commit, "device": args.device, "commands": commands, "runs": runs}
     if args.notes:
         rec["notes"] = args.notes
-    merge({str(args.out): rec})  # one name, one (setup, recipe, seed) per record
+    if args.replaces:
+        rec["replaces"] = args.replaces
+    # one name, one (setup, recipe, seed) in the study of the records beside it
+    beside = {str(p): json.loads(p.read_text()) for p in sorted(args.out.parent.glob(PATTERN))}
+    merge({**beside, str(args.out): rec})
     args.out.write_text(json.dumps(rec, indent=1) + "\n")
     print(f"{args.out}: {len(runs)} runs")
 

@@ -83,7 +83,30 @@ def test_a_record_is_written_once_and_reads_as_a_study(runs: dict[str, Path], tm
     assert set(groups["X"]) == {"bf16", "coat lean + release"} and groups["X"]["bf16"][0]["commit"] == "abc1234"
     with pytest.raises(SystemExit, match="exists"):
         qr.main(argv)
+    alone = tmp_path / "alone"  # a record is checked with the records beside it: none here
+    alone.mkdir()
     with pytest.raises(ValueError, match="run twice"):  # one (setup, recipe, seed), two names
-        qr.main([str(tmp_path / "dup.json"), f"X0={runs['X0']}", f"X1={runs['X0']}", "--commit", "c",
+        qr.main([str(alone / "dup.json"), f"X0={runs['X0']}", f"X1={runs['X0']}", "--commit", "c",
                  "--device", "cpu", "--command", "X=..."])
-    assert not (tmp_path / "dup.json").exists()
+    assert not (alone / "dup.json").exists()
+
+
+def test_a_rerun_replaces_its_earlier_run_only_when_it_says_so(runs: dict[str, Path], tmp_path: Path) -> None:
+    def write(name: str, *runs_and_flags: str) -> Path:
+        out = tmp_path / name
+        qr.main([str(out), *runs_and_flags, "--commit", name[-11:-5], "--device", "cpu", "--command", "X=..."])
+        return out
+
+    first = write("quality_x_aaaaaa.json", f"X0={runs['X0']}", f"X0r={runs['X0r']}")
+    with pytest.raises(ValueError, match="run twice"):  # the same (setup, recipe, seed) beside the first record
+        write("quality_x_bbbbbb.json", f"X9={runs['X0']}")
+    with pytest.raises(ValueError, match="not one of its runs"):
+        write("quality_x_bbbbbb.json", f"X9={runs['X0']}", "--replaces", "X8")
+    with pytest.raises(ValueError, match="replaces no earlier run"):  # nothing of its (setup, recipe, seed) before
+        write("quality_x_bbbbbb.json", f"X9g={runs['X0g']}", "--replaces", "X9g")
+    assert sorted(p.name for p in tmp_path.glob("quality_*.json")) == [first.name]  # nothing half-written
+    second = write("quality_x_bbbbbb.json", f"X0={runs['X0']}", "--replaces", "X0")  # the same name, too
+    merged = qr.merge(qr.read([first, second]))
+    assert set(merged) == {"X0", "X0r"} and merged["X0"]["commit"] == "bbbbbb" and merged["X0r"]["commit"] == "aaaaaa"
+    with pytest.raises(ValueError, match="replaces no earlier run"):  # read without the record it replaces
+        qr.merge(qr.read([second]))
