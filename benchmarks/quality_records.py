@@ -93,8 +93,10 @@ def merge(records: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]
                 raise ValueError(f"{key} is run twice: {seen[key]} and {name} ({source})")
             seen[key] = name
             runs[name] = dict(run, commit=rec["commit"], source=source)
-    for key in set(replacing) - replaced:
-        raise ValueError(f"{replacing[key][1]} ({replacing[key][0]}) replaces no earlier run of {key}")
+    missing = sorted(set(replacing) - replaced)
+    if missing:
+        source, name = replacing[missing[0]]
+        raise ValueError(f"{name} ({source}) replaces no earlier run of {missing[0]}")
     return runs
 
 
