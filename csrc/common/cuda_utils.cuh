@@ -73,10 +73,13 @@ __device__ __forceinline__ T warp_min(T v, int width = 32) {
 
 // Block-wide max of non-negative floats folded into *out with an integer atomicMax on the bits
 // (order-preserving for non-negative floats); *out must be zeroed beforehand. Every thread of the
-// block calls it.
+// block calls it. `part` is one buffer per kernel, shared by every call in it (the SwiGLU backward
+// makes two, dgu's max then h's): the first barrier keeps a call's writes behind the previous
+// call's reads, which warp 0 may still be doing while the other warps have moved on.
 __device__ __forceinline__ void block_max_atomic(float m, float* out) {
   __shared__ float part[32];
   m = warp_max(m);
+  __syncthreads();
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
   __syncthreads();
   if (threadIdx.x < 32) {

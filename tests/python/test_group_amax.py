@@ -156,6 +156,46 @@ def test_mlp_hands_the_swiglu_gradient_amax_to_gate_up(gen, device, monkeypatch)
         _same(a, b, f"gradient {i}")
 
 
+@pytest.mark.gpu
+def test_the_swiglu_backward_maxima_do_not_mix(gen):
+    """The SwiGLU backward folds two block maxima, dgu's then h's, through one shared buffer per
+    kernel; without a barrier between them a warp could write h's part while warp 0 still read dgu's
+    (RESULTS 38: FSDP2 runs differed from run to run through it). With |h| far above |dgu| in every
+    warp, a mixed-up dgu amax is h-sized; launches run beside another stream's matmuls, which moves
+    the warps' timing as FSDP2's NCCL kernels did. Every launch must give dgu's own max."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    m, k = 4096, 1024
+    x = (8 * torch.randn(m, 2 * k, generator=gen)).bfloat16().cuda()  # gate, up: h = silu(g) u ~ 10-100
+    ws = [(torch.randn(256, k, generator=gen) / k**0.5).bfloat16().cuda()]
+    d = (1e-4 * torch.randn(m, 256, generator=gen)).bfloat16().cuda()  # dgu ~ 1e-3
+    old = blk.PRODUCER_AMAX
+    blk.PRODUCER_AMAX = True
+    side = torch.cuda.Stream()
+    load = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    try:
+        f = blk._fwd(x, blk.SWIGLU, None, 1e-5, False, ws, None, None, False, torch.float32, False,
+                     NORM_KINDS["scaled"], sops.SILU, True, blk._FMT[E4])
+        _, w_scale, s0, s1, s2, _, _ = f
+        got = []
+        for rep in range(60):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(rep % 4):
+                    load @ load
+            b = blk._bwd(d, blk.SWIGLU, True, ws, w_scale, None, s0, s1, s2, None, None, x.dtype, x.dtype,
+                         NORM_KINDS["scaled"], sops.SILU, True, blk._FMT[E4], blk._FMT[E5], 0, None)
+            got.append((b[6], b[0].float().abs().max().reshape(1)))
+        torch.cuda.synchronize()
+    finally:
+        blk.PRODUCER_AMAX = old
+    xf = x.float()
+    h_max = float((torch.nn.functional.silu(xf[:, :k]) * xf[:, k:]).abs().max())
+    assert h_max > 1e3 * float(got[0][1])  # the inputs do put h far above dgu
+    wrong = [i for i, (amax, want) in enumerate(got) if not torch.equal(amax, want)]
+    assert not wrong, (len(wrong), [float(got[i][0]) for i in wrong[:3]], float(got[0][1]))
+
+
 def test_the_hand_over_refuses_a_changed_or_other_gradient():
     """The amax is taken only for the very tensor it was written for, unchanged, and only once."""
     g, amax = torch.randn(4, 8), torch.tensor([1.0])
