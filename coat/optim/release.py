@@ -54,8 +54,9 @@ def _refuse_wrappers(model: torch.nn.Module | None) -> None:
 SHARDED_FP8_REFUSAL = (
     "gradient release under FSDP2 on CUDA is refused for models with coat's FP8 layers: on 2 GPUs (NCCL), while "
     "another process kept them busy, such a model's first-step gradients (first decoder layer, embedding) differed "
-    "from run to run even without release, so release cannot yet be shown exact against the ordinary FSDP2 step "
-    "(cause not yet located; benchmarks/RESULTS.md sections 32-36). Train the sharded FP8 model without release "
+    "from run to run even without release, so release could not be shown exact against the ordinary FSDP2 step "
+    "(the cause, a race in the SwiGLU backward's block maxima, is fixed but not yet measured on GPUs; "
+    "benchmarks/RESULTS.md sections 32-38). Train the sharded FP8 model without release "
     "(no step_in_backward; coat train: drop --release-grads / the +release mode); release stays available on "
     "one GPU, under FSDP2 on CPU, and for sharded models without FP8 layers")
 
