@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from coat.cli.data import Corpus, HFTokenizer, _cache_key, _save_atomic, hf_vocab_size
+from coat.cli.data import Corpus, HFTokenizer, _cache_key, _save_atomic, hf_vocab_size, token_digest
 
 IGNORE = -100
 #: Bump when the packed layout or the rendering changes, so stale cache entries are never reused.
@@ -574,7 +574,7 @@ def load_chat_corpus(data: str | os.PathLike, kind: str, hf: HFTokenizer, seq_le
             "train_examples": len(train_ex), "val_examples": len(val_ex), "train_rows": len(train),
             "val_rows": len(val), "train_loss_tokens": learned,
             "truncated": train_stats["truncated"] + val_stats["truncated"],
-            "dropped": train_stats["dropped"] + val_stats["dropped"]}
+            "dropped": train_stats["dropped"] + val_stats["dropped"], "digest": token_digest({"train": train, "val": val})}
     _save_atomic(paths["train"], train)
     _save_atomic(paths["val"], val)
     tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp")

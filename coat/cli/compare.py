@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import signal
 import subprocess
@@ -22,7 +23,8 @@ from typing import Any, Callable
 
 from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
-from coat.cli.config import BASELINE_RECIPE, COAT_OPTIMIZERS, RECIPE_PARTS, ConfigError, TrainConfig, setup_name
+from coat.cli.config import (BASELINE_RECIPE, COAT_OPTIMIZERS, RECIPE_PARTS, RESUME_OVERRIDES, ConfigError,
+                             TrainConfig, lr_lambda, setup_name)
 from coat.cli.plot import plot_comparison
 from coat.cli.plan import RunPlan
 
@@ -116,6 +118,41 @@ def _finished(folder: Path) -> dict[str, Any] | None:
     return None
 
 
+def _check_same_data(runs: dict[str, Path]) -> None:
+    """Both recipes trained and evaluated on the same tokens (each child loads --data itself, so
+    data changed between them, or before a resume that restarted one, would otherwise be paired)."""
+    digests = {r: json.loads((f / "config.json").read_text()).get("corpus", {}).get("digest") for r, f in runs.items()}
+    if None not in digests.values() and len(set(digests.values())) > 1:
+        got = ", ".join(f"{r} {dg[:12]}" for r, dg in digests.items())
+        raise ConfigError("--data", f"the recipes of this comparison trained on different data (token digests: {got}): "
+                          "the data changed between their runs; no comparison is written. Start the comparison "
+                          "again in a new --out with the data left as it is")
+
+
+def _check_steps(out: Path, runs: dict[str, Path], cfg: TrainConfig) -> None:
+    """Both recipes train the same number of steps on the same lr schedule. A resume with a new
+    --steps continues a stopped run's schedule from its stop, while a recipe not yet started runs
+    the new --steps' schedule from step 1: taken only where the two agree up to the stop (a constant
+    schedule, a stop inside the warmup) or every recipe has finished (both continue from there)."""
+    steps = cfg.steps
+    for recipe, folder in runs.items():
+        done = _finished(folder)
+        if done is not None and done["planned_steps"] != steps:
+            raise ConfigError("--steps", f"the {recipe} run in {folder} finished {done['planned_steps']} steps; both "
+                              "recipes of a comparison train the same number (drop --steps)")
+    started = json.loads((out / "compare.json").read_text())["train"]["steps"] if (out / "compare.json").is_file() \
+        else steps
+    if steps == started or all(_finished(f) for f in runs.values()):
+        return
+    stop = max((s for f in runs.values() if f.exists() for s, _ in ckpt.checkpoints(f)), default=0)
+    old, new = lr_lambda(replace(cfg, steps=started)), lr_lambda(cfg)
+    if any(not math.isclose(old(s), new(s), rel_tol=1e-12) for s in range(stop + 1)):
+        raise ConfigError("--steps", f"this comparison has not finished its {started} steps: the recipe stopped "
+                          "midway would continue its lr schedule from there and the other would start a plain "
+                          f"{steps}-step one, so they would not be paired. Finish it first (coat train --resume "
+                          f"{out}), then resume it again with --steps {steps}")
+
+
 def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], one_seed: bool = True) -> dict[str, Any]:
     from coat.cli import runner
 
@@ -124,15 +161,11 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], one_seed:
     cfg = plan.cfg
     runs = _sub_runs(plan)
     base, other = arms(cfg)
+    _check_steps(plan.out, runs, cfg)
     if d.is_main:
         ckpt.write_json_atomic(plan.out / "compare.json", {"train": asdict(cfg), "flags": asdict(plan.flags or cfg),
                                                            "runs": {r: r for r in runs}, "world_size": d.world})
     d.barrier()
-    for recipe, folder in runs.items():
-        done = _finished(folder)
-        if done is not None and done["planned_steps"] != cfg.steps:
-            raise ConfigError("--steps", f"the {recipe} run in {folder} finished {done['planned_steps']} steps; both "
-                              "recipes of a comparison train the same number (drop --steps)")
     results: dict[str, dict[str, Any]] = {}
     for recipe, folder in runs.items():
         done = _finished(folder)
@@ -150,8 +183,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], one_seed:
             log(f"[{recipe}] {folder} had no checkpoint; moved to {aside}, starting again")
         d.barrier()
         if not d.enabled:
-            kept = dict(steps=cfg.steps, save_every=cfg.save_every, keep_last=cfg.keep_last, save=cfg.save,
-                        quiet=cfg.quiet, threads=cfg.threads, cache_dir=cfg.cache_dir)
+            kept = {k: getattr(cfg, k) for k in RESUME_OVERRIDES}  # what a resume may change, all of it
             child = TrainConfig(resume=str(folder), **kept) if resume else sub
             rc, signalled = _run_child(child, {"resume", *kept} if resume else None)
             summary = folder / "summary.json"
@@ -182,6 +214,7 @@ def run_compare(plan: RunPlan, d: dt.Dist, log: Callable[[str], None], one_seed:
             results[recipe] = runner.run(sub_plan, d, log)
         if not results[recipe].get("finished"):
             return {"runs": results, "out_dir": str(plan.out)}
+    _check_same_data(runs)
     table = comparison_table(results, base, other, one_seed=one_seed)
     out: dict[str, Any] = {"runs": results, "table": table["markdown"], "out_dir": str(plan.out)}
     if d.is_main:

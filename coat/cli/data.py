@@ -54,6 +54,23 @@ class Corpus:
     heldout: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def token_digest(splits: dict[str, np.ndarray]) -> str:
+    """A digest of the tokens themselves, split by split (name, dtype, shape, bytes): what a run
+    trained and evaluated on, whatever path or cache entry they came from. Recorded in config.json;
+    a resume and the two recipes of a comparison must agree on it."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(splits):
+        a = np.ascontiguousarray(splits[name])
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+def corpus_digest(corpus: Corpus) -> str:
+    """``token_digest`` of a corpus (read from its cache entry's metadata when it was recorded there)."""
+    return corpus.info.get("digest") or token_digest({"train": corpus.train, "val": corpus.val, **corpus.heldout})
+
+
 @dataclass(frozen=True)
 class HFTokenizer:
     """A Hugging Face tokenizer (from an --init folder) and a fingerprint of its files."""
@@ -432,6 +449,7 @@ def _load_text_corpus(
             heldout["prose"] = encode(prose_units).astype(dtype, copy=False)
             _save_atomic(prose_path, heldout["prose"])
             meta["prose_documents"] = {name: len(texts) for name, texts in prose.items()}
+        meta["digest"] = token_digest({"train": train, "val": val, **heldout})
         tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, meta_path)  # written last: its presence marks a whole cache entry

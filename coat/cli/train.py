@@ -24,7 +24,7 @@ from coat.cli import checkpoint as ckpt
 from coat.cli import distributed_train as dt
 from coat.cli.config import (COAT_OPTIMIZERS, RESUME_OVERRIDES, ConfigError, TrainConfig, artifact, check_init_flags,
                              expand_setup, explicit_fields, flag, lr_lambda, resolve_config, validate)
-from coat.cli.data import MAX_TOKEN_ID, default_cache_dir, load_corpus
+from coat.cli.data import MAX_TOKEN_ID, corpus_digest, default_cache_dir, load_corpus
 from coat.cli.plan import RunPlan
 from coat.cli.train_flags import add_flags
 from coat.cli.model import build_model, build_optimizer, evaluate, lm_loss
@@ -84,6 +84,11 @@ def resume_config(cfg: TrainConfig, explicit: set[str] | None = None) -> tuple[T
     # The run's own flags, resolved again; what was derived from the machine or from --steps is
     # pinned to what the run used, so a resume on another machine or to more steps continues it.
     pinned = {k: getattr(ran, k) for k in ("device", "dtype", "warmup_steps", "eval_every", "min_lr", "lr_anchor")}
+    if cfg.from_step is not None and ran.lr_anchor and cfg.from_step < ran.lr_anchor[0]:
+        raise ConfigError("--from-step", f"step {cfg.from_step} comes before step {ran.lr_anchor[0]}, where the run in "
+                          f"{folder} was extended to --steps {ran.steps}: its lr schedule before that step is not "
+                          "recorded, so the resumed lr would jump. Resume from a checkpoint of step "
+                          f">= {ran.lr_anchor[0]}")
     return replace(flags, **pinned, **overrides, out=str(folder), resume=str(folder), from_step=cfg.from_step), ran
 
 
@@ -229,6 +234,7 @@ def _load_data(cfg: TrainConfig, d: dt.Dist, log: Callable[[str], None], init: A
             raise ConfigError("--data", str(e)) from e
 
     corpus = _rank0_first(d, load)
+    corpus.info["digest"] = corpus_digest(corpus)
     for split, tokens in (("train", corpus.train), ("validation", corpus.val)):
         if chat_data.is_packed(tokens):  # whole examples in rows of --seq-len: one row per rank is enough
             if len(tokens) < (d.world if split == "train" else 1):
@@ -287,6 +293,11 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tu
     if counts != now:
         raise ConfigError("--data", f"the data changed since the run in {folder} started ({counts[0]} train / "
                           f"{counts[1]} val tokens then, {now[0]} / {now[1]} now)")
+    then = saved.get("corpus", {}).get("digest")  # absent in runs from before it was recorded
+    if then is not None and then != corpus.info["digest"]:
+        raise ConfigError("--data", f"the data changed since the run in {folder} started: as many tokens, but "
+                          f"not the same ones (digest {then[:12]} then, {corpus.info['digest'][:12]} now); resume "
+                          "with the data the run started with, or start a new run")
     found = dict(ckpt.checkpoints(folder))
     if not found:
         raise ConfigError("--resume", f"{folder} holds no whole checkpoint (a run writes them with --save-every N, "

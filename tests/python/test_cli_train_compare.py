@@ -98,6 +98,21 @@ def test_compare_is_stopped_by_ctrl_c_and_resumed(tmp_path: Path, capsys: pytest
     table = json.loads((top / "comparison.json").read_text())
     assert table["coat"]["final_val_loss"] == runs["coat"]["final_val_loss"]
 
+    # Each recipe's run loads --data itself: recipes that saw different tokens (data changed between
+    # them) are not paired. Stood in for by the coat run's recorded digest; nothing is written.
+    cfg_path = top / "coat" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["corpus"]["digest"] == json.loads((top / "bf16" / "config.json").read_text())["corpus"]["digest"]
+    cfg_path.write_text(json.dumps(cfg | {"corpus": cfg["corpus"] | {"digest": "0" * 32}}))
+    for f in ("comparison.md", "comparison.json", "comparison.png"):
+        (top / f).unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--resume", str(top), "--quiet"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert exc.value.code == 2 and "the recipes of this comparison trained on different data" in err, err
+    assert not any((top / f).exists() for f in ("comparison.md", "comparison.json", "comparison.png"))
+
 
 @pytest.mark.gpu
 def test_compare_on_a_gpu(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli_train_checkpoint import records, tiny
+from test_cli_train_checkpoint import STDLIB_JSON, records, tiny
 
 from coat.cli import checkpoint as ckpt
 from coat.cli.config import TrainConfig
@@ -45,6 +45,19 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("base")
     train(tiny(tmp, "run", steps=6, save_every=2, keep_last=3, eval_every=3))
     return tmp
+
+
+def test_resume_refuses_changed_data_of_the_same_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A file of --data rewritten with as many bytes (so as many tokens) between a run and its
+    resume: the run would go on with other tokens, and its curve would join two data sets."""
+    data = tmp_path / "data"
+    shutil.copytree(STDLIB_JSON, data, ignore=shutil.ignore_patterns("__pycache__"))
+    train(tiny(tmp_path, "run", steps=4, save_every=2, data=str(data)))
+    victim = max(data.glob("*.py"), key=lambda p: p.stat().st_size)
+    victim.write_text(victim.read_text().swapcase())
+    err = usage_error(capsys, "--resume", str(tmp_path / "run"), "--steps", "6", "--cache-dir", str(tmp_path / "cache"))
+    assert "--data" in err and "as many tokens, but not the same ones" in err, err
+    assert [s for s, _ in ckpt.checkpoints(tmp_path / "run")] == [2, 4]  # nothing ran
 
 
 def damaged_copy(base: Path, tmp: Path, damage) -> Path:
