@@ -68,3 +68,29 @@ def test_save_on_a_finished_comparison_exports_both_recipes(tmp_path: Path) -> N
     assert sorted(p.parent.name for p in (tmp_path / "cmp").glob("*/model")) == ["bf16", "coat"]
     summary = json.loads((tmp_path / "cmp" / "coat" / "summary.json").read_text())
     assert summary["finished"] and summary["model_dir"] == str(tmp_path / "cmp" / "coat" / "model")
+
+
+def test_from_step_before_an_extension_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # Extended at step 8, the run's lr schedule before step 8 was the 8-step one, which the config no
+    # longer records: a resume from step 4 would follow neither it nor a plain 12-step schedule.
+    run = tmp_path / "run"
+    train(tiny(tmp_path, "run", steps=8, save_every=2, keep_last=10, eval_every=4))
+    assert main(["train", "--resume", str(run), "--steps", "12", "--quiet"]) == 0
+    err = usage_error(capsys, "--resume", str(run), "--from-step", "4")
+    assert "argument --from-step: step 4 comes before step 8, where the run" in err and ">= 8" in err, err
+    assert main(["train", "--resume", str(run), "--from-step", "10", "--quiet"]) == 0  # after it: the same schedule
+
+
+def test_a_new_steps_on_an_unfinished_comparison_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # bf16 stopped at step 4 of 6, coat not started: with --steps 10, bf16 would decay from its stop and coat
+    # run a plain 10-step cosine; not a pair. Refused before anything (compare.json included) is written.
+    top = tmp_path / "cmp"
+    train(tiny(tmp_path, "cmp", recipe=None, compare=True, steps=6, save_every=2, keep_last=5, eval_every=2))
+    shutil.rmtree(top / "coat")
+    shutil.rmtree(top / "bf16" / "checkpoints" / "step_00000006")
+    summary = json.loads((top / "bf16" / "summary.json").read_text())
+    (top / "bf16" / "summary.json").write_text(json.dumps(summary | {"finished": False}))
+    before = (top / "compare.json").read_text()
+    err = usage_error(capsys, "--resume", str(top), "--steps", "10")
+    assert "argument --steps: this comparison has not finished its 6 steps" in err, err
+    assert (top / "compare.json").read_text() == before and not (top / "coat").exists()
