@@ -455,16 +455,16 @@ def save(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def set_aside_after(out: Path, resume_from: Path) -> list[Path]:
-    """Renames the checkpoints newer than ``resume_from`` to ``set-aside-step_N`` (kept, never
-    deleted, and no longer resumed or counted by --keep-last); returns their new paths."""
-    step = int(_STEP_DIR.match(resume_from.name).group(1))
-    moved = []
+    """Renames the checkpoints newer than ``resume_from`` to ``set-aside-step_N`` (kept, never deleted, no longer
+    resumed or counted by --keep-last); returns their new paths. The rewound run's summary stops saying it finished."""
+    moved, step = [], int(_STEP_DIR.match(resume_from.name).group(1))
     for s, path in checkpoints(out):
         if s > step:
-            target = next(path.with_name(f"set-aside-{path.name}" + (f"-{i}" if i else "")) for i in range(10**6)
-                          if not path.with_name(f"set-aside-{path.name}" + (f"-{i}" if i else "")).exists())
-            os.replace(path, target)
-            moved.append(target)
+            names = (path.with_name(f"set-aside-{path.name}" + (f"-{i}" if i else "")) for i in range(10**6))
+            moved.append(next(t for t in names if not t.exists()))
+            os.replace(path, moved[-1])
+    if moved and (out / "summary.json").is_file():
+        write_json_atomic(out / "summary.json", json.loads((out / "summary.json").read_text()) | {"finished": False})
     return moved
 
 

@@ -156,6 +156,10 @@ def text_files(path: Path) -> list[Path]:
     A single file that looks binary (NUL bytes) is an error, not text.
     """
     if path.is_file():
+        if path.suffix.lower() == ".json":  # records are JSONL here; a .json read as text would train on its syntax
+            raise ValueError(f"{path} is a .json file, which coat train's text data does not read as records: give "
+                             "them as JSONL (.jsonl, one {\"text\": ...} per line), or rename it (.txt) to train on "
+                             "its characters as plain text")
         if path.suffix.lower() not in JSONL_SUFFIXES and not looks_like_text(path):
             raise ValueError(f"{path} looks like a binary file (it holds NUL bytes); give a text file, a folder "
                              "of text files, a JSONL file with a \"text\" field, or a token array (.npy/.bin)")

@@ -184,6 +184,14 @@ def test_bad_token_arrays_are_rejected(tmp_path: Path, tokens: np.ndarray, messa
         data.load_corpus(path)
 
 
+def test_a_json_file_is_not_read_as_text(tmp_path: Path) -> None:
+    # Records in a .json file would otherwise train on '[{"text": ...' as characters (found by review).
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([{"text": "first record"}, {"text": "second record"}]))
+    with pytest.raises(ValueError, match=r"records\.json is a \.json file.*JSONL \(\.jsonl"):
+        data.load_corpus(path, cache_dir=tmp_path / "cache")
+
+
 def test_binary_file_is_not_text(tmp_path: Path) -> None:
     path = tmp_path / "prog"
     path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)

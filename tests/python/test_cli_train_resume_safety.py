@@ -115,6 +115,17 @@ def test_from_step_resumes_an_earlier_checkpoint_and_sets_the_later_aside(
     assert json.loads((run / "config.json").read_text())["flags"]["from_step"] is None  # not for the next resume
 
 
+def test_a_rewound_run_no_longer_says_it_finished(base: Path, tmp_path: Path) -> None:
+    # --from-step sets the later checkpoints aside; were that resume to die before its own summary, a
+    # comparison would otherwise take the old summary (and its figures) for the run's result.
+    run = damaged_copy(base, tmp_path, lambda _: None)
+    assert json.loads((run / "summary.json").read_text())["finished"]
+    moved = ckpt.set_aside_after(run, run / "checkpoints" / "step_00000004")
+    assert [p.name for p in moved] == ["set-aside-step_00000006"]
+    assert [s for s, _ in ckpt.checkpoints(run)] == [2, 4]
+    assert json.loads((run / "summary.json").read_text())["finished"] is False
+
+
 def test_a_checkpoint_of_another_run_is_refused(base: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # The same step of a run with another recipe and model shape, copied in whole with its manifest.
     train(tiny(tmp_path, "other", steps=6, save_every=6, recipe="coat", hidden_size=32))
