@@ -42,7 +42,23 @@ class InitCheckpoint:
 
     def summary(self) -> dict[str, Any]:
         return {"path": str(self.path.resolve()), "model_type": self.model_type, "dtype": self.dtype,
-                "tokenizer": self.has_tokenizer}
+                "tokenizer": self.has_tokenizer, "weights": weights_stamp(self.path)}
+
+
+def weights_stamp(path: Path) -> str:
+    """A stamp of an --init folder's weight files: each file's name and size and a digest of its first
+    and last 4 MiB (headers and the first and last tensors). A run whose checkpoints hold only what
+    trains (LoRA adapters, a side network) resumes on the same frozen base only if this agrees;
+    cheap at any model size, unchanged by copying the folder."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(4 << 20))
+            fh.seek(max(0, size - (4 << 20)))
+            h.update(fh.read())
+    return h.hexdigest()[:16]
 
 
 def inspect_init(path: str | os.PathLike) -> InitCheckpoint:

@@ -146,6 +146,7 @@ def prepare(cfg: TrainConfig, d: dt.Dist = dt.Dist(), log: Callable[[str], None]
     resume_from = None
     if cfg.resume is not None:
         resume_from, step = _check_resume(cfg, corpus, d, "save" in explicit)
+        _check_frozen_base(cfg, init)
         if resume_from is not None and ran is not None:
             anchor = _continue_schedule(cfg, resolve_config(ran), step, log)
             # --from-step is used up here: a later resume starts from the latest checkpoint again.
@@ -319,6 +320,25 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tu
     if target == cfg.steps and (folder / artifact(cfg)).exists():
         raise ConfigError("--save", f"{folder / artifact(cfg)} already exists")
     return found[target], target
+
+
+def _check_frozen_base(cfg: TrainConfig, init: Any) -> None:
+    """A LoRA or side-tuning run's checkpoints hold only what trains: its resume must find the same
+    --init weights (a base re-saved in place would be trained on silently)."""
+    import json
+
+    from coat.cli import pretrained
+
+    if init is None or cfg.compare or not (cfg.lora or cfg.side_tuning):
+        return
+    then = (json.loads((Path(cfg.resume) / "config.json").read_text()).get("init") or {}).get("weights")
+    if then is None:  # older runs recorded no stamp
+        return
+    now = pretrained.weights_stamp(init.path)
+    if now != then:
+        raise ConfigError("--init", f"the weight files of {init.path} changed since the run in {cfg.resume} started "
+                          f"(stamp {then} then, {now} now); its checkpoints hold only the trained "
+                          f"{'LoRA adapters' if cfg.lora else 'side network'}, so it resumes on the same base only")
 
 
 def _reserve(cfg: TrainConfig, d: dt.Dist, resume_from: Path | None = None) -> Path:

@@ -40,6 +40,23 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def test_a_resume_on_a_changed_base_is_refused(tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture) -> None:
+    # The checkpoints hold the side network only: a base re-saved in place with other weights would be
+    # side-tuned on silently (found by review). Same config, other weights, same file sizes.
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    assert train(_side(tmp_path, ckpt, "run", steps=3, save_every=3))["finished"]
+    base = AutoModelForCausalLM.from_pretrained(ckpt)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.mul_(1.01)
+    base.save_pretrained(ckpt)
+    err = " ".join(_usage_error(["--resume", str(run), "--steps", "6"], capsys).split())
+    assert "argument --init: the weight files of" in err and "side network" in err, err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3  # nothing ran
+
+
 def test_side_tuning_trains_saves_the_side_network_and_resumes(tmp_path: Path, ckpt: Path) -> None:
     from transformers import AutoModelForCausalLM
 
