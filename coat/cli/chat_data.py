@@ -535,7 +535,7 @@ def load_chat_corpus(data: str | os.PathLike, kind: str, hf: HFTokenizer, seq_le
         raise ValueError(f"no JSONL, JSON or parquet files found in {data}")
     cache_dir.mkdir(parents=True, exist_ok=True)
     template = hashlib.sha256(str(getattr(tok, "chat_template", None)).encode()).hexdigest()[:16]
-    key = _cache_key(files, ["chat", _CACHE_VERSION, hf.fingerprint, template, seq_len, val_fraction], cache_dir)
+    key = _cache_key(files, ["chat", _CACHE_VERSION, "dedup", hf.fingerprint, template, seq_len, val_fraction], cache_dir)
     paths = {s: cache_dir / f"{key}.{s}.npy" for s in ("train", "val")}
     meta_path = cache_dir / f"{key}.json"
     info: dict[str, Any] = {"source": str(data), "tokenizer": "hf", "format": desc, "packed": True,
@@ -567,6 +567,12 @@ def load_chat_corpus(data: str | os.PathLike, kind: str, hf: HFTokenizer, seq_le
     if len(set(train_stats["kinds"]) | set(val_stats["kinds"])) > 1:
         raise ValueError(f"{data} mixes record formats ({', '.join(sorted(set(train_stats['kinds']) | set(val_stats['kinds'])))}); "
                          "give one format per run")
+    held = {json.dumps(r, sort_keys=True, default=str) for _, r in val_recs}  # a held-out example's copies: not trained on
+    kept = [(w, r) for w, r in train_recs if json.dumps(r, sort_keys=True, default=str) not in held]
+    if not kept:
+        raise ValueError(f"every training example in {data} is a copy of a held-out one: nothing is left to train on")
+    if (copies := len(train_recs) - len(kept)):
+        train_ex, train_stats = _examples(renderer, kept, seq_len)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     train, val = pack(train_ex, seq_len, pad), pack(val_ex, seq_len, pad)
     learned = int((train[:, 1] != IGNORE).sum())
@@ -574,7 +580,7 @@ def load_chat_corpus(data: str | os.PathLike, kind: str, hf: HFTokenizer, seq_le
             "train_examples": len(train_ex), "val_examples": len(val_ex), "train_rows": len(train),
             "val_rows": len(val), "train_loss_tokens": learned,
             "truncated": train_stats["truncated"] + val_stats["truncated"],
-            "dropped": train_stats["dropped"] + val_stats["dropped"], "digest": token_digest({"train": train, "val": val})}
+            "dropped": train_stats["dropped"] + val_stats["dropped"], "train_copies_dropped": copies, "digest": token_digest({"train": train, "val": val})}
     _save_atomic(paths["train"], train)
     _save_atomic(paths["val"], val)
     tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp")

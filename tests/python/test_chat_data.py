@@ -70,7 +70,7 @@ def conversation(i: int) -> list[dict]:
             {"role": "user", "content": "what is two plus two"},
             {"role": "assistant", "content": "four is the answer" if i % 2 else "four"},
             {"role": "user", "content": "name a colour"},
-            {"role": "assistant", "content": "blue is a colour"}]
+            {"role": "assistant", "content": "blue is a colour" + (f", as is colour {i}" if i > 1 else "")}]
 
 
 def write_records(path: Path, records: list[dict]) -> Path:
@@ -438,3 +438,15 @@ def test_cli_chat_lora_run_end_to_end(tmp_path: Path, monkeypatch: pytest.Monkey
     assert main(["train", "--resume", "run", "--steps", "5", "--quiet"]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["finished"] and summary["steps"] == 5
+
+
+def test_a_copy_of_a_held_out_example_is_not_trained_on(tmp_path: Path) -> None:
+    # Conversations repeated in a data set land on both sides of the split: the training copies of a
+    # held-out example are dropped, as for text documents (found by review).
+    tok = make_tokenizer(tmp_path / "tok")
+    records = [{"messages": conversation(i)} for i in range(2, 8)] + [{"messages": conversation(i)} for i in (2, 3)]
+    corpus = _corpus(tmp_path, write_records(tmp_path / "chat.jsonl", records), tok)
+    assert corpus.info["val_examples"] == 2 and corpus.info["train_copies_dropped"] == 2
+    assert corpus.info["train_examples"] == 4
+    with pytest.raises(ValueError, match="every training example in .* is a copy of a held-out one"):
+        _corpus(tmp_path, write_records(tmp_path / "same.jsonl", [{"messages": conversation(2)}] * 4), tok)
