@@ -180,8 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         rec["notes"] = args.notes
     if args.replaces:
         rec["replaces"] = args.replaces
-    # one name, one (setup, recipe, seed) in the study of the records beside it
-    beside = {str(p): json.loads(p.read_text()) for p in sorted(args.out.parent.glob(PATTERN))}
+    # one name, one (setup, recipe, seed) in the study of the records beside it; a record named
+    # outside the study (a side study, e.g. another learning rate of a recipe) is checked alone
+    in_study = args.out.match(PATTERN)
+    beside = {str(p): json.loads(p.read_text()) for p in sorted(args.out.parent.glob(PATTERN))} if in_study else {}
     merge({**beside, str(args.out): rec})
     args.out.write_text(json.dumps(rec, indent=1) + "\n")
     print(f"{args.out}: {len(runs)} runs")

@@ -307,9 +307,6 @@ def unavailable(setup: Setup, device: str, fsdp: bool) -> str | None:
         return f"{setup.name} needs a CUDA GPU"
     if fsdp and not setup.fsdp:
         return f"{setup.name} has no --fsdp variant"
-    if fsdp and device == "cuda" and "release" in setup.name.split("+"):
-        return (f"{setup.name} under --fsdp on GPUs is refused for now: gradient release with FP8 layers is not "
-                "shown exact on NCCL (benchmarks/RESULTS.md sections 32-36)")
     import importlib.util
 
     for mod in setup.needs:

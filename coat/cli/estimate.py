@@ -171,9 +171,6 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     out.update(recipe_summary="; ".join([rec.summary, *modes]), gpu_memory_gib=mem, gpu_memory_source=mem_src,
                max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus, fsdp_unit=args.fsdp_unit),
                fsdp_unit=args.fsdp_unit)
-    if args.gpus > 1 and recipes.parse(rec.name).has("release"):
-        out["note"] = ("coat refuses gradient release under FSDP2 on GPUs with FP8 layers for now (not shown "
-                       "exact on NCCL: benchmarks/RESULTS.md sections 32-36); this plans the step it would run")
     rates = None
     if args.measure_rates:
         if not here:

@@ -177,10 +177,6 @@ def _check_settings(cfg: TrainConfig, d: dt.Dist) -> tuple[TrainConfig, Any]:
         if missing:
             raise ConfigError("--lora-targets", f"the --init model has no module named {', '.join(missing)}; its "
                               f"Linear layers are {', '.join(linear)}")
-    if d.enabled and cfg.device == "cuda" and cfg.release_grads and cfg.activations == "fp8":
-        import coat.optim.release as rel  # here, before a compare child (the BF16 baseline) trains
-
-        raise ConfigError("--release-grads", rel.SHARDED_FP8_REFUSAL)
     if cfg.fsdp_unit != 1 and not d.enabled:
         raise ConfigError("--fsdp-unit", "applies to FSDP2 runs: start coat train under torchrun "
                                          "(torchrun --nproc_per_node N -m coat train ...)")

@@ -26,7 +26,6 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from . import _state
 from ._state import _local
 from ._norm import _NormClip, clip_scale
 from .fused import ReleaseTarget
@@ -48,42 +47,6 @@ def _refuse_wrappers(model: torch.nn.Module | None) -> None:
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise ValueError("gradient release does not support FSDP1 (FullyShardedDataParallel): its flat "
                          "parameters are not the optimizer's; use FSDP2 (torch.distributed.fsdp.fully_shard)")
-
-
-#: Why FSDP2 release on CUDA is refused with FP8 layers (benchmarks/RESULTS.md sections 32-36).
-SHARDED_FP8_REFUSAL = (
-    "gradient release under FSDP2 on CUDA is refused for models with coat's FP8 layers: on 2 GPUs (NCCL), while "
-    "another process kept them busy, such a model's first-step gradients (first decoder layer, embedding) differed "
-    "from run to run even without release, so release could not be shown exact against the ordinary FSDP2 step "
-    "(the cause, a race in the SwiGLU backward's block maxima, is fixed but not yet measured on GPUs; "
-    "benchmarks/RESULTS.md sections 32-38). Train the sharded FP8 model without release "
-    "(no step_in_backward; coat train: drop --release-grads / the +release mode); release stays available on "
-    "one GPU, under FSDP2 on CPU, and for sharded models without FP8 layers")
-
-
-def _sharded_on_cuda(p: torch.Tensor) -> bool:
-    return _state._is_dtensor(p) and p.device.type == "cuda"
-
-
-def _is_fp8(m: torch.nn.Module) -> bool:
-    """One of coat's converted modules (a class of coat.nn in its MRO: FP8 decoder layers, their
-    attention and MLP, FP8 linears and norms, the fused LM head loss, frozen FP8 weights)."""
-    return any(k.__module__.startswith("coat.nn") for k in type(m).__mro__)
-
-
-def _refuse_sharded_fp8(buckets: list[tuple[torch.nn.Parameter, ...]], roots: list[Any]) -> None:
-    sharded = [p for b in buckets for p in b if _sharded_on_cuda(p)]
-    if not sharded:
-        return
-    modules = [r for r in roots if isinstance(r, torch.nn.Module)]
-    covered = {id(p) for r in modules for p in r.parameters()}
-    if any(id(p) not in covered for p in sharded):
-        raise ValueError("gradient release of FSDP2-sharded CUDA parameters that the given model (or bucket modules) "
-                         "does not hold: pass the whole model (step_in_backward(optimizer, model, buckets=...)), so "
-                         "that release can check it for coat's FP8 layers, with which it is refused under FSDP2 on "
-                         "GPUs for now")
-    if any(_is_fp8(m) for r in modules for m in r.modules()):
-        raise ValueError(SHARDED_FP8_REFUSAL)
 
 
 def _model_buckets(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
@@ -182,8 +145,6 @@ class GradRelease(_NormClip):
             if id(p) not in placed and p.requires_grad:
                 chosen.append([p])
         self._buckets: list[tuple[torch.nn.Parameter, ...]] = [tuple(b) for b in chosen]
-        roots = [model] if model is not None else [m for b in buckets for m in (b if isinstance(b, list) else [b])]
-        _refuse_sharded_fp8(self._buckets, roots)
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
         self._names = {id(p): names.get(id(p), f"param_groups parameter of shape {tuple(p.shape)}")
                        for b in self._buckets for p in b}

@@ -55,9 +55,8 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
     assert two["gpus"] == 2 and two["peak_gib"] < preset["peak_gib"]
     assert two["parts_gib"]["weights"] == pytest.approx(preset["parts_gib"]["weights"] / 2, abs=0.01)
     assert "FSDP2" in _run(capsys, "--model", "llama3-8b", "--gpus", "2")
-    assert "note" not in two  # release under FSDP2 on GPUs is refused for now: its plan says so
-    assert "note: coat refuses gradient release under FSDP2" in _run(capsys, "--model", "llama3-8b", "--recipe",
-                                                                      "coat-lean+release", "--gpus", "2")
+    assert "note" not in json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat-lean+release", "--gpus",
+                                         "2", "--json"))
     # K layers per fully_shard unit: 2K layers gathered and K layers' gradients at the backward start
     s = M.PRESETS["llama3-8b"]
     four = json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--gpus", "2", "--fsdp-unit", "4",

@@ -106,6 +106,9 @@ def test_a_rerun_replaces_its_earlier_run_only_when_it_says_so(runs: dict[str, P
         write("quality_x_bbbbbb.json", f"X9g={runs['X0g']}", "--replaces", "X9g")
     assert sorted(p.name for p in tmp_path.glob("quality_*.json")) == [first.name]  # nothing half-written
     second = write("quality_x_bbbbbb.json", f"X0={runs['X0']}", "--replaces", "X0")  # the same name, too
+    side = write("side_x_cccccc.json", f"X0={runs['X0']}")  # outside the study: not checked against it
+    assert set(json.loads(side.read_text())["runs"]) == {"X0"}
+    assert sorted(p.name for p in tmp_path.glob("quality_*.json")) == [first.name, second.name]
     merged = qr.merge(qr.read([first, second]))
     assert set(merged) == {"X0", "X0r"} and merged["X0"]["commit"] == "bbbbbb" and merged["X0r"]["commit"] == "aaaaaa"
     with pytest.raises(ValueError, match="replaces no earlier run"):  # read without the record it replaces
