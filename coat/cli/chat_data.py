@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from coat.cli.data import Corpus, HFTokenizer, _cache_key, _save_atomic, hf_vocab_size, token_digest
+from coat.cli.documents import utf8_lines
 
 IGNORE = -100
 #: Bump when the packed layout or the rendering changes, so stale cache entries are never reused.
@@ -148,14 +149,13 @@ def _read_file(f: Path) -> Iterator[tuple[str, Any]]:
         for i, rec in enumerate(recs):
             yield f"{f} record {i}", rec
     else:
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{f}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
+        for lineno, line in utf8_lines(f):
+            if not line.strip():
+                continue
+            try:
+                yield f"{f}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
 
 
 def _datasets_split(folder: Path) -> tuple[list[Path], Iterator[tuple[str, Any]]]:

@@ -21,16 +21,16 @@ import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 
+from coat.cli.documents import Documents, drop_copies, split_groups, split_text, text_files
+
 BYTE_VOCAB_SIZE = 257  # 256 byte values + one end-of-document token
 BYTE_EOS_ID = 256
 BPE_EOS_TOKEN = "<|endoftext|>"
-TEXT_SUFFIXES = frozenset({".txt", ".py", ".md", ".rst"})
-JSONL_SUFFIXES = frozenset({".jsonl"})
 TOKEN_ARRAY_SUFFIXES = frozenset({".npy", ".bin"})
 TOKENIZERS = ("byte", "bpe")
 #: Packages whose source joins the standard library in the built-in corpus: coat depends on them,
@@ -40,7 +40,7 @@ BUILTIN_PACKAGES = ("torch", "transformers", "numpy")
 #: vocabularies are ~262k); a larger id would only build an absurd embedding table.
 MAX_TOKEN_ID = (1 << 20) - 1
 # Bump when the tokenized layout changes so stale cache entries are never reused.
-_CACHE_VERSION = 4
+_CACHE_VERSION = 5
 
 
 @dataclass
@@ -143,136 +143,6 @@ def builtin_sources() -> dict[str, list[Path]]:
     return sources
 
 
-def looks_like_text(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(8192)
-
-
-def text_files(path: Path) -> list[Path]:
-    """A text or JSONL file, or those under a folder (recursive, sorted, hidden paths skipped).
-
-    Files with a known suffix are preferred; a folder without any falls back to every file
-    that does not look binary, so e.g. a folder of extension-less documents still works.
-    A single file that looks binary (NUL bytes) is an error, not text.
-    """
-    if path.is_file():
-        if path.suffix.lower() == ".json":  # records are JSONL here; a .json read as text would train on its syntax
-            raise ValueError(f"{path} is a .json file, which coat train's text data does not read as records: give "
-                             "them as JSONL (.jsonl, one {\"text\": ...} per line), or rename it (.txt) to train on "
-                             "its characters as plain text")
-        if path.suffix.lower() not in JSONL_SUFFIXES and not looks_like_text(path):
-            raise ValueError(f"{path} looks like a binary file (it holds NUL bytes); give a text file, a folder "
-                             "of text files, a JSONL file with a \"text\" field, or a token array (.npy/.bin)")
-        return [path]
-    files = sorted(
-        p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
-    )
-    known = TEXT_SUFFIXES | JSONL_SUFFIXES
-    preferred = [p for p in files if p.suffix.lower() in known]
-    return [p for p in (preferred or files) if p.suffix.lower() in JSONL_SUFFIXES or looks_like_text(p)]
-
-
-# ---- documents: a whole text file, or one record of a JSONL file ------------------------------
-
-
-def _jsonl_texts(path: Path) -> list[str]:
-    texts = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: each JSONL record needs a string \"text\" field")
-            if rec["text"]:
-                texts.append(rec["text"])
-    return texts
-
-
-class _Documents:
-    """The corpus as an ordered list of documents, read lazily (JSONL files parsed once).
-    ``texts``: documents given as strings, by a name that stands in for their file."""
-
-    def __init__(self, files: Sequence[Path], texts: dict[Path, list[str]] | None = None) -> None:
-        self.files = list(files)
-        self._jsonl = {f: _jsonl_texts(f) for f in self.files if f.suffix.lower() in JSONL_SUFFIXES}
-        self._jsonl |= texts or {}
-        self.units: list[tuple[Path, int | None]] = []
-        for f in self.files + list(texts or {}):
-            n = len(self._jsonl[f]) if f in self._jsonl else None
-            self.units += [(f, i) for i in range(n)] if n is not None else [(f, None)]
-
-    def text(self, unit: tuple[Path, int | None]) -> str:
-        path, i = unit
-        return self._jsonl[path][i] if i is not None else path.read_bytes().decode("utf-8", errors="replace")
-
-    def size(self, unit: tuple[Path, int | None]) -> int:
-        path, i = unit
-        return len(self._jsonl[path][i].encode("utf-8")) if i is not None else path.stat().st_size
-
-    def raw(self, unit: tuple[Path, int | None]) -> bytes:
-        path, i = unit
-        return self._jsonl[path][i].encode("utf-8") if i is not None else path.read_bytes()
-
-
-def _split_units(units: list, val_fraction: float) -> tuple[list, list]:
-    """Hold out the last documents; an empty val list means "split by tokens instead"."""
-    n_val = round(len(units) * val_fraction)
-    if n_val < 1 or n_val >= len(units):
-        return units, []
-    return units[:-n_val], units[-n_val:]
-
-
-def _split_directories(units: list, val_fraction: float) -> tuple[list, list]:
-    """Hold out whole directories (packages) until ``val_fraction`` of the documents are held out.
-
-    Directories are taken in the order of a hash of their path below the group's root, so the
-    held-out part samples the whole group (not its alphabetical tail) and is the same on every
-    machine; sibling files (a model's modeling, modular and configuration files) never straddle
-    the split. A directory that would overshoot the share by half is passed over. Falls back to
-    the document split when no directory fits."""
-    target = round(len(units) * val_fraction)
-    if target < 1 or target >= len(units):
-        return units, []
-    dirs: dict[Path, list] = {}
-    for u in units:
-        dirs.setdefault(u[0].parent, []).append(u)
-    root = Path(os.path.commonpath([str(d) for d in dirs]))
-
-    def rank(d: Path) -> str:
-        return hashlib.blake2b(d.relative_to(root).as_posix().encode(), digest_size=8).hexdigest()
-
-    held: set[Path] = set()
-    n = 0
-    for d in sorted(dirs, key=rank):
-        if n >= target:
-            break
-        if n + len(dirs[d]) <= target * 1.5:
-            held.add(d)
-            n += len(dirs[d])
-    if not held or len(held) == len(dirs):
-        return _split_units(units, val_fraction)
-    return [u for u in units if u[0].parent not in held], [u for u in units if u[0].parent in held]
-
-
-def _unit_digest(docs: _Documents, unit: tuple[Path, int | None], file_digests: dict[Path, str]) -> str:
-    path, i = unit
-    if i is None and path in file_digests:
-        return file_digests[path]
-    return hashlib.blake2b(docs.raw(unit), digest_size=16).hexdigest()
-
-
-def _drop_copies(docs: _Documents, train: list, val: list, file_digests: dict[Path, str]) -> tuple[list, int]:
-    """Training documents whose exact bytes are also held out are dropped (the built-in corpus has
-    vendored copies across packages): a held-out text is never trained on."""
-    held = {_unit_digest(docs, u, file_digests) for u in val}
-    kept = [u for u in train if _unit_digest(docs, u, file_digests) not in held]
-    return kept, len(train) - len(kept)
-
-
 # ---- tokenizers -------------------------------------------------------------------------------
 
 
@@ -280,7 +150,7 @@ def _token_dtype(vocab_size: int) -> type:
     return np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32
 
 
-def _encode_bytes(docs: _Documents, units: list) -> np.ndarray:
+def _encode_bytes(docs: Documents, units: list) -> np.ndarray:
     # One preallocated array instead of a list of parts: tokenizing the ~100 MB built-in corpus
     # must not double the process's peak memory (a CPU run reports peak RSS).
     out = np.empty(sum(docs.size(u) for u in units) + len(units), dtype=np.uint16)
@@ -296,7 +166,7 @@ def _encode_bytes(docs: _Documents, units: list) -> np.ndarray:
     return out[:pos]  # a file may have shrunk between stat() and read()
 
 
-def _train_bpe(docs: _Documents, units: list, vocab_size: int):
+def _train_bpe(docs: Documents, units: list, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -312,7 +182,7 @@ def _train_bpe(docs: _Documents, units: list, vocab_size: int):
     return tok
 
 
-def _encode_batched(encode: Callable[[list[str]], list[list[int]]], docs: _Documents, units: list,
+def _encode_batched(encode: Callable[[list[str]], list[list[int]]], docs: Documents, units: list,
                     bos: int | None, eos: int | None, dtype: type) -> np.ndarray:
     parts: list[np.ndarray] = []
     batch = 256  # bounded memory, while batch encoding still parallelizes across documents
@@ -323,12 +193,12 @@ def _encode_batched(encode: Callable[[list[str]], list[list[int]]], docs: _Docum
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def _encode_bpe(tok, docs: _Documents, units: list, dtype: type) -> np.ndarray:
+def _encode_bpe(tok, docs: Documents, units: list, dtype: type) -> np.ndarray:
     return _encode_batched(lambda texts: [e.ids for e in tok.encode_batch(texts)], docs, units, None,
                            tok.token_to_id(BPE_EOS_TOKEN), dtype)
 
 
-def _encode_hf(hf: HFTokenizer, docs: _Documents, units: list, dtype: type) -> np.ndarray:
+def _encode_hf(hf: HFTokenizer, docs: Documents, units: list, dtype: type) -> np.ndarray:
     tok = hf.tokenizer
     return _encode_batched(lambda texts: tok(texts, add_special_tokens=False)["input_ids"], docs, units,
                            tok.bos_token_id, tok.eos_token_id, dtype)
@@ -429,19 +299,26 @@ def _load_text_corpus(
     else:
         log(f"Tokenizing {len(files)} files from {source} ({tokenizer}) ...")
         prose_docs = {Path(f"<{name}>"): texts for name, texts in (prose or {}).items()}
-        docs = _Documents(files, prose_docs)
+        docs = Documents(files, prose_docs, lenient=by_directory)  # lenient: the built-in corpus only
         prose_units = [u for u in docs.units if u[0] in prose_docs]
         units = [u for u in docs.units if u[0] not in prose_docs]
         if not units:
             raise ValueError(f"no documents found in {source}")
-        train_units, val_units = _split_groups(groups, units, by_directory, val_fraction)
+        train_units, val_units = split_groups(groups, units, by_directory, val_fraction)
         digests = dict(zip(files, _content_hashes(files, cache_dir)))
-        train_units, copies = _drop_copies(docs, train_units, val_units + prose_units, digests)
+        train_units, copies = drop_copies(docs, train_units, val_units + prose_units, digests)
+        split = "directories" if by_directory else "documents"
+        if not val_units and tokenizer == "bpe":  # too few documents: hold out text the tokenizer never sees
+            head, tail = split_text(docs, units, val_fraction)
+            docs = Documents([], prose_docs | {Path("<training text>"): head, Path("<held-out text>"): tail})
+            train_units, val_units = [u for u in docs.units if u[0].name == "<training text>"], \
+                [u for u in docs.units if u[0].name == "<held-out text>"]
+            split, copies = "text", 0
         dtype = _token_dtype(vocab)
         encode = _encoder(tokenizer, docs, train_units, vocab_size, tok_path, hf, dtype)
         if val_units:
             train, val = encode(train_units), encode(val_units)
-            meta = {"split": "directories" if by_directory else "documents", "val_documents": len(val_units),
+            meta = {"split": split, "val_documents": len(val_units) if split != "text" else 0,
                     "train_copies_dropped": copies}
         else:
             train, val = split_tokens(encode(units), val_fraction)
@@ -464,30 +341,14 @@ def _load_text_corpus(
     return Corpus(train, val, vocab, eos, info, heldout)
 
 
-def _split_groups(groups: dict[str, list[Path]], units: list, by_directory: bool,
-                  val_fraction: float) -> tuple[list, list]:
-    """(train, held-out) documents: held-out ones from each group (whole directories with
-    ``by_directory``), so every source is represented in the validation split."""
-    by_file: dict[Path, list] = {}
-    for u in units:
-        by_file.setdefault(u[0], []).append(u)
-    split = _split_directories if by_directory else _split_units
-    train_units, val_units = [], []
-    for fs in groups.values():
-        tr, va = split([u for f in fs for u in by_file.get(f, [])], val_fraction)
-        train_units += tr
-        val_units += va
-    return train_units, val_units
-
-
-def _encoder(tokenizer: str, docs: _Documents, train_units: list, vocab_size: int, tok_path: Path,
+def _encoder(tokenizer: str, docs: Documents, train_units: list, vocab_size: int, tok_path: Path,
              hf: HFTokenizer | None, dtype: type) -> Callable[[list], np.ndarray]:
     """Documents -> token ids with ``tokenizer``; a BPE tokenizer is trained on ``train_units``
     first and saved at ``tok_path``."""
     if tokenizer == "byte":
         return lambda us: _encode_bytes(docs, us)
     if tokenizer == "bpe":
-        # With a document-level split the tokenizer never sees validation text.
+        # Trained on the training split only (documents, or the text's head: documents.split_text).
         tok = _train_bpe(docs, train_units, vocab_size)
         tok.save(str(tok_path))
         return lambda us: _encode_bpe(tok, docs, us, dtype)
@@ -540,7 +401,8 @@ def load_corpus(
     Text (files, folders, JSONL records with a "text" field) is tokenized (and cached) with
     ``tokenizer`` ("byte", "bpe"), or with ``hf_tokenizer`` when one is given; token-array files
     are used as they are. The split is deterministic: the last ``val_fraction`` of the (sorted)
-    documents, or of the tokens when there are too few documents for a document-level split; the
+    documents, or of the tokens when there are too few documents for a document-level split (of
+    the text with ``bpe``, so its tokenizer is trained on training text only); the
     built-in corpus holds out whole directories and adds the "prose" held-out set.
     Raises ``ValueError`` / ``FileNotFoundError`` for unusable data.
     """

@@ -240,6 +240,15 @@ def _load_data(cfg: TrainConfig, d: dt.Dist, log: Callable[[str], None], init: A
         elif len(tokens) // d.world <= cfg.seq_len + 1:
             raise ConfigError("--seq-len", f"{cfg.seq_len} is too long for the {split} split ({len(tokens)} tokens"
                               + (f" over {d.world} ranks" if d.enabled else "") + ")")
+    scored = -(-cfg.eval_batches // d.world) * d.world * cfg.batch_size * (cfg.seq_len + 1)
+    if not chat_data.is_packed(corpus.val) and scored > len(corpus.val):  # evenly spaced windows then overlap
+        corpus.info["val_tokens_scored_per_token"] = round(scored / len(corpus.val), 2)
+        note = (f"note: the validation split has {len(corpus.val):,} tokens, and each evaluation scores {scored:,} "
+                f"(--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size} x {cfg.seq_len + 1}): its windows "
+                f"overlap, so its loss rests on those {len(corpus.val):,} tokens only (more held-out text: "
+                "--val-fraction; fewer windows: --eval-batches)")
+        if d.is_main:
+            log(note)
     if init is not None and corpus.vocab_size > init.vocab_size:
         raise ConfigError("--data", f"the tokenized data needs {corpus.vocab_size} token ids, more than the "
                           f"--init model's vocab_size {init.vocab_size}")

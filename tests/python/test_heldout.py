@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coat.cli import data
+from coat.cli import data, documents
 from coat.cli.compare import evaluation_noise
 from coat.cli.train import TrainConfig, train
 
@@ -30,19 +30,19 @@ def _tree(root: Path, dirs: int = 40, files: int = 3) -> list[Path]:
 
 def test_directories_are_held_out_whole_and_the_same_anywhere(tmp_path: Path) -> None:
     a, b = _tree(tmp_path / "a"), _tree(tmp_path / "elsewhere" / "b")
-    tr, va = data._split_directories([(f, None) for f in a], 0.1)
+    tr, va = documents.split_directories([(f, None) for f in a], 0.1)
     held = {u[0].parent for u in va}
     assert held and not held & {u[0].parent for u in tr}  # no directory straddles the split
     assert 0.5 * 12 <= len(va) <= 1.5 * 12  # 10% of 120 documents
     # The choice hangs on paths below the root, not on where the tree lies or on sort order.
-    _, vb = data._split_directories([(f, None) for f in b], 0.1)
+    _, vb = documents.split_directories([(f, None) for f in b], 0.1)
     assert {u[0].parent.name for u in vb} == {d.name for d in held}
     assert {u[0].parent.name for u in va} != {f"pkg{i:02d}" for i in range(36, 40)}  # not the alphabetical tail
 
 
 def test_no_held_out_document_is_trained_on(tmp_path: Path) -> None:
     files = _tree(tmp_path / "src")
-    _, va = data._split_directories([(f, None) for f in files], 0.1)
+    _, va = documents.split_directories([(f, None) for f in files], 0.1)
     held_file = va[0][0]
     for i in range(3):  # copies of a held-out file in three training directories
         target = tmp_path / "src" / f"copy{i}"
@@ -79,7 +79,7 @@ def test_real_builtin_prose_and_split() -> None:
     assert any(k.endswith("-readme") for k in prose)
     assert not any(p.parts[-2:] == ("pydoc_data", "topics.py") for p in data.stdlib_files())
     for name, files in data.builtin_sources().items():
-        tr, va = data._split_directories([(f, None) for f in files], 0.05)
+        tr, va = documents.split_directories([(f, None) for f in files], 0.05)
         assert va, name
         assert not {u[0].parent for u in va} & {u[0].parent for u in tr}, name
 
