@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from coat.cli.documents import Documents, drop_copies, split_groups, split_text, text_files
+from coat.cli.documents import Documents, hold_out, text_files
 
 BYTE_VOCAB_SIZE = 257  # 256 byte values + one end-of-document token
 BYTE_EOS_ID = 256
@@ -304,22 +304,17 @@ def _load_text_corpus(
         units = [u for u in docs.units if u[0] not in prose_docs]
         if not units:
             raise ValueError(f"no documents found in {source}")
-        train_units, val_units = split_groups(groups, units, by_directory, val_fraction)
         digests = dict(zip(files, _content_hashes(files, cache_dir)))
-        train_units, copies = drop_copies(docs, train_units, val_units + prose_units, digests)
-        split = "directories" if by_directory else "documents"
-        if not val_units and tokenizer == "bpe":  # too few documents: hold out text the tokenizer never sees
-            head, tail = split_text(docs, units, val_fraction)
-            docs = Documents([], prose_docs | {Path("<training text>"): head, Path("<held-out text>"): tail})
-            train_units, val_units = [u for u in docs.units if u[0].name == "<training text>"], \
-                [u for u in docs.units if u[0].name == "<held-out text>"]
-            split, copies = "text", 0
+        docs, train_units, val_units, how = hold_out(docs, groups, units, prose_docs, digests, by_directory,
+                                                     val_fraction, tokenizer)
         dtype = _token_dtype(vocab)
         encode = _encoder(tokenizer, docs, train_units, vocab_size, tok_path, hf, dtype)
         if val_units:
             train, val = encode(train_units), encode(val_units)
-            meta = {"split": split, "val_documents": len(val_units) if split != "text" else 0,
-                    "train_copies_dropped": copies}
+            if how["cut_short"]:  # no end-of-document token where the training text was cut
+                train = train[:-1]
+            meta = {"split": how["split"], "val_documents": len(val_units) if how["split"] != "text" else 0,
+                    "train_copies_dropped": how["copies"]}
         else:
             train, val = split_tokens(encode(units), val_fraction)
             meta = {"split": "tokens", "val_documents": 0}

@@ -14,9 +14,18 @@ TEXT_SUFFIXES = frozenset({".txt", ".py", ".md", ".rst"})
 JSONL_SUFFIXES = frozenset({".jsonl"})
 
 
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
 def looks_like_text(path: Path) -> bool:
+    """No NUL byte in the first 8 KiB; a UTF-16 file (which has them) is an error naming it, not
+    a binary file passed over."""
     with open(path, "rb") as f:
-        return b"\0" not in f.read(8192)
+        head = f.read(8192)
+    if head.startswith(UTF16_BOMS):
+        raise ValueError(f"{path} is UTF-16 text; coat reads text as UTF-8: convert it (e.g. iconv -f UTF-16 -t "
+                         "UTF-8)")
+    return b"\0" not in head
 
 
 def text_files(path: Path) -> list[Path]:
@@ -47,15 +56,20 @@ def text_files(path: Path) -> list[Path]:
 
 
 def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a record file, decoded as UTF-8; a line that is not UTF-8 is an error
+    """(line number, line) of a record file, decoded as UTF-8 (a leading byte-order mark dropped;
+    lines end at \\n, \\r\\n or \\r, as text mode reads them); a line that is not UTF-8 is an error
     naming it (a replacement character would be trained on as if it were the text)."""
+    lineno = 0
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {e.start} of the line is {raw[e.start]:#04x}); "
-                                 "records are read as UTF-8: convert the file, e.g. iconv -f LATIN1 -t UTF-8") from None
+        for chunk in f:
+            for raw in chunk.splitlines() or [b""]:
+                lineno += 1
+                try:
+                    yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {e.start} of the line is {raw[e.start]:#04x});"
+                                     " records are read as UTF-8: convert the file, e.g. iconv -f LATIN1 -t UTF-8") \
+                        from None
 
 
 def jsonl_texts(path: Path) -> list[str]:
@@ -69,6 +83,11 @@ def jsonl_texts(path: Path) -> list[str]:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
             raise ValueError(f"{path}:{lineno}: each JSONL record needs a string \"text\" field")
+        try:
+            rec["text"].encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's \\ud800 escapes decode to lone surrogates, which are not text
+            raise ValueError(f"{path}:{lineno}: the \"text\" field holds a lone surrogate ({e.reason}), which is not "
+                             "text") from None
         if rec["text"]:
             texts.append(rec["text"])
     return texts
@@ -98,7 +117,7 @@ class Documents:
             return self._jsonl[path][i]
         raw = path.read_bytes()
         try:
-            return raw.decode("utf-8", errors="replace" if self.lenient else "strict")
+            return raw.decode("utf-8-sig", errors="replace" if self.lenient else "strict")
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}), which the bpe and "
                              "Hugging Face tokenizers read: convert it (e.g. iconv -f LATIN1 -t UTF-8), or train "
@@ -185,16 +204,46 @@ def split_groups(groups: dict[str, list[Path]], units: list, by_directory: bool,
     return train_units, val_units
 
 
-def split_text(docs: Documents, units: list, val_fraction: float) -> tuple[list[str], list[str]]:
-    """Too few documents to hold any out whole: (training texts, held-out texts), the last
-    ``val_fraction`` of the characters held out (cut inside a document), so that a tokenizer
-    trained on the training texts never sees held-out text."""
+def split_text(docs: Documents, units: list, val_fraction: float) -> tuple[list[str], list[str], bool]:
+    """Too few documents to hold any out whole: (training texts, held-out texts, whether the last
+    training text is a document cut short), the last ``val_fraction`` of the characters held out
+    (cut inside a document), so that a tokenizer trained on the training texts never sees held-out
+    text. A training document equal to one the held-out text comes from is dropped."""
     texts = [docs.text(u) for u in units]
     total = sum(map(len, texts))
     cut = total - max(1, int(total * val_fraction))
-    head, tail, pos = [], [], 0
+    head, tail, held_from, pos = [], [], set(), 0
     for t in texts:
         head.append(t[: max(0, cut - pos)])
         tail.append(t[max(0, cut - pos):])
+        if tail[-1]:
+            held_from.add(t)
         pos += len(t)
-    return [t for t in head if t], [t for t in tail if t]
+    cut_short = any(h and h != t for h, t in zip(head, texts))
+    head = [h for h, t in zip(head, texts) if h and (h != t or t not in held_from)]
+    return head, [t for t in tail if t], cut_short
+
+
+def hold_out(docs: Documents, groups: dict[str, list[Path]], units: list, prose: dict[Path, list[str]],
+             digests: dict[Path, str], by_directory: bool, val_fraction: float,
+             tokenizer: str) -> tuple[Documents, list, list, dict]:
+    """(documents, training units, held-out units, how: the split's name, the training copies of
+    held-out documents dropped, whether the training text ends in a document cut short) of a
+    corpus's ``units`` (``prose``: the further held-out documents, never trained on). Too few
+    documents for a document split give no held-out units, except with ``tokenizer`` "bpe", which
+    holds out the text's tail (``split_text``). Text that the tokenizer would decode is decoded
+    here, so that an error comes before a tokenizer is trained."""
+    if tokenizer != "byte" and not docs.lenient:
+        for u in units:
+            docs.text(u)
+    train_units, val_units = split_groups(groups, units, by_directory, val_fraction)
+    prose_units = [u for u in docs.units if u[0] in prose]
+    train_units, copies = drop_copies(docs, train_units, val_units + prose_units, digests)
+    how = {"split": "directories" if by_directory else "documents", "copies": copies, "cut_short": False}
+    if not val_units and tokenizer == "bpe":
+        head, tail, cut_short = split_text(docs, units, val_fraction)
+        docs = Documents([], prose | {Path("<training text>"): head, Path("<held-out text>"): tail})
+        train_units = [u for u in docs.units if u[0].name == "<training text>"]
+        val_units = [u for u in docs.units if u[0].name == "<held-out text>"]
+        how = {"split": "text", "copies": 0, "cut_short": cut_short}
+    return docs, train_units, val_units, how

@@ -240,12 +240,12 @@ def _load_data(cfg: TrainConfig, d: dt.Dist, log: Callable[[str], None], init: A
         elif len(tokens) // d.world <= cfg.seq_len + 1:
             raise ConfigError("--seq-len", f"{cfg.seq_len} is too long for the {split} split ({len(tokens)} tokens"
                               + (f" over {d.world} ranks" if d.enabled else "") + ")")
-    scored = -(-cfg.eval_batches // d.world) * d.world * cfg.batch_size * (cfg.seq_len + 1)
-    if not chat_data.is_packed(corpus.val) and scored > len(corpus.val):  # evenly spaced windows then overlap
-        corpus.info["val_tokens_scored_per_token"] = round(scored / len(corpus.val), 2)
-        note = (f"note: the validation split has {len(corpus.val):,} tokens, and each evaluation scores {scored:,} "
-                f"(--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size} x {cfg.seq_len + 1}): its windows "
-                f"overlap, so its loss rests on those {len(corpus.val):,} tokens only (more held-out text: "
+    scored = -(-cfg.eval_batches // d.world) * d.world * cfg.batch_size * cfg.seq_len  # predicted tokens
+    if not chat_data.is_packed(corpus.val) and scored > len(corpus.val) - 1:  # evenly spaced windows then overlap
+        corpus.info["val_tokens_scored_per_token"] = round(scored / (len(corpus.val) - 1), 2)
+        note = (f"note: the validation split has {len(corpus.val):,} tokens, and each evaluation predicts {scored:,} "
+                f"(--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}): its "
+                f"windows overlap, so its loss rests on those {len(corpus.val):,} tokens only (more held-out text: "
                 "--val-fraction; fewer windows: --eval-batches)")
         if d.is_main:
             log(note)
@@ -294,6 +294,11 @@ def _check_resume(cfg: TrainConfig, corpus: Any, d: dt.Dist, export: bool) -> tu
                               f"--resume {folder}/<recipe> --from-step N")
         return None, 0
     saved = json.loads((folder / "config.json").read_text())
+    if saved.get("corpus", {}).get("split") == "tokens" and corpus.info.get("split") == "text":
+        raise ConfigError("--data", f"the run in {folder} held out the last tokens of its data after training its "
+                          "BPE tokenizer on all of it, held-out text included; coat now holds out the text's tail "
+                          "first and trains the tokenizer on the rest, so that run's tokens are not made again: "
+                          "start it afresh")
     counts = (saved.get("corpus", {}).get("train_tokens"), saved.get("corpus", {}).get("val_tokens"))
     now = (chat_data.n_tokens(corpus.train), chat_data.n_tokens(corpus.val))
     if counts != now:

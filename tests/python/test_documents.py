@@ -30,6 +30,23 @@ def test_text_that_is_not_utf8_is_refused_where_it_would_be_decoded(tmp_path: Pa
     assert LATIN1 in bytes(corpus.train[corpus.train < 256].astype(np.uint8))
 
 
+def test_record_files_read_as_text_mode_did(tmp_path: Path) -> None:
+    path = tmp_path / "recs.jsonl"  # a byte-order mark, and lines ended by \\r alone, \\r\\n and \\n
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "a"}\r{"text": "b"}\r\n\n{"text": "c"}\n')
+    from coat.cli import documents
+
+    assert documents.jsonl_texts(path) == ["a", "b", "c"]
+    assert [n for n, _ in documents.utf8_lines(path)] == [1, 2, 3, 4]
+    path.write_bytes(b'{"text": "a"}\r\n{"text": "x\\ud800y"}\n')  # a JSON escape of a lone surrogate
+    with pytest.raises(ValueError, match=r"recs\.jsonl:2: the \"text\" field holds a lone surrogate"):
+        documents.jsonl_texts(path)
+    utf16 = tmp_path / "u16" / "doc.txt"
+    utf16.parent.mkdir()
+    utf16.write_text("some text", encoding="utf-16")
+    with pytest.raises(ValueError, match=r"doc\.txt is UTF-16 text"):
+        data.text_files(utf16.parent)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_record_that_is_not_utf8_names_its_line(tmp_path: Path, chat: bool) -> None:
     path = tmp_path / "recs.jsonl"
@@ -63,17 +80,52 @@ def test_the_bpe_tokenizer_is_trained_without_the_held_out_text(tmp_path: Path) 
     train_text = tok.decode(corpus.train.astype(np.int64).tolist())
     assert "zqxwv" in val_text and "cat" not in val_text[20:]  # the held-out tail, cut inside the document
     assert "zqxwv" not in train_text
+    assert int((corpus.train == 0).sum()) == 0  # the cut is not an end of document (id 0: the one special token)
+
+
+def test_the_text_split_cuts_inside_a_document_without_an_end_token_and_drops_copies(tmp_path: Path) -> None:
+    folder = tmp_path / "two"
+    folder.mkdir()
+    body = "alpha beta gamma delta. " * 50
+    (folder / "a.txt").write_text(body)
+    (folder / "b.txt").write_text(body)  # a copy of the document the held-out text is cut from
+    corpus = data.load_corpus(folder, tokenizer="bpe", vocab_size=300, val_fraction=0.2, cache_dir=tmp_path / "c",
+                              log=lambda _: None)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(corpus.info["tokenizer_json"])
+    train_text = tok.decode(corpus.train.astype(np.int64).tolist())
+    assert corpus.info["split"] == "text" and len(train_text) < len(body)  # a.txt dropped: only b's head trains
+    assert body.startswith(train_text) and int((corpus.train == 0).sum()) == 0
 
 
 def test_a_validation_split_smaller_than_one_evaluation_is_said(tmp_path: Path, capsys) -> None:
     doc = tmp_path / "small.txt"
     doc.write_text("".join(f"line {i}: some text to train on\n" for i in range(400)))  # ~13k bytes, 5% held out
-    cfg = tiny_config(tmp_path, data=str(doc), steps=2, warmup_steps=1, eval_every=2, quiet=False, seq_len=32, batch_size=4,
-                      eval_batches=8)  # 8 x 4 x 33 = 1,056 tokens scored per evaluation, of ~660
+    cfg = tiny_config(tmp_path, data=str(doc), steps=2, warmup_steps=1, eval_every=2, quiet=False, seq_len=32,
+                      batch_size=4, eval_batches=8)  # 8 x 4 x 32 = 1,024 tokens predicted per evaluation, of ~660
     train(cfg)
     note = [m for m in capsys.readouterr().out.splitlines() if m.startswith("note: the validation split has")]
-    assert len(note) == 1 and "--val-fraction" in note[0] and "1,056" in note[0]
+    assert len(note) == 1 and "--val-fraction" in note[0] and "1,024" in note[0]
     config = json.loads((Path(cfg.out) / "config.json").read_text())
     assert config["corpus"]["val_tokens_scored_per_token"] > 1
     train(tiny_config(tmp_path, out=str(tmp_path / "big"), steps=2, warmup_steps=1, eval_every=2, quiet=False))  # stdlib json: enough
     assert "note: the validation split" not in capsys.readouterr().out
+
+
+def test_a_run_split_by_tokens_before_the_text_split_is_not_resumed_on_other_tokens(tmp_path: Path) -> None:
+    from test_cli_train_checkpoint import tiny
+
+    from coat.cli.train import ConfigError, TrainConfig
+
+    doc = tmp_path / "one.txt"
+    doc.write_text("".join(f"line {i}: some text to train a tokenizer on\n" for i in range(1500)))
+    cfg = tiny(tmp_path, "run", data=str(doc), tokenizer="bpe", vocab_size=512, steps=4, save_every=2)
+    train(cfg)
+    config_path = Path(cfg.out) / "config.json"
+    config = json.loads(config_path.read_text())
+    assert config["corpus"]["split"] == "text"
+    config["corpus"]["split"] = "tokens"  # as a run from before the text split recorded it
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="start it afresh"):
+        train(TrainConfig(resume=cfg.out, steps=6, quiet=True, cache_dir=cfg.cache_dir))
