@@ -5,9 +5,7 @@ the wall time per step, how much of it some kernel ran (GPU busy) and some non-N
 by class (streams summed: NCCL runs beside compute), and torch's tables by GPU and by host time.
 
     torchrun --nproc-per-node 2 benchmarks/profile_fsdp.py MODEL SETUP BATCH LAYERS_PER_UNIT
-    torchrun --nproc-per-node 2 benchmarks/profile_fsdp.py llama2-7b coat-lean 1 1
-
-(+release setups with FP8 layers are refused under FSDP2 on GPUs for now: RESULTS.md section 32.)
+    torchrun --nproc-per-node 2 benchmarks/profile_fsdp.py llama2-70b coat4bit-lean+release 1 1
 """
 import collections
 import os

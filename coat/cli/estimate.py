@@ -218,8 +218,6 @@ def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
         lines.append(f"time per step >= {t['step_ms']:.0f} ms (GEMMs {t['gemm_ms']:.0f} ms + optimizer "
                      f"{t['optimizer_ms']:.0f} ms; {t['rates_source']}), so <= {t['tokens_per_s']:,.0f} tokens/s"
                      + (" per GPU" if r["gpus"] > 1 else ""))
-    if r.get("note"):
-        lines.append("note: " + r["note"])
     return "\n".join(lines)
 
 

@@ -229,7 +229,7 @@ class _Training:
 
             try:
                 self.release = coat.optim.step_in_backward(self.optimizer, model, max_grad_norm=self.max_norm)
-            except ValueError as e:  # e.g. FSDP2 on GPUs with FP8 layers (refused, RESULTS.md section 32)
+            except ValueError as e:  # e.g. DDP, FSDP1, nonfinite='raise'
                 raise ConfigError("--release-grads", str(e)) from None
         if cfg.cuda_graph:
             import coat

@@ -131,8 +131,6 @@ class GradRelease(_NormClip):
             for n, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), n)
         in_opt = {id(p): p for g in optimizer.param_groups for p in g["params"]}
-        if buckets is not None:  # read twice (parameters, then the modules): generators become lists
-            buckets = [b if isinstance(b, (torch.nn.Module, torch.Tensor)) else list(b) for b in buckets]
         raw = _explicit_buckets(buckets) if buckets is not None else _model_buckets(model)
         chosen: list[list[torch.nn.Parameter]] = []
         placed: set[int] = set()

@@ -109,8 +109,7 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str, unit: int)
         full = sum(p.numel() for p in model.parameters())
         torch.testing.assert_close(model.model.rotary_emb.inv_freq, rope, rtol=0, atol=0)
         opt = coat.optim.AdamW4bit(model.parameters(), lr=1e-2, master_weights="bf16_sr")
-        if dev.type == "cpu":  # release under FSDP2 on GPUs is refused with FP8 layers (RESULTS.md section 32)
-            coat.optim.step_in_backward(opt, model)
+        coat.optim.step_in_backward(opt, model)
         ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1)).to(dev)
         losses = []
         for _ in range(4):
