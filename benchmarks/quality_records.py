@@ -80,12 +80,15 @@ def merge(records: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]
             replacing[key] = (source, name)
     runs: dict[str, dict[str, Any]] = {}
     seen: dict[tuple[str, str, int], str] = {}
-    replaced: set[tuple[str, str, int]] = set()
+    replaced: dict[tuple[str, str, int], str] = {}
     for source, rec in records.items():
         for name, run in rec["runs"].items():
             key = _key(name, run)
             if key in replacing and replacing[key] != (source, name):
-                replaced.add(key)
+                if key in replaced:  # two earlier runs of one cell: an error the rerun must not hide
+                    raise ValueError(f"{key} is run twice before its rerun {replacing[key][1]}: {replaced[key]} and "
+                                     f"{name} ({source})")
+                replaced[key] = f"{name} ({source})"
                 continue
             if name in runs:
                 raise ValueError(f"run {name} is in both {runs[name]['source']} and {source}")
@@ -93,7 +96,7 @@ def merge(records: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]
                 raise ValueError(f"{key} is run twice: {seen[key]} and {name} ({source})")
             seen[key] = name
             runs[name] = dict(run, commit=rec["commit"], source=source)
-    missing = sorted(set(replacing) - replaced)
+    missing = sorted(set(replacing) - set(replaced))
     if missing:
         source, name = replacing[missing[0]]
         raise ValueError(f"{name} ({source}) replaces no earlier run of {missing[0]}")

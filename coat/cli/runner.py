@@ -389,8 +389,8 @@ class _Training:
                     seg_time += time.perf_counter() - t_mark
                     rec = self.last_rec = self._log_window(step, lr, seg_time, is_eval)
                     self.record(rec)
-                    if not math.isfinite(rec["loss"]):
-                        return None, step
+                    if not all(math.isfinite(v) for k, v in rec.items() if k == "loss" or k.startswith("val_")):
+                        return None, step  # the train loss, or a held-out loss after this step's update
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                                     val=f"{state['last_val']:.3f}", refresh=False)
                     state["pending"] = []

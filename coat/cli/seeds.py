@@ -42,7 +42,8 @@ def paired_stats(losses: Mapping[int, tuple[float, float]]) -> dict[str, Any]:
 def summary_markdown(stats: dict[str, Any], losses: Mapping[int, tuple[float, float]], base: str, other: str,
                      failed: Mapping[int, str] = {}, what: str = "validation loss") -> str:
     """The summary table of one held-out set (``what``) and the sentences that read it."""
-    lines = [f"Final {what} over {stats['n']} paired seed{'s' * (stats['n'] > 1)} "
+    of = f" of {stats['n'] + len(failed)}" if failed else ""
+    lines = [f"Final {what} over {stats['n']}{of} paired seed{'s' * (stats['n'] + len(failed) > 1)} "
              f"(seed s: both recipes from the same initial weights, on the same batches)", "",
              f"| seed | {base} | {other} | {other} - {base} | relative |", "|---:|---:|---:|---:|---:|"]
     for s, d, r in zip(stats["seeds"], stats["diffs"], stats["rel_diffs"]):
@@ -129,10 +130,13 @@ def run_seeds(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str
             log(f"stopped by {stopped} in seed {s}; continue with: coat train --resume {plan.out}")
             return _result(results, plan.out, stopped)
         if "table" not in results[s]:
-            bad = [r for r, v in results[s]["runs"].items() if not v.get("finished")]
-            failed[s] = f"{', '.join(bad)} did not finish"
-            log(f"seed {s}: the {' and '.join(bad)} run did not finish (see its output above); going on with the "
-                f"next seed. coat train --resume {plan.out} runs it again")
+            runs = results[s]["runs"]
+            diverged = [f"{r} diverged at step {v['diverged_at']}" for r, v in runs.items() if v.get("diverged_at")]
+            bad = [r for r, v in runs.items() if not v.get("finished") and not v.get("diverged_at")]
+            failed[s] = "; ".join(diverged + ([f"{', '.join(bad)} did not finish"] if bad else []))
+            log(f"seed {s}: {failed[s]} (see its output above); going on with the next seed"
+                + (f". coat train --resume {plan.out} runs it again" if bad else
+                   ": a diverged seed is a result, left out of the paired mean and listed in the table"))
     out = _result(results, plan.out, None)
     finished = {s: r["runs"] for s, r in results.items() if s not in failed}
     losses = {s: (r[base]["final_val_loss"], r[other]["final_val_loss"]) for s, r in finished.items()}
@@ -148,7 +152,7 @@ def run_seeds(plan: RunPlan, d: dt.Dist, log: Callable[[str], None]) -> dict[str
         prose = {s: (r[base][key], r[other][key]) for s, r in finished.items()}
         summary["prose"] = paired_stats(prose) | {"final_loss": {
             s: {base: b, other: o} for s, (b, o) in prose.items()}}
-        md += "\n\n" + summary_markdown(summary["prose"], prose, base, other, what="held-out prose loss")
+        md += "\n\n" + summary_markdown(summary["prose"], prose, base, other, failed, what="held-out prose loss")
     (plan.out / "comparison.md").write_text(md + "\n")
     ckpt.write_json_atomic(plan.out / "comparison.json", summary)
     first = results[min(losses)]["runs"][other]

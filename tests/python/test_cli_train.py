@@ -476,6 +476,26 @@ def test_non_finite_metrics_are_written_as_null(tmp_path: Path) -> None:
         ckpt.MetricsLog(tmp_path / "m.jsonl")
 
 
+def test_a_non_finite_held_out_loss_is_a_divergence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The last update can break the weights while its own train loss is still finite: the held-out
+    # loss after it says so, and the run must not be reported finished with a NaN final loss.
+    from coat.cli import runner
+
+    real = runner._Training.evaluate_all
+
+    def evaluate_all(self):
+        scores = real(self)
+        return {k: [float("nan")] * len(v) for k, v in scores.items()} if self.state["step"] >= 4 else scores
+
+    monkeypatch.setattr(runner._Training, "evaluate_all", evaluate_all)
+    code = main(["train", "--device", "cpu", "--recipe", "bf16", "--model", "tiny", "--steps", "8", "--eval-every",
+                 "4", "--warmup-steps", "1", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1", "--data",
+                 str(STDLIB_JSON), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), "--quiet"])
+    assert code == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["diverged_at"] == 4 and summary["finished"] is False
+
+
 def test_divergence_stops_with_an_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # A finite but absurd learning rate diverges within a few steps: exit status 1, strict JSON.
     code = main(["train", "--device", "cpu", "--recipe", "bf16", "--model", "tiny", "--steps", "30",

@@ -72,6 +72,13 @@ def test_seeds_need_the_comparison(tmp_path: Path, extra: list[str], capsys: pyt
     assert e.value.code == 2 and "--seeds" in err and "comparison" in err
 
 
+def test_a_diverged_seed_is_listed_as_such_and_counted() -> None:
+    losses = {0: (2.0, 2.1), 1: (2.2, 2.25)}
+    md = summary_markdown(paired_stats(losses), losses, "bf16", "coat", {2: "coat diverged at step 40"})
+    assert md.startswith("Final validation loss over 2 of 3 paired seeds")
+    assert "| 2 | - | - | coat diverged at step 40 | |" in md
+
+
 def test_two_seeds_a_failing_seed_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     top = tmp_path / "run"
     monkeypatch.setenv("COAT_TEST_FAIL_SEED", "8")  # the hook in coat.cli.train.child_main

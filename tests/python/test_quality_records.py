@@ -110,6 +110,9 @@ def test_a_rerun_replaces_its_earlier_run_only_when_it_says_so(runs: dict[str, P
     assert set(json.loads(side.read_text())["runs"]) == {"X0"}
     assert sorted(p.name for p in tmp_path.glob("quality_*.json")) == [first.name, second.name]
     merged = qr.merge(qr.read([first, second]))
+    twice = {"commit": "dddddd", "runs": {"X7": qr.run_from_dir(runs["X0"])}}  # a second earlier run of X0's cell
+    with pytest.raises(ValueError, match="is run twice before its rerun"):  # the rerun must not hide that error
+        qr.merge({str(first): json.loads(first.read_text()), "twice": twice, str(second): json.loads(second.read_text())})
     assert set(merged) == {"X0", "X0r"} and merged["X0"]["commit"] == "bbbbbb" and merged["X0r"]["commit"] == "aaaaaa"
     with pytest.raises(ValueError, match="replaces no earlier run"):  # read without the record it replaces
         qr.merge(qr.read([second]))
