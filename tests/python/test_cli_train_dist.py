@@ -64,6 +64,25 @@ def assert_equal_nested(a, b, path: str = "") -> None:
         assert a == b, path
 
 
+def resumed_from_step_3(straight: Path, tmp: Path, *flags: str) -> Path:
+    """A copy of the 6-step run ``straight`` as it was at step 3, resumed on two ranks (with
+    ``flags``): asserts the same metrics and the same step-6 checkpoint, bit for bit."""
+    half = tmp / "half"
+    shutil.copytree(straight, half, ignore=shutil.ignore_patterns("step_00000006", ".lock", "model"))
+    (half / "summary.json").unlink()
+    proc = torchrun("--resume", str(half), "--quiet", *flags)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def strip(folder: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "elapsed_s")}
+                for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    assert strip(half) == strip(straight)
+    assert_equal_nested(dcp_state(half / "checkpoints" / "step_00000006", tmp),
+                        dcp_state(straight / "checkpoints" / "step_00000006", tmp))
+    return half
+
+
 @pytest.mark.parametrize("recipe", ["coat", "coat4bit"])
 def test_fsdp2_two_ranks_train_checkpoint_and_resume_exactly(tmp_path: Path, recipe: str) -> None:
     # coat: both layers in one fully_shard unit, and the resume below at one per unit (a flag a
@@ -94,19 +113,7 @@ def test_fsdp2_two_ranks_train_checkpoint_and_resume_exactly(tmp_path: Path, rec
     assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in saved)
 
     # The run as it was at step 3, resumed on two ranks: the same steps, bit for bit.
-    half = tmp_path / "half"
-    shutil.copytree(straight, half, ignore=shutil.ignore_patterns("step_00000006", ".lock", "model"))
-    (half / "summary.json").unlink()
-    proc = torchrun("--resume", str(half), "--quiet", *(["--fsdp-unit", "1"] if unit else []))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    def strip(folder: Path) -> list[dict]:
-        return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "elapsed_s")}
-                for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-    assert strip(half) == strip(straight)
-    assert_equal_nested(dcp_state(half / "checkpoints" / "step_00000006", tmp_path),
-                        dcp_state(straight / "checkpoints" / "step_00000006", tmp_path))
+    half = resumed_from_step_3(straight, tmp_path, *(["--fsdp-unit", "1"] if unit else []))
 
     # One rank cannot resume a two-rank checkpoint.
     one = subprocess.run([sys.executable, "-m", "coat", "train", "--resume", str(half), "--steps", "9"],
@@ -136,19 +143,7 @@ def _release_run_resumes_exactly(tmp_path: Path, device: str, *more: str) -> dic
     summary = json.loads((straight / "summary.json").read_text())
     config = json.loads((straight / "config.json").read_text())
     assert summary["finished"] and summary["world_size"] == 2 and config["train"]["release_grads"] is True
-    half = tmp_path / "half"
-    shutil.copytree(straight, half, ignore=shutil.ignore_patterns("step_00000006", ".lock", "model"))
-    (half / "summary.json").unlink()
-    proc = torchrun("--resume", str(half), "--quiet")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    def strip(folder: Path) -> list[dict]:
-        return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "elapsed_s")}
-                for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-    assert strip(half) == strip(straight)
-    assert_equal_nested(dcp_state(half / "checkpoints" / "step_00000006", tmp_path),
-                        dcp_state(straight / "checkpoints" / "step_00000006", tmp_path))
+    resumed_from_step_3(straight, tmp_path)
     return summary
 
 
