@@ -163,13 +163,17 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
     return losses.tolist()
 
 
+def eval_batch_count(cfg: TrainConfig, world: int) -> int:
+    """Batches each evaluation scores (all ranks): --eval-batches rounded up to a multiple of the ranks."""
+    return -(-cfg.eval_batches // world) * world
+
+
 def held_out_sets(corpus: Corpus, cfg: TrainConfig, d: dt.Dist) -> dict[str, list[torch.Tensor]]:
     """This rank's share of each held-out set's fixed windows: "val" (the validation split) and
     each of ``corpus.heldout`` large enough for one window."""
-    per_rank = -(-cfg.eval_batches // d.world)
     sets = {"val": corpus.val} | {name: t for name, t in corpus.heldout.items() if len(t) > cfg.seq_len + 1}
     return {name: (chat_data.eval_rows if chat_data.is_packed(t) else eval_batches)(
-                t, per_rank * d.world, cfg.batch_size, cfg.seq_len)[d.rank :: d.world]
+                t, eval_batch_count(cfg, d.world), cfg.batch_size, cfg.seq_len)[d.rank :: d.world]
             for name, t in sets.items()}
 
 

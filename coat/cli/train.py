@@ -27,7 +27,7 @@ from coat.cli.config import (COAT_OPTIMIZERS, RESUME_OVERRIDES, ConfigError, Tra
 from coat.cli.data import MAX_TOKEN_ID, corpus_digest, default_cache_dir, load_corpus
 from coat.cli.plan import RunPlan
 from coat.cli.train_flags import add_flags
-from coat.cli.model import build_model, build_optimizer, evaluate, lm_loss
+from coat.cli.model import build_model, build_optimizer, eval_batch_count, evaluate, lm_loss
 
 __all__ = ["TrainConfig", "ConfigError", "resolve_config", "validate", "lr_lambda", "build_model",
            "build_optimizer", "lm_loss", "evaluate", "train", "prepare", "register"]
@@ -240,7 +240,7 @@ def _load_data(cfg: TrainConfig, d: dt.Dist, log: Callable[[str], None], init: A
         elif len(tokens) // d.world <= cfg.seq_len + 1:
             raise ConfigError("--seq-len", f"{cfg.seq_len} is too long for the {split} split ({len(tokens)} tokens"
                               + (f" over {d.world} ranks" if d.enabled else "") + ")")
-    scored = -(-cfg.eval_batches // d.world) * d.world * cfg.batch_size * cfg.seq_len  # predicted tokens
+    scored = eval_batch_count(cfg, d.world) * cfg.batch_size * cfg.seq_len  # predicted tokens
     if not chat_data.is_packed(corpus.val) and scored > len(corpus.val) - 1:  # evenly spaced windows then overlap
         corpus.info["val_tokens_scored_per_token"] = round(scored / (len(corpus.val) - 1), 2)
         note = (f"note: the validation split has {len(corpus.val):,} tokens, and each evaluation predicts {scored:,} "
