@@ -115,14 +115,19 @@ def _want_stats() -> bool:
 _handoff = threading.local()
 
 
+# A traced backward neither gives nor takes (its tensors are not the run's) and leaves the thread-local
+# alone: torch 2.11's dynamo refuses a mutation of outside state inside an autograd.Function, and a
+# stale item left behind is refused by the identity check of the next eager take.
 def _give_amax(dx: torch.Tensor, amax: Optional[torch.Tensor]) -> None:
-    traced = amax is None or torch.compiler.is_compiling()  # a traced backward's tensors are not the run's
-    _handoff.item = None if traced else (weakref.ref(dx), dx._version, amax)
+    if not torch.compiler.is_compiling():
+        _handoff.item = None if amax is None else (weakref.ref(dx), dx._version, amax)
 
 
 def _take_amax(dout: torch.Tensor) -> Optional[torch.Tensor]:
+    if torch.compiler.is_compiling():
+        return None
     item, _handoff.item = getattr(_handoff, "item", None), None
-    if item is None or torch.compiler.is_compiling():
+    if item is None:
         return None
     ref, version, amax = item
     return amax if ref() is dout and dout._version == version else None
