@@ -39,7 +39,8 @@ from coat.memory_side import side_plan_parts
 __all__ = ["GiB", "MiB", "MODEL_TYPES", "NotModeled", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
            "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "saved_constants", "outside_saved",
            "fused_loss_transient", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan", "max_batch",
-           "GPU_RATES", "OPTIMIZER_BYTES", "model_flops", "step_time_floor", "rates_for"]
+           "GPU_RATES", "OPTIMIZER_BYTES", "model_flops", "step_time_floor", "rates_for", "UNIT_FLOPS",
+           "auto_fsdp_unit", "fsdp_unit_value"]
 
 
 #: cuBLAS workspaces taken from the caching allocator (one per thread: forward and autograd's).
@@ -290,13 +291,54 @@ def _start_part(rec: Recipe, fsdp: bool, loss_first: bool) -> str:
     return "LM head gradient + last layer's backward"
 
 
+#: Decoder-GEMM FLOPs per GPU and step that one FSDP2 unit should carry under ``fsdp_unit="auto"``.
+#: The host spends a few ms per unit and step on FSDP2's hooks and collectives (benchmarks/RESULTS.md
+#: sections 25 and 41); 15 TFLOP is 20-30 ms of coat's FP8 GEMMs on an H100/H200, enough to hide it.
+UNIT_FLOPS = 1.5e13
+
+
+def fsdp_unit_value(text: str) -> int | str:
+    """What ``--fsdp-unit`` takes (coat train, bench, estimate): "auto" or a positive integer."""
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except (TypeError, ValueError):
+        k = 0
+    if k < 1:
+        raise ValueError(f"must be auto or a positive integer (decoder layers per FSDP2 unit), got {text!r}")
+    return k
+
+
+def auto_fsdp_unit(shape: ModelShape, rec: Recipe | str | None, batch: int, seq: int, gpus: int,
+                   memory_gib: float | None) -> int:
+    """Decoder layers per FSDP2 unit for ``--fsdp-unit auto``: the fewest (a power of two, at most
+    the model's layers) whose GEMMs reach ``UNIT_FLOPS`` per GPU and step, halved while the plan's
+    peak plus reserve exceeds ``memory_gib`` (K layers' weights are gathered at a time; ``rec=None``:
+    a recipe the plan does not model, no memory check). One GPU, or ``memory_gib=None`` (no CUDA GPU:
+    the rule is about a GPU's host overhead), gives 1."""
+    rec = recipe(rec) if isinstance(rec, str) else rec
+    if gpus <= 1 or memory_gib is None:
+        return 1
+    per_layer = model_flops(shape, batch, seq, "frozen" if rec and rec.lora else "trained")[0] / shape.layers
+    k = 1
+    while k < shape.layers and k * per_layer < UNIT_FLOPS:
+        k *= 2
+    k = min(k, shape.layers)
+    while rec is not None and k > 1 and plan(shape, rec, batch, seq, gpus, "cuda", k).required_gib > memory_gib:
+        k //= 2
+    return k
+
+
 def max_batch(shape: ModelShape, rec: Recipe | str, seq: int, memory_gib: float, gpus: int = 1,
-              device: str = "cuda", limit: int = 1 << 16, fsdp_unit: int = 1) -> int:
-    """The largest batch (sequences per GPU) whose peak plus reserve fits in ``memory_gib``; 0 if none."""
+              device: str = "cuda", limit: int = 1 << 16, fsdp_unit: int | str = 1) -> int:
+    """The largest batch (sequences per GPU) whose peak plus reserve fits in ``memory_gib``; 0 if none.
+    ``fsdp_unit="auto"``: each batch at its own ``auto_fsdp_unit``."""
     cap = memory_gib * GiB
 
     def fits(b: int) -> bool:
-        p = plan(shape, rec, b, seq, gpus, device, fsdp_unit)
+        unit = auto_fsdp_unit(shape, rec, b, seq, gpus, memory_gib) if fsdp_unit == "auto" else fsdp_unit
+        p = plan(shape, rec, b, seq, gpus, device, unit)
         return p.peak + p.reserve <= cap
 
     if not fits(1):

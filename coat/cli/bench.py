@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from coat import memory, recipes
+from coat.cli.config import fsdp_unit_arg
 
 DEFAULT_SETUPS = ("amp", "bf16", "coat", "coat-lean")
 #: ``coat bench``'s plot when --png is not given; taken, the next free ``coat_bench-<n>.png``.
@@ -113,13 +114,12 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     else:
         batches = _positive_ints("--batches", args.batches)
     batches = sorted(set(batches) | {b for bs in per_setup.values() for b in bs})
-    if args.fsdp_unit != 1 and not args.fsdp:
+    if args.fsdp_unit not in (1, "auto") and not args.fsdp:
         raise BenchError("argument --fsdp-unit: applies to --fsdp runs only")
-    for flag, v in (("--seq", seq), ("--warmup", args.warmup + 1), ("--steps", args.steps), ("--fsdp", args.fsdp),
-                    ("--fsdp-unit", args.fsdp_unit)):
+    for flag, v in (("--seq", seq), ("--warmup", args.warmup + 1), ("--steps", args.steps), ("--fsdp", args.fsdp)):
         if v is not None and v <= 0:
             raise BenchError(f"argument {flag}: must be positive")
-    too_deep = [n for n, s in shapes.items() if args.fsdp_unit > s.layers]
+    too_deep = [n for n, s in shapes.items() if args.fsdp_unit != "auto" and args.fsdp_unit > s.layers]
     if too_deep:
         raise BenchError(f"argument --fsdp-unit: {args.fsdp_unit} is more than the decoder layers of "
                          f"{', '.join(too_deep)}")
@@ -200,6 +200,22 @@ def estimate(shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq
         return None
 
 
+def fsdp_unit(args: argparse.Namespace, shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq: int,
+              world: int, device: str) -> int:
+    """--fsdp-unit as given, or auto's choice for this configuration (coat.memory.auto_fsdp_unit,
+    sized for GPU 0; a setup the plan does not model is sized by its GEMMs alone)."""
+    if args.fsdp_unit != "auto":
+        return args.fsdp_unit
+    rec = None
+    if setup_recipe is not None:
+        try:
+            rec = memory.recipe(setup_recipe)
+        except ValueError:
+            pass
+    gib = gpu_info()["memory_gib"] if device == "cuda" else None
+    return memory.auto_fsdp_unit(shape, rec, batch, seq, world, gib)
+
+
 def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dict[str, Any]]:
     """Every (model, batch, setup) in order of batch, so a time budget leaves complete small batches."""
     from coat.cli.bench_worker import SETUPS, unavailable
@@ -226,7 +242,8 @@ def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dic
                 if s in stopped or (s in opts["per_setup"] and batch not in opts["per_setup"][s]):
                     continue
                 rec_name = SETUPS[s].recipe
-                est = estimate(shape, rec_name, batch, opts["seq"], world, opts["device"], args.fsdp_unit)
+                unit = fsdp_unit(args, shape, rec_name, batch, opts["seq"], world, opts["device"]) if fsdp else 1
+                est = estimate(shape, rec_name, batch, opts["seq"], world, opts["device"], unit)
                 base = {"model": name, "setup": s, "batch": batch, "seq": opts["seq"], "world": world,
                         "shape": asdict(shape), "recipe": rec_name, "estimate_gib": est, "run_id": run_id,
                         "commit": sha}
@@ -248,7 +265,7 @@ def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dic
                 timeout = args.timeout if left is None else max(10.0, min(args.timeout, left))
                 cfg = {"setup": s, "shape": asdict(shape), "batch": batch, "seq": opts["seq"], "warmup": args.warmup,
                        "steps": args.steps, "device": opts["device"], "fsdp": fsdp, "run_id": run_id, "commit": sha,
-                       "fsdp_unit": args.fsdp_unit, "deadline": None if left is None else start + args.max_seconds}
+                       "fsdp_unit": unit, "deadline": None if left is None else start + args.max_seconds}
                 t0 = time.time()
                 res = launch(cfg, world, timeout, fsdp)
                 last_cost[s] = time.time() - t0
@@ -474,8 +491,10 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
     g.add_argument("--seq", type=int, metavar="N", help="tokens per sequence (default: 2048 GPU, 128 CPU)")
     g.add_argument("--fsdp", type=int, metavar="N", help="run each configuration under torchrun on N processes "
                    "(FSDP2, fully_shard per decoder layer; NCCL on GPUs, gloo on CPUs)")
-    g.add_argument("--fsdp-unit", type=int, default=1, metavar="K", help="with --fsdp: K consecutive decoder layers "
-                   "per fully_shard unit (fewer, larger collectives; K layers' weights gathered at a time)")
+    g.add_argument("--fsdp-unit", type=fsdp_unit_arg, default="auto", metavar="K", help="with --fsdp: K consecutive "
+                   "decoder layers per fully_shard unit (fewer, larger collectives; K layers' weights gathered at a "
+                   "time); auto: per configuration, the fewest layers whose GEMMs hide FSDP2's host work per unit, as "
+                   "many as fit the GPU (coat estimate --fsdp-unit; default: auto)")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     g = p.add_argument_group("how long")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first")
@@ -537,15 +556,16 @@ def run_here(opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError(f"argument --fsdp: {args.fsdp} does not match torchrun's world size {world}")
     (name, shape), = opts["shapes"].items()
     setup, batch = opts["setups"][0], opts["batches"][0]
+    unit = fsdp_unit(args, shape, SETUPS[setup].recipe, batch, opts["seq"], world, opts["device"])
     cfg = {"setup": setup, "shape": asdict(shape), "batch": batch, "seq": opts["seq"], "warmup": args.warmup,
-           "steps": args.steps, "device": opts["device"], "fsdp": True, "commit": commit(), "fsdp_unit": args.fsdp_unit,
+           "steps": args.steps, "device": opts["device"], "fsdp": True, "commit": commit(), "fsdp_unit": unit,
            "run_id": time.strftime("%Y%m%dT%H%M%S")}
     import torch.distributed as dist
 
     res = run_config(cfg)
     rec = {**res, "model": name, "world": world, "estimate_gib": estimate(shape, SETUPS[setup].recipe, batch,
                                                                             opts["seq"], world, opts["device"],
-                                                                            args.fsdp_unit)}
+                                                                            unit)}
     if rec.get("status") not in ("ok", "skipped"):
         # Peers may wait in a collective this rank never joins: report, then leave at once; the non-zero
         # exit makes torchrun stop the group.

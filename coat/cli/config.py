@@ -148,7 +148,9 @@ class TrainConfig:
     fp8_fast_accum: bool = True  # the FP8 forward GEMMs' fast accumulation (Fp8Recipe.fast_accum_fwd)
     dre: bool = True  # coat.optim.AdamW's Dynamic Range Expansion of the FP8 states (its ``expansion``)
     release_grads: bool = False
-    fsdp_unit: int = 1  # under torchrun: decoder layers per fully_shard unit (coat.integrations.fsdp.shard)
+    # under torchrun: decoder layers per fully_shard unit (coat.integrations.fsdp.shard); "auto":
+    # coat.memory.auto_fsdp_unit for the model, batch and GPU (distributed_train.shard resolves it)
+    fsdp_unit: int | str = "auto"
     lora: int = 0  # LoRA rank; 0: full fine-tuning
     lora_alpha: int = 8
     lora_dropout: float = 0.0
@@ -163,6 +165,18 @@ class TrainConfig:
     # Not a flag: set by a resume that changed --steps of a decaying schedule, [step, lr factor]:
     # from that step the decay continues from that factor (no jump) and reaches --min-lr at --steps.
     lr_anchor: list | None = None
+
+
+def fsdp_unit_arg(text: str) -> int | str:
+    """argparse's type for --fsdp-unit (coat train, bench and estimate): auto or a positive integer."""
+    import argparse
+
+    from coat.memory import fsdp_unit_value
+
+    try:
+        return fsdp_unit_value(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def flag(name: str) -> str:
@@ -360,8 +374,9 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(flag(name), f"invalid choice {getattr(cfg, name)!r} (choose from {', '.join(allowed)})")
-    ints = ["steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "threads", "keep_last",
-            "fsdp_unit"]
+    ints = ["steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "threads", "keep_last"]
+    if cfg.fsdp_unit != "auto":
+        ints.append("fsdp_unit")
     if cfg.init is None:
         ints += ["hidden_size", "layers", "heads", "intermediate_size", "max_positions"]
     if cfg.save_every is not None:
@@ -369,7 +384,7 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
     for name in ints:
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) <= 0:
             raise ConfigError(flag(name), f"must be a positive integer, got {getattr(cfg, name)}")
-    if cfg.init is None and cfg.fsdp_unit > cfg.layers:
+    if cfg.init is None and cfg.fsdp_unit != "auto" and cfg.fsdp_unit > cfg.layers:
         raise ConfigError("--fsdp-unit", f"{cfg.fsdp_unit} is more than the model's {cfg.layers} decoder layers")
     if not isinstance(cfg.warmup_steps, int) or cfg.warmup_steps < 0:
         raise ConfigError("--warmup-steps", f"must be an integer >= 0, got {cfg.warmup_steps}")

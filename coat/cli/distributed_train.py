@@ -107,6 +107,26 @@ def shutdown(d: Dist, clean: bool = True) -> None:
         d.initialized = False
 
 
+def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], device: torch.device) -> int:
+    """``--fsdp-unit auto`` for this model, setup (coat.cli.config.setup_name) and (batch, seq) per
+    process: coat.memory.auto_fsdp_unit sized for this process's GPU (1 without one). A setup the
+    memory plan does not model is sized by its GEMMs alone."""
+    from coat import memory
+
+    if device.type != "cuda":
+        return 1
+    try:
+        shape = memory.ModelShape.from_hf_config(model.config.to_dict())
+    except (AttributeError, ValueError):  # not a model family the plan knows: one layer per unit
+        return 1
+    try:
+        rec = memory.recipe(setup)
+    except ValueError:
+        rec = None
+    gib = torch.cuda.get_device_properties(device).total_memory / memory.GiB
+    return memory.auto_fsdp_unit(shape, rec, tokens[0], tokens[1], dist.get_world_size(), gib)
+
+
 def shard(model: torch.nn.Module, d: Dist, device: torch.device, layers_per_unit: int = 1) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` per ``layers_per_unit`` decoder layers, then the root (embeddings, final
     norm, LM head). ``ConfigError`` naming --fsdp-unit for more layers per unit than the model has."""

@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from coat import memory, recipes
+from coat.cli.config import fsdp_unit_arg
 from coat.memory import GiB, MiB
 
 #: Memory torch reports for common GPUs (GiB), for --gpu / --gpu-memory without the GPU at hand.
@@ -156,11 +157,13 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         mem, mem_src, gpu = here[1], here[0], here[0]
     else:
         mem, mem_src = DEFAULT_MEMORY_GIB, "default (no GPU here)"
-    if args.fsdp_unit != 1 and args.gpus == 1:
+    if args.fsdp_unit not in (1, "auto") and args.gpus == 1:
         raise ValueError("--fsdp-unit applies to FSDP2 plans: give --gpus 2 or more")
-    if args.fsdp_unit > shape.layers:
+    if args.fsdp_unit != "auto" and args.fsdp_unit > shape.layers:
         raise ValueError(f"--fsdp-unit: {args.fsdp_unit} is more than {shape.name}'s {shape.layers} decoder layers")
-    p = memory.plan(shape, rec, args.batch, args.seq, args.gpus, fsdp_unit=args.fsdp_unit)
+    unit = memory.auto_fsdp_unit(shape, rec, args.batch, args.seq, args.gpus, mem) if args.fsdp_unit == "auto" \
+        else args.fsdp_unit
+    p = memory.plan(shape, rec, args.batch, args.seq, args.gpus, fsdp_unit=unit)
     out = p.to_json()
     # The plan always models a CUDA GPU: a "device" key read as where the estimate ran ("cuda" on
     # a machine without one). "gpu" names the GPU instead, when there is one to name.
@@ -170,7 +173,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     modes = [recipes.MODES[m] for m in recipes.parse(rec.name).modes if m != "lora"]
     out.update(recipe_summary="; ".join([rec.summary, *modes]), gpu_memory_gib=mem, gpu_memory_source=mem_src,
                max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus, fsdp_unit=args.fsdp_unit),
-               fsdp_unit=args.fsdp_unit)
+               fsdp_unit=unit, fsdp_unit_auto=args.fsdp_unit == "auto")
     rates = None
     if args.measure_rates:
         if not here:
@@ -187,7 +190,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
-    unit = f", {r['fsdp_unit']} layers per unit" if r.get("fsdp_unit", 1) != 1 else ""
+    unit = f", {r['fsdp_unit']} layer{'s' if r['fsdp_unit'] > 1 else ''} per unit" + \
+        (", chosen by --fsdp-unit auto" if r.get("fsdp_unit_auto") else "")
     per = f" per GPU (FSDP2 over {r['gpus']} GPUs{unit})" if r["gpus"] > 1 else ""
     lines = [f"{r['model']}: {_count(r['n_params'])} parameters, {shape.layers} layers, hidden {shape.hidden}, "
              f"vocabulary {shape.vocab}",
@@ -240,8 +244,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per GPU")
     p.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="FSDP2 over N GPUs (figures per GPU)")
-    p.add_argument("--fsdp-unit", type=int, default=1, metavar="K", help="with --gpus N > 1: K decoder layers per "
-                   "fully_shard unit, as coat bench --fsdp-unit (K layers' weights gathered at a time; default 1)")
+    p.add_argument("--fsdp-unit", type=fsdp_unit_arg, default="auto", metavar="K", help="with --gpus N > 1: K decoder "
+                   "layers per fully_shard unit, as coat train and coat bench take it (K layers' weights gathered at a "
+                   "time); auto: the fewest layers whose GEMMs hide FSDP2's host work per unit, as many as fit "
+                   "(default: auto)")
     p.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help="size the fit (and, for h100/h200, the roofline) for "
                    "this GPU")
     p.add_argument("--gpu-memory", type=float, metavar="GiB",
@@ -255,7 +261,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--gpus", args.gpus), ("--fsdp-unit", args.fsdp_unit)):
+    for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--gpus", args.gpus),
+                    ("--fsdp-unit", 1 if args.fsdp_unit == "auto" else args.fsdp_unit)):
         if not 1 <= v <= MAX_SIZE:
             parser.error(f"argument {flag}: must be a positive integer up to {MAX_SIZE}, got {v}")
     if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):

@@ -147,6 +147,7 @@ def log_start(t: "_Training") -> None:
     t.log(f"[{cfg.recipe}] {t.n_params / 1e6:.1f}M parameters on {t.d.world} x {t.device.type} ({cfg.dtype}); "
           f"corpus: {chat_data.n_tokens(corpus.train):,} train / {chat_data.n_tokens(corpus.val):,} val tokens; "
           f"{cfg.steps} steps of {t.tokens_per_step:,} tokens"
+          + (f"; FSDP2 with {t.fsdp_unit} decoder layers per unit" if t.d.enabled else "")
           + (f"; resuming at step {t.state['step']}" if t.resumed else ""))
     t.log(f"[{cfg.recipe}] FP8: " + ("; ".join(t.precision["fp8"]) or "nothing"))
     t.log(f"[{cfg.recipe}] not FP8: " + "; ".join(t.precision["not_fp8"]))
@@ -205,11 +206,14 @@ class _Training:
         if cfg.side_tuning:  # the frozen base in FP8 beside the side network (coat.SideTuned)
             model = add_side(model, cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
+        self.fsdp_unit = None  # decoder layers per FSDP2 unit, as resolved (--fsdp-unit auto)
         if self.d.enabled:
             if cfg.optim == "snsm":  # refused before sharding: SubsetNormSM refuses DTensor parameters
                 raise ConfigError("--optim", "snsm does not support FSDP2 (a shard's rows or columns are not the "
                                   "matrix's: its subset norms and SVD would be the shard's); use --optim coat there")
-            dt.shard(model, self.d, device, cfg.fsdp_unit)
+            self.fsdp_unit = cfg.fsdp_unit if cfg.fsdp_unit != "auto" else \
+                dt.auto_unit(model, setup_name(cfg), (cfg.batch_size, cfg.seq_len), device)
+            dt.shard(model, self.d, device, self.fsdp_unit)
         self.model = model
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -267,7 +271,8 @@ class _Training:
         run_id = json.loads(self.paths["config"].read_text()).get("run_id") if self.resumed else None
         run_info = {"run_id": run_id or uuid.uuid4().hex, "setup": setup_name(cfg), "train": asdict(cfg),
                     "flags": asdict(plan.flags or cfg), "model": self.model.config.to_dict(),
-                    "n_params": self.n_params, "world_size": self.d.world, "precision": self.precision,
+                    "n_params": self.n_params, "world_size": self.d.world, "fsdp_unit": self.fsdp_unit,
+                    "precision": self.precision,
                     "init": plan.init.summary() if plan.init else None,
                     "corpus": corpus.info | {"train_tokens": chat_data.n_tokens(corpus.train),
                                              "val_tokens": chat_data.n_tokens(corpus.val),

@@ -177,7 +177,7 @@ def _check_settings(cfg: TrainConfig, d: dt.Dist) -> tuple[TrainConfig, Any]:
         if missing:
             raise ConfigError("--lora-targets", f"the --init model has no module named {', '.join(missing)}; its "
                               f"Linear layers are {', '.join(linear)}")
-    if cfg.fsdp_unit != 1 and not d.enabled:
+    if cfg.fsdp_unit not in (1, "auto") and not d.enabled:
         raise ConfigError("--fsdp-unit", "applies to FSDP2 runs: start coat train under torchrun "
                                          "(torchrun --nproc_per_node N -m coat train ...)")
     if cfg.lora and d.enabled:

@@ -8,7 +8,7 @@ import argparse
 
 from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, FP8_GRAD_FORMATS, FP8_GRANULARITIES, INIT_LR, LORA_LR,
                              MASTER_WEIGHTS, MODEL_PRESETS, OPTIM_DEFAULTS, OPTIMIZERS, RESUME_OVERRIDES, SCHEDULES, SIDE_LR, SIDE_R,
-                             SNSM_PROJ, TRAIN_SETUPS, TrainConfig, flag)
+                             SNSM_PROJ, TRAIN_SETUPS, TrainConfig, flag, fsdp_unit_arg)
 from coat.cli.data import TOKENIZERS
 
 
@@ -154,9 +154,11 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    "clipping, optimizer step) in CUDA graphs after 3 eager steps and replay it "
                    "(coat.CudaGraphStep): much less host time per step, for small batches where the GPU waits "
                    "on Python; one GPU, no --release-grads / --compile")
-    g.add_argument("--fsdp-unit", **_N, help="under torchrun: N consecutive decoder layers per FSDP2 fully_shard "
-                   "unit: fewer, larger collectives and less host time per step, N layers' weights gathered at a "
-                   "time (coat estimate --fsdp-unit; may change on --resume)" + _default("fsdp_unit"))
+    g.add_argument("--fsdp-unit", type=fsdp_unit_arg, metavar="N", help="under torchrun: N consecutive decoder "
+                   "layers per FSDP2 fully_shard unit: fewer, larger collectives and less host time per step, N "
+                   "layers' weights gathered at a time; auto: the fewest layers whose GEMMs hide FSDP2's host work "
+                   "per unit, as many as fit the GPU (coat estimate --fsdp-unit; may change on --resume)"
+                   + _default("fsdp_unit"))
     g.add_argument("--threads", **_N, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
     g.add_argument("--seed", **_N, help="seeds model init and batch sampling" + _default("seed"))
     g.add_argument("--seeds", **_N, help="with the comparison: N paired comparisons, seeds --seed .. --seed + N - 1, "

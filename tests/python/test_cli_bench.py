@@ -106,12 +106,29 @@ def test_merge_json_replaces_by_key_and_refuses_bad_files(tmp_path):
     (["--batches", "one"], "--batches"), (["--setup-batches", "bf16"], "--setup-batches"),
     (["--setups", "bf16", "--setup-batches", "coat=1"], "--setup-batches"), (["--steps", "0"], "--steps"),
     (["--fsdp-unit", "2"], "--fsdp-unit: applies to --fsdp runs only"),
-    (["--fsdp", "2", "--fsdp-unit", "0"], "--fsdp-unit: must be positive"),
     (["--fsdp", "2", "--fsdp-unit", "3", "--model", "tiny"], "--fsdp-unit: 3 is more than the decoder layers of tiny"),
 ])
 def test_bad_flags_are_named(argv, flag):
     with pytest.raises(bench.BenchError, match=flag):
         bench.resolve(_args(*argv, "--device", "cpu"))
+
+
+def test_fsdp_unit_takes_auto_or_a_count(capsys):
+    with pytest.raises(SystemExit):
+        _args("--fsdp", "2", "--fsdp-unit", "0")
+    assert "--fsdp-unit: must be auto or a positive integer" in capsys.readouterr().err
+    assert _args("--fsdp", "2").fsdp_unit == "auto" and _args("--fsdp", "2", "--fsdp-unit", "4").fsdp_unit == 4
+    # auto per configuration: coat.memory's rule at GPU 0's memory; 1 on a CPU (no GPU host overhead to hide)
+    shape = M.PRESETS["llama2-7b"]
+    a = _args("--fsdp", "2")
+    assert bench.fsdp_unit(a, shape, "coat-lean", 1, 2048, 2, "cpu") == 1
+    bench._GPU.update(name="NVIDIA H200", memory_gib=139.8)
+    try:
+        assert [bench.fsdp_unit(a, shape, "coat-lean", b, 2048, 2, "cuda") for b in (1, 4)] == [8, 2]
+        assert bench.fsdp_unit(a, shape, "coat+nonsense", 1, 2048, 2, "cuda") == 8  # not modeled: GEMMs alone
+        assert bench.fsdp_unit(_args("--fsdp", "2", "--fsdp-unit", "3"), shape, "coat", 1, 2048, 2, "cuda") == 3
+    finally:
+        bench._GPU.clear()
 
 
 def test_model_flops_and_mfu():

@@ -51,7 +51,8 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
     preset = json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--json"))
     assert by_file["peak_gib"] == by_dir["peak_gib"] == preset["peak_gib"]
     assert by_file["n_params"] == M.PRESETS["llama3-8b"].n_params
-    two = json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--gpus", "2", "--json"))
+    two = json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--gpus", "2", "--fsdp-unit", "1",
+                          "--json"))
     assert two["gpus"] == 2 and two["peak_gib"] < preset["peak_gib"]
     assert two["parts_gib"]["weights"] == pytest.approx(preset["parts_gib"]["weights"] / 2, abs=0.01)
     assert "FSDP2" in _run(capsys, "--model", "llama3-8b", "--gpus", "2")
@@ -65,6 +66,14 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
                                                                   "--fsdp-unit", "4")
     assert two["phase"] == "backward end" and four["phase"] == "backward start"
     assert four["peak"] - two["other_phase"] == pytest.approx(3 * (2 + 2 + 2) * s.layer_params, rel=1e-6)
+    # the default, auto: coat.memory's rule for this GPU's memory, said in the text
+    auto = json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--gpus", "2", "--gpu", "h200",
+                           "--json"))
+    assert auto["fsdp_unit_auto"] and auto["fsdp_unit"] == M.auto_fsdp_unit(s, "coat", 1, 2048, 2, auto["gpu_memory_gib"])
+    assert auto["peak_gib"] == json.loads(_run(capsys, "--model", "llama3-8b", "--recipe", "coat", "--gpus", "2",
+                                               "--fsdp-unit", str(auto["fsdp_unit"]), "--json"))["peak_gib"]
+    assert f"{auto['fsdp_unit']} layers per unit, chosen by --fsdp-unit auto" in _run(
+        capsys, "--model", "llama3-8b", "--recipe", "coat", "--gpus", "2", "--gpu", "h200")
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -74,11 +83,12 @@ def test_config_file_folder_and_fsdp(tmp_path, capsys):
     (["--model", "llama2-7b", "--gpus", "-1"], "--gpus"),
     (["--model", "llama2-7b", "--gpu-memory", "0"], "--gpu-memory"),
     (["--model", "llama2-7b", "--gpu", "tpu"], "--gpu"),
+    (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "some"], "--fsdp-unit: must be auto or a positive integer"),
+    (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "0"], "--fsdp-unit: must be auto or a positive integer"),
     (["--model", "llama2-7b", "--gpu-memory", "nan"], "--gpu-memory: must be a positive number of GiB, got nan"),
     (["--model", "llama2-7b", "--gpu-memory", "inf"], "--gpu-memory: must be a positive number of GiB, got inf"),
     (["--model", "llama2-7b", "--recipe", "amp+release"], "gradient release steps coat.optim.AdamW inside backward"),
     (["--model", "llama2-7b", "--batch", str(2**80)], "--batch: must be a positive integer up to"),
-    (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "0"], "--fsdp-unit: must be a positive integer"),
     (["--model", "llama2-7b", "--fsdp-unit", "2"], "--fsdp-unit applies to FSDP2 plans: give --gpus 2"),
     (["--model", "llama2-7b", "--gpus", "2", "--fsdp-unit", "33"], "--fsdp-unit: 33 is more than llama2-7b's 32 decoder layers"),
 ])

@@ -391,7 +391,7 @@ def bad_data(tmp_path: Path) -> dict[str, str]:
         (["--recipe", "bf16", "--compare"], "argument --compare: trains the bf16 baseline beside the recipe"),
         (["--vocab-size", "1000"], "argument --vocab-size: only applies to --tokenizer bpe"),
         (["--keep-last", "0"], "argument --keep-last: must be a positive integer"),
-        (["--fsdp-unit", "0"], "argument --fsdp-unit: must be a positive integer"),
+        (["--fsdp-unit", "0"], "argument --fsdp-unit: must be auto or a positive integer"),
         (["--model", "tiny", "--fsdp-unit", "3"], "argument --fsdp-unit: 3 is more than the model's 2 decoder layers"),
         (["--fsdp-unit", "2"], "argument --fsdp-unit: applies to FSDP2 runs: start coat train under torchrun"),
         (["--cuda-graph"], "argument --cuda-graph: needs a CUDA device"),

@@ -376,6 +376,33 @@ def test_max_batch_is_the_largest_that_fits():
     assert M.max_batch(shape, "coat-lean", 2048, 79.2) >= 8
 
 
+def test_auto_fsdp_unit():
+    seven, big = M.PRESETS["llama2-7b"], M.PRESETS["llama2-70b"]
+    # The fewest layers (a power of two) whose GEMMs reach UNIT_FLOPS: 7B at batch 1 x 2048 -> 8
+    # (RESULTS.md section 41 measured K = 8 as the step with the least host work), fewer at larger batches.
+    assert [M.auto_fsdp_unit(seven, "coat-lean", b, 2048, 2, 139.8) for b in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    per_layer = M.model_flops(seven, 1, 2048)[0] / seven.layers
+    assert 4 * per_layer < M.UNIT_FLOPS <= 8 * per_layer
+    # 70B's layer alone nearly reaches it; two layers per unit would not fit an H200 (issue 30's run is K = 1)
+    assert M.auto_fsdp_unit(big, "coat4bit-lean+release", 1, 2048, 2, 139.8) == 1
+    assert M.auto_fsdp_unit(big, None, 1, 2048, 2, 139.8) == 2  # no recipe: no memory check
+    assert M.plan(big, "coat4bit-lean+release", 1, 2048, 2, "cuda", 2).required_gib > 139.8
+    # memory halves K until it fits; one GPU, or no CUDA GPU (None), is 1
+    tight = M.plan(seven, "coat-lean", 1, 2048, 2, "cuda", 2).required_gib + 0.01
+    assert M.auto_fsdp_unit(seven, "coat-lean", 1, 2048, 2, tight) == 2
+    assert M.auto_fsdp_unit(seven, "coat-lean", 1, 2048, 1, 139.8) == 1
+    assert M.auto_fsdp_unit(seven, "coat-lean", 1, 2048, 2, None) == 1
+    assert M.auto_fsdp_unit(M.PRESETS["tiny"], "coat", 1, 128, 2, 139.8) == M.PRESETS["tiny"].layers  # capped
+    # max_batch with auto sizes each batch at its own unit
+    b = M.max_batch(seven, "coat-lean", 2048, 79.2, 2, fsdp_unit="auto")
+    assert M.plan(seven, "coat-lean", b, 2048, 2, "cuda", M.auto_fsdp_unit(seven, "coat-lean", b, 2048, 2, 79.2)
+                  ).required_gib <= 79.2
+    assert M.fsdp_unit_value("auto") == "auto" and M.fsdp_unit_value("3") == 3
+    for bad in ("0", "-2", "two", "2.5"):
+        with pytest.raises(ValueError, match="auto or a positive integer"):
+            M.fsdp_unit_value(bad)
+
+
 def test_load_shape_from_config_and_folder(tmp_path):
     cfg = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
            "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}
