@@ -247,12 +247,13 @@ def _layer_transients(s: ModelShape, rec: Recipe, table: str, t: int) -> tuple[f
 def _fsdp_transients(s: ModelShape, rec: Recipe, unit: int = 1) -> tuple[float, float]:
     """FSDP2's gathered bf16 weights at the start of backward: the root module's (embedding, head,
     final norm) for the whole step, and two units of ``unit`` layers (the running one and the
-    prefetched one); in backward one unit's unsharded gradients, plus their copy in the reduce dtype.
-    Then what of it is alive at the end of backward."""
+    prefetched one; one when a single unit holds every layer); in backward one unit's unsharded
+    gradients, plus their copy in the reduce dtype. Then what of it is alive at the end of backward."""
     compute = _COMPUTE_BYTES
     root = s.embed_params + s.head_params + s.hidden
     reduce_copy = rec.fsdp_reduce_bytes if rec.fsdp_reduce_bytes != compute else 0
-    start = compute * root + (2 * compute + compute + reduce_copy) * unit * s.layer_params
+    gathered = 1 if unit >= s.layers else 2
+    start = compute * root + (gathered * compute + compute + reduce_copy) * unit * s.layer_params
     return start, (compute + reduce_copy) * (s.embed_params + s.head_params)
 
 

@@ -5,7 +5,8 @@ measured in the same run, as a markdown table, JSON and a PNG of memory and toke
 On a GPU the default is Llama-2-7B at sequence 2048; on a CPU a tiny Llama at sequence 128. Each
 (setup, batch) runs in a fresh process (``coat.cli.bench_worker``, whose docstring defines every
 figure); a setup's batch sweep stops at its first out-of-memory. ``--fsdp N`` runs each
-configuration under torchrun on N processes with FSDP2 (one ``fully_shard`` per decoder layer).
+configuration under torchrun on N processes with FSDP2 (``fully_shard`` per ``--fsdp-unit`` decoder
+layers; auto: ``coat.memory.auto_fsdp_unit`` per configuration).
 ``benchmarks/bench_e2e.py`` is this command with the repository's result paths as defaults.
 """
 
