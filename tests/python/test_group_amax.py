@@ -241,3 +241,26 @@ def test_a_hook_that_edits_the_gradient_falls_back_to_the_amax_pass(gen, monkeyp
     off = _mlp_grads(mlp, x, False)
     for i, (a, b) in enumerate(zip(on, off)):
         _same(a, b, f"gradient {i}")
+
+
+def test_a_traced_backward_leaves_the_hand_over_alone(gen):
+    """Under torch.compile the hand-over neither gives nor takes and leaves the thread-local as it
+    was: torch 2.11's dynamo refuses a mutation of outside state inside an autograd.Function
+    (fullgraph compile of FP8 layers failed on the GPU machine), and a traced backward's tensors
+    are not the run's. The compiled MLP's gradients are the eager ones."""
+    mlp = Fp8SwiGLUMLP(64, 96).bfloat16()
+    x = torch.randn(2, 8, 64, generator=gen).bfloat16()
+    eager = _mlp_grads(mlp, x, True)
+    sentinel = (None, -1, None)
+    nnblock._handoff.item = sentinel
+    try:
+        mlp.zero_grad(set_to_none=True)
+        xc = x.clone().requires_grad_()
+        y = torch.compile(mlp, backend="aot_eager", fullgraph=True)(xc)
+        y.backward(torch.ones_like(y) * 1e-2 + y.detach() * 1e-3)
+        assert nnblock._handoff.item is sentinel
+    finally:
+        nnblock._handoff.item = None
+    compiled = [xc.grad] + [p.grad for p in mlp.parameters()]
+    for i, (a, b) in enumerate(zip(compiled, eager)):
+        _same(a, b, f"gradient {i}")
