@@ -315,19 +315,26 @@ def auto_fsdp_unit(shape: ModelShape, rec: Recipe | str | None, batch: int, seq:
                    memory_gib: float | None) -> int:
     """Decoder layers per FSDP2 unit for ``--fsdp-unit auto``: the fewest (a power of two, at most
     the model's layers) whose GEMMs reach ``UNIT_FLOPS`` per GPU and step, halved while the plan's
-    peak plus reserve exceeds ``memory_gib`` (K layers' weights are gathered at a time; ``rec=None``:
-    a recipe the plan does not model, no memory check). One GPU, or ``memory_gib=None`` (no CUDA GPU:
-    the rule is about a GPU's host overhead), gives 1."""
-    rec = recipe(rec) if isinstance(rec, str) else rec
+    peak plus reserve exceeds ``memory_gib`` (K layers' weights are gathered at a time). A recipe the
+    plan does not model (``None``, a name outside its vocabulary, a plan it refuses) is sized by its
+    GEMMs alone. One GPU, or ``memory_gib=None`` (no CUDA GPU: the rule is about a GPU's
+    host overhead), gives 1."""
     if gpus <= 1 or memory_gib is None:
         return 1
+    try:
+        rec = recipe(rec) if isinstance(rec, str) else rec
+    except ValueError:
+        rec = None
     per_layer = model_flops(shape, batch, seq, "frozen" if rec and rec.lora else "trained")[0] / shape.layers
     k = 1
     while k < shape.layers and k * per_layer < UNIT_FLOPS:
         k *= 2
     k = min(k, shape.layers)
-    while rec is not None and k > 1 and plan(shape, rec, batch, seq, gpus, "cuda", k).required_gib > memory_gib:
-        k //= 2
+    try:
+        while rec is not None and k > 1 and plan(shape, rec, batch, seq, gpus, "cuda", k).required_gib > memory_gib:
+            k //= 2
+    except ValueError:  # NotModeled, or a plan refused for this recipe (LoRA under FSDP2)
+        pass
     return k
 
 

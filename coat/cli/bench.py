@@ -204,17 +204,11 @@ def estimate(shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq
 def fsdp_unit(args: argparse.Namespace, shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq: int,
               world: int, device: str) -> int:
     """--fsdp-unit as given, or auto's choice for this configuration (coat.memory.auto_fsdp_unit,
-    sized for GPU 0; a setup the plan does not model is sized by its GEMMs alone)."""
+    sized for GPU 0)."""
     if args.fsdp_unit != "auto":
         return args.fsdp_unit
-    rec = None
-    if setup_recipe is not None:
-        try:
-            rec = memory.recipe(setup_recipe)
-        except ValueError:
-            pass
     gib = gpu_info()["memory_gib"] if device == "cuda" else None
-    return memory.auto_fsdp_unit(shape, rec, batch, seq, world, gib)
+    return memory.auto_fsdp_unit(shape, setup_recipe, batch, seq, world, gib)
 
 
 def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dict[str, Any]]:

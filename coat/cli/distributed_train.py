@@ -109,8 +109,7 @@ def shutdown(d: Dist, clean: bool = True) -> None:
 
 def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], device: torch.device) -> int:
     """``--fsdp-unit auto`` for this model, setup (coat.cli.config.setup_name) and (batch, seq) per
-    process: coat.memory.auto_fsdp_unit sized for this process's GPU (1 without one). A setup the
-    memory plan does not model is sized by its GEMMs alone."""
+    process: coat.memory.auto_fsdp_unit sized for this process's GPU (1 without one)."""
     from coat import memory
 
     if device.type != "cuda":
@@ -119,12 +118,8 @@ def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], devic
         shape = memory.ModelShape.from_hf_config(model.config.to_dict())
     except (AttributeError, ValueError):  # not a model family the plan knows: one layer per unit
         return 1
-    try:
-        rec = memory.recipe(setup)
-    except ValueError:
-        rec = None
     gib = torch.cuda.get_device_properties(device).total_memory / memory.GiB
-    return memory.auto_fsdp_unit(shape, rec, tokens[0], tokens[1], dist.get_world_size(), gib)
+    return memory.auto_fsdp_unit(shape, setup, tokens[0], tokens[1], dist.get_world_size(), gib)
 
 
 def shard(model: torch.nn.Module, d: Dist, device: torch.device, layers_per_unit: int = 1) -> torch.nn.Module:

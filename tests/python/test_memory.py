@@ -386,6 +386,8 @@ def test_auto_fsdp_unit():
     # 70B's layer alone nearly reaches it; two layers per unit would not fit an H200 (issue 30's run is K = 1)
     assert M.auto_fsdp_unit(big, "coat4bit-lean+release", 1, 2048, 2, 139.8) == 1
     assert M.auto_fsdp_unit(big, None, 1, 2048, 2, 139.8) == 2  # no recipe: no memory check
+    assert M.auto_fsdp_unit(big, "coat+nonsense", 1, 2048, 2, 139.8) == 2  # a name the plan does not know
+    assert M.auto_fsdp_unit(seven, "coat+lora", 1, 2048, 2, 1.0) == 16  # plan refuses LoRA under FSDP2; frozen GEMMs
     assert M.plan(big, "coat4bit-lean+release", 1, 2048, 2, "cuda", 2).required_gib > 139.8
     # memory halves K until it fits; one GPU, or no CUDA GPU (None), is 1
     tight = M.plan(seven, "coat-lean", 1, 2048, 2, "cuda", 2).required_gib + 0.01
