@@ -147,7 +147,8 @@ def log_start(t: "_Training") -> None:
     t.log(f"[{cfg.recipe}] {t.n_params / 1e6:.1f}M parameters on {t.d.world} x {t.device.type} ({cfg.dtype}); "
           f"corpus: {chat_data.n_tokens(corpus.train):,} train / {chat_data.n_tokens(corpus.val):,} val tokens; "
           f"{cfg.steps} steps of {t.tokens_per_step:,} tokens"
-          + (f"; FSDP2 with {t.fsdp_unit} decoder layers per unit" if t.d.enabled else "")
+          + (f"; FSDP2 with {t.fsdp_unit} decoder layer{'s' if t.fsdp_unit != 1 else ''} per unit"
+             if t.d.enabled else "")
           + (f"; resuming at step {t.state['step']}" if t.resumed else ""))
     t.log(f"[{cfg.recipe}] FP8: " + ("; ".join(t.precision["fp8"]) or "nothing"))
     t.log(f"[{cfg.recipe}] not FP8: " + "; ".join(t.precision["not_fp8"]))

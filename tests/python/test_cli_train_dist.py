@@ -99,6 +99,8 @@ def test_fsdp2_two_ranks_train_checkpoint_and_resume_exactly(tmp_path: Path, rec
     assert [json.loads(line)["step"] for line in lines] == list(range(7))  # rank 0 alone writes
     config = json.loads((straight / "config.json").read_text())
     assert config["world_size"] == 2 and any("decoder layers" in p for p in config["precision"]["fp8"])
+    # the unit size as resolved: given, or --fsdp-unit auto (the default), which is 1 without a CUDA GPU
+    assert (config["fsdp_unit"], config["train"]["fsdp_unit"]) == ((2, 2) if unit else (1, "auto"))
     found = ckpt.checkpoints(straight)
     assert [s for s, _ in found] == [3, 6]
     assert {p.name for p in found[0][1].iterdir()} >= {"meta.json", "train_state.pt", "rank00000.pt", "rank00001.pt",
