@@ -485,11 +485,11 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
     g.add_argument("--max-batch", type=int, metavar="N", help="largest batch of 'auto' (default: 256 GPU, 8 CPU)")
     g.add_argument("--seq", type=int, metavar="N", help="tokens per sequence (default: 2048 GPU, 128 CPU)")
     g.add_argument("--fsdp", type=int, metavar="N", help="run each configuration under torchrun on N processes "
-                   "(FSDP2, fully_shard per decoder layer; NCCL on GPUs, gloo on CPUs)")
+                   "(FSDP2, fully_shard per --fsdp-unit decoder layers; NCCL on GPUs, gloo on CPUs)")
     g.add_argument("--fsdp-unit", type=fsdp_unit_arg, default="auto", metavar="K", help="with --fsdp: K consecutive "
                    "decoder layers per fully_shard unit (fewer, larger collectives; K layers' weights gathered at a "
                    "time); auto: per configuration, the fewest layers whose GEMMs hide FSDP2's host work per unit, as "
-                   "many as fit the GPU (coat estimate --fsdp-unit; default: auto)")
+                   "many as fit the GPU (coat estimate --fsdp-unit)")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     g = p.add_argument_group("how long")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first")
