@@ -247,13 +247,14 @@ def _layer_transients(s: ModelShape, rec: Recipe, table: str, t: int) -> tuple[f
 def _fsdp_transients(s: ModelShape, rec: Recipe, unit: int = 1) -> tuple[float, float]:
     """FSDP2's gathered bf16 weights at the start of backward: the root module's (embedding, head,
     final norm) for the whole step, and two units of ``unit`` layers (the running one and the
-    prefetched one; one when a single unit holds every layer); in backward one unit's unsharded
-    gradients, plus their copy in the reduce dtype. Then what of it is alive at the end of backward."""
+    prefetched one: at most every layer, when a unit holds more than half of them); in backward one
+    unit's unsharded gradients, plus their copy in the reduce dtype. Then what of it is alive at the
+    end of backward."""
     compute = _COMPUTE_BYTES
     root = s.embed_params + s.head_params + s.hidden
     reduce_copy = rec.fsdp_reduce_bytes if rec.fsdp_reduce_bytes != compute else 0
-    gathered = 1 if unit >= s.layers else 2
-    start = compute * root + (gathered * compute + compute + reduce_copy) * unit * s.layer_params
+    gathered = min(2 * unit, s.layers)
+    start = compute * root + (compute * gathered + (compute + reduce_copy) * unit) * s.layer_params
     return start, (compute + reduce_copy) * (s.embed_params + s.head_params)
 
 
@@ -314,7 +315,8 @@ def fsdp_unit_value(text: str) -> int | str:
 def auto_fsdp_unit(shape: ModelShape, rec: Recipe | str | None, batch: int, seq: int, gpus: int,
                    memory_gib: float | None) -> int:
     """Decoder layers per FSDP2 unit for ``--fsdp-unit auto``: the fewest (a power of two, at most
-    the model's layers) whose GEMMs reach ``UNIT_FLOPS`` per GPU and step, halved while the plan's
+    the model's layers; the largest such when none reaches it) whose GEMMs reach ``UNIT_FLOPS`` per
+    GPU and step, halved while the plan's
     peak plus reserve exceeds ``memory_gib`` (K layers' weights are gathered at a time). A recipe the
     plan does not model (``None``, a name outside its vocabulary, a plan it refuses) is sized by its
     GEMMs alone. One GPU, or ``memory_gib=None`` (no CUDA GPU: the rule is about a GPU's
@@ -327,9 +329,8 @@ def auto_fsdp_unit(shape: ModelShape, rec: Recipe | str | None, batch: int, seq:
         rec = None
     per_layer = model_flops(shape, batch, seq, "frozen" if rec and rec.lora else "trained")[0] / shape.layers
     k = 1
-    while k < shape.layers and k * per_layer < UNIT_FLOPS:
+    while 2 * k <= shape.layers and k * per_layer < UNIT_FLOPS:
         k *= 2
-    k = min(k, shape.layers)
     try:
         while rec is not None and k > 1 and plan(shape, rec, batch, seq, gpus, "cuda", k).required_gib > memory_gib:
             k //= 2

@@ -203,7 +203,8 @@ def e2e_two_gpus(data: dict[str, Any], source: str) -> str:
         notes.append(f"BF16 AMP was not run on {MODEL_NAMES.get(model, model)}: its plan at batch 1 is {need:.0f} GiB "
                      "per GPU, more than an H200's 140.")
     return "\n".join(lines + ([""] + notes if notes else []) + ["", f"Measured at {_commits(rs)}: `python "
-                      "benchmarks/bench_e2e.py --fsdp 2 ...` (benchmarks/RESULTS.md sections 11, 13, 25 and 40). MFU: model FLOPs (6 per "
+                      "benchmarks/bench_e2e.py --fsdp 2 --fsdp-unit 1 ...` (one layer per FSDP2 unit; benchmarks/RESULTS.md sections "
+                      "11, 13, 25 and 40; other unit sizes: section 41). MFU: model FLOPs (6 per "
                       "parameter and token, plus causal attention) over the H200's dense BF16 peak (989 TFLOP/s); "
                       "coat's GEMMs run in FP8, whose peak is twice that."])
 

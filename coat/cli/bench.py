@@ -207,7 +207,11 @@ def fsdp_unit(args: argparse.Namespace, shape: memory.ModelShape, setup_recipe: 
     sized for GPU 0)."""
     if args.fsdp_unit != "auto":
         return args.fsdp_unit
-    gib = gpu_info()["memory_gib"] if device == "cuda" else None
+    gib = None
+    if device == "cuda":  # the card, or the smaller one COAT_BENCH_GPU_GIB makes the worker act as
+        gib = gpu_info()["memory_gib"]
+        cap = os.environ.get("COAT_BENCH_GPU_GIB")
+        gib = min(gib, float(cap)) if cap else gib
     return memory.auto_fsdp_unit(shape, setup_recipe, batch, seq, world, gib)
 
 
@@ -241,7 +245,7 @@ def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dic
                 est = estimate(shape, rec_name, batch, opts["seq"], world, opts["device"], unit)
                 base = {"model": name, "setup": s, "batch": batch, "seq": opts["seq"], "world": world,
                         "shape": asdict(shape), "recipe": rec_name, "estimate_gib": est, "run_id": run_id,
-                        "commit": sha}
+                        "commit": sha} | ({"fsdp_unit": unit} if fsdp else {})
                 elapsed = time.time() - start
                 left = None if args.max_seconds is None else args.max_seconds - elapsed
                 if left is not None and left < 1.2 * last_cost.get(s, 0.0):

@@ -375,8 +375,10 @@ def validate(cfg: TrainConfig, init_max_positions: int | None = None) -> None:
         if getattr(cfg, name) not in allowed:
             raise ConfigError(flag(name), f"invalid choice {getattr(cfg, name)!r} (choose from {', '.join(allowed)})")
     ints = ["steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "threads", "keep_last"]
-    if cfg.fsdp_unit != "auto":
-        ints.append("fsdp_unit")
+    if cfg.fsdp_unit != "auto" and (not isinstance(cfg.fsdp_unit, int) or isinstance(cfg.fsdp_unit, bool)
+                                    or cfg.fsdp_unit <= 0):
+        raise ConfigError("--fsdp-unit", f"must be auto or a positive integer (decoder layers per FSDP2 unit), "
+                                         f"got {cfg.fsdp_unit!r}")
     if cfg.init is None:
         ints += ["hidden_size", "layers", "heads", "intermediate_size", "max_positions"]
     if cfg.save_every is not None:

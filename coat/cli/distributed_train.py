@@ -109,7 +109,8 @@ def shutdown(d: Dist, clean: bool = True) -> None:
 
 def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], device: torch.device) -> int:
     """``--fsdp-unit auto`` for this model, setup (coat.cli.config.setup_name) and (batch, seq) per
-    process: coat.memory.auto_fsdp_unit sized for this process's GPU (1 without one)."""
+    process: coat.memory.auto_fsdp_unit sized for this process's GPU (1 without one), the smallest
+    over the ranks (every rank must shard alike; GPUs of different sizes would choose apart)."""
     from coat import memory
 
     if device.type != "cuda":
@@ -119,7 +120,12 @@ def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], devic
     except (AttributeError, ValueError):  # not a model family the plan knows: one layer per unit
         return 1
     gib = torch.cuda.get_device_properties(device).total_memory / memory.GiB
-    return memory.auto_fsdp_unit(shape, setup, tokens[0], tokens[1], dist.get_world_size(), gib)
+    k = memory.auto_fsdp_unit(shape, setup, tokens[0], tokens[1], dist.get_world_size(), gib)
+    if dist.is_initialized():
+        t = torch.tensor([k], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        k = int(t.item())
+    return k
 
 
 def shard(model: torch.nn.Module, d: Dist, device: torch.device, layers_per_unit: int = 1) -> torch.nn.Module:

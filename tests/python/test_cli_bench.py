@@ -113,7 +113,7 @@ def test_bad_flags_are_named(argv, flag):
         bench.resolve(_args(*argv, "--device", "cpu"))
 
 
-def test_fsdp_unit_takes_auto_or_a_count(capsys):
+def test_fsdp_unit_takes_auto_or_a_count(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         _args("--fsdp", "2", "--fsdp-unit", "0")
     assert "--fsdp-unit: must be auto or a positive integer" in capsys.readouterr().err
@@ -127,6 +127,10 @@ def test_fsdp_unit_takes_auto_or_a_count(capsys):
         assert [bench.fsdp_unit(a, shape, "coat-lean", b, 2048, 2, "cuda") for b in (1, 4)] == [8, 2]
         assert bench.fsdp_unit(a, shape, "coat+nonsense", 1, 2048, 2, "cuda") == 8  # not modeled: GEMMs alone
         assert bench.fsdp_unit(_args("--fsdp", "2", "--fsdp-unit", "3"), shape, "coat", 1, 2048, 2, "cuda") == 3
+        # COAT_BENCH_GPU_GIB makes the worker act as a smaller card: auto sizes K for that card
+        small = M.plan(shape, "coat-lean", 1, 2048, 2, "cuda", 1).required_gib + 0.5
+        monkeypatch.setenv("COAT_BENCH_GPU_GIB", str(small))
+        assert bench.fsdp_unit(a, shape, "coat-lean", 1, 2048, 2, "cuda") == 1
     finally:
         bench._GPU.clear()
 

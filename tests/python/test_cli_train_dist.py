@@ -174,3 +174,32 @@ def test_fsdp2_two_gpus(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "gpus" / "summary.json").read_text())
     assert summary["finished"] and summary["world_size"] == 2 and summary["peak_memory_kind"] == "cuda_max_allocated"
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5
+
+
+def test_auto_unit_reads_coat_trains_own_model_and_the_gpu(monkeypatch) -> None:
+    """--fsdp-unit auto under torchrun: coat train's model config parses into the memory plan's shape
+    (a parse failure would quietly give 1), and the GPU's memory bounds K. CUDA is faked: only the
+    device's memory is read."""
+    from types import SimpleNamespace
+
+    from coat import memory
+    from coat.cli import distributed_train as dt
+    from coat.cli.config import MODEL_PRESETS, TrainConfig, resolve_config
+    from coat.cli.model import build_model
+
+    cfg = resolve_config(TrainConfig(model="tiny", device="cpu"))
+    model = build_model(cfg)
+    shape = memory.ModelShape.from_hf_config(model.config.to_dict())
+    assert (shape.hidden, shape.layers) == (MODEL_PRESETS["tiny"]["hidden_size"], MODEL_PRESETS["tiny"]["layers"])
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    gib = {"v": 139.8}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(total_memory=int(gib["v"] * memory.GiB)))
+    cuda = torch.device("cuda", 0)
+    assert dt.auto_unit(model, "coat", (8, 512), torch.device("cpu")) == 1  # no GPU: one layer per unit
+    want = memory.auto_fsdp_unit(shape, "coat", 8, 512, 2, 139.8)
+    assert want == shape.layers and dt.auto_unit(model, "coat", (8, 512), cuda) == want  # tiny GEMMs: all layers
+    one, two = (memory.plan(shape, "coat", 8, 512, 2, "cuda", k).required_gib for k in (1, 2))
+    assert one < two
+    gib["v"] = (one + two) / 2  # room for one layer per unit only
+    assert dt.auto_unit(model, "coat", (8, 512), cuda) == 1

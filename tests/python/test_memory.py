@@ -389,6 +389,15 @@ def test_auto_fsdp_unit():
     assert M.auto_fsdp_unit(big, "coat+nonsense", 1, 2048, 2, 139.8) == 2  # a name the plan does not know
     assert M.auto_fsdp_unit(seven, "coat+lora", 1, 2048, 2, 1.0) == 16  # plan refuses LoRA under FSDP2; frozen GEMMs
     assert M.plan(big, "coat4bit-lean+release", 1, 2048, 2, "cuda", 2).required_gib > 139.8
+    # two units are gathered at a time, but never more than every layer: 16 and 32 layers per unit
+    # gather the same 32 layers and differ by 16 layers' unsharded gradients
+    rec = M.recipe("coat-lean")
+    grads = (2 + (rec.fsdp_reduce_bytes if rec.fsdp_reduce_bytes != 2 else 0)) * seven.layer_params
+    start = {k: M._fsdp_transients(seven, rec, k)[0] for k in (8, 16, 32)}
+    assert start[32] - start[16] == pytest.approx(16 * grads)
+    assert start[16] - start[8] == pytest.approx(8 * grads + 16 * 2 * seven.layer_params)  # 16 more gathered
+    # a power of two at most the layers: 26 layers of tiny GEMMs -> 16
+    assert M.auto_fsdp_unit(M.PRESETS["gemma3-1b"], "coat", 1, 128, 2, 139.8) == 16
     # memory halves K until it fits; one GPU, or no CUDA GPU (None), is 1
     tight = M.plan(seven, "coat-lean", 1, 2048, 2, "cuda", 2).required_gib + 0.01
     assert M.auto_fsdp_unit(seven, "coat-lean", 1, 2048, 2, tight) == 2
