@@ -125,9 +125,10 @@ class Recipe:
                     side=self.side if side is None else side)
         base = self.name.split("+")[0]
         if r.side and not self.side:
-            if base not in names.SIDE_RECIPES or r.lora or r.grad_release or r.graph or not r.fused_loss:
+            if base not in names.SIDE_RECIPES or r.lora or r.grad_release or not r.fused_loss:
                 raise ValueError(f"--recipe {r.name}+side: side tuning is modeled for {', '.join(names.SIDE_RECIPES)} "
-                                 "with the fused loss, without other modes (coat train's and coat bench's setups)")
+                                 "with the fused loss, eager or replayed from CUDA graphs (+graph), without other "
+                                 "modes (coat train's and coat bench's setups)")
         if r.lora and not self.lora:
             # coat bench's two LoRA setups, with their own loss paths: bf16+lora (PEFT on Hugging Face's
             # layers) and coat+lora (PEFT on coat.convert's layers, the base kept only in FP8:

@@ -3,16 +3,21 @@ in FP8 and run without autograd, a side network of width hidden / r trained besi
 ``coat.memory`` (``plan`` hands ``+side`` recipes here); pure arithmetic, no torch import.
 
 What a step holds, per token (bf16 base and side network, as ``coat bench``'s ``coat+side`` builds it):
-- every base hidden state the side network reads (the embedding output and each layer's output):
-  the recorder keeps them all through the side forward, and each downsampler's first Linear keeps
-  its input for its weight gradient;
-- per downsampler: the SiLU's input and output, the second Linear's output into ``nn.RMSNorm``
-  (its input, an fp32 copy, the normalized fp32 tensor and rstd) and both operands of the gated mix;
-- per side layer: what a Hugging Face Llama decoder layer of the side's shape keeps in bf16
-  (``memory_activations.layer_saved(..., "hf-bf16")``);
+- every base hidden state the side network reads (the embedding output and each layer's output),
+  as E4M3 codes with 1 x 128 fp32 scales: each is downsampled as soon as its base layer has run,
+  and its downsampler's first Linear keeps it in FP8 for its weight gradient;
+- per side layer, checkpointed with the rest of its downsampler and its gated mix (coat.SideTuned's
+  ``recompute``, the default): its two inputs, the side stream and the downsampler's first Linear's
+  output; the first downsampler, not checkpointed, keeps the SiLU's input and output, the second
+  Linear's output into ``nn.RMSNorm`` (its input, an fp32 copy, the normalized fp32 tensor and
+  rstd). Without ``recompute`` every downsampler keeps that, each side layer what a Hugging Face
+  Llama decoder layer of the side's shape keeps in bf16 (``memory_activations.layer_saved(...,
+  "hf-bf16")``) and each gated mix both its operands;
 - at the top: the upsample's input and output (the mix keeps the latter), then the fused loss with
   a frozen LM head (``fused_loss_transient(..., head_trains=False)``).
-The base keeps nothing (no autograd); while it runs, one layer's working set is the transient.
+The base keeps nothing (no autograd); while it runs, one layer's working set is the transient. In
+backward, one side layer at a time is recomputed: its activations and its gradients are the
+transient beside the fused loss's.
 """
 
 from __future__ import annotations
@@ -55,15 +60,32 @@ def side_params(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNS
     return (n + 1) * down + n * side.layer_params + w * h + h + n * w + h
 
 
-def side_saved_per_token(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNSAMPLE) -> list[tuple[str, float]]:
-    """(part, bytes per token) the side network keeps for its backward (bf16 tensors), all layers."""
+#: coat.SideTuned keeps each downsampler's input (a base hidden state) as E4M3 codes with one fp32
+#: scale per 1 x INPUT_GROUP group (hidden sizes divisible by 128: every preset).
+INPUT_GROUP = 128
+
+
+def side_saved_per_token(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNSAMPLE,
+                         recompute: bool = True) -> list[tuple[str, float]]:
+    """(part, bytes per token) the side network keeps for its backward, all layers. ``recompute``
+    (coat.SideTuned's default): each side layer and its gated mix are checkpointed and keep only
+    their inputs, the side stream and the downsampled state (bf16); else they keep what a Hugging
+    Face Llama decoder layer keeps, and the mix its two operands."""
     side = side_shape(shape, r)
     h, w, d, n = shape.hidden, side.hidden, downsample, shape.layers
-    per_down = 2 * d + 2 * d + 2 * w + _norm(w, 1, "hf-amp") + 2 * w + 2 * w
-    return [("base hidden states (the downsamplers' inputs)", (n + 1) * 2.0 * h),
-            ("downsamplers and gated mixes", (n + 1) * per_down),
-            (f"side decoder layers (width {w})", n * sum(b for _, b in layer_saved(side, "hf-bf16"))),
-            ("upsample input and output", 2.0 * w + 2.0 * h)]
+    # A downsampler after its first Linear: the SiLU's input, the second Linear's input and output,
+    # nn.RMSNorm's saved tensors.
+    tail = 2 * d + 2 * d + 2 * w + _norm(w, 1, "hf-amp")
+    parts = [("base hidden states as FP8 (the downsamplers' inputs)", (n + 1) * (h + 4.0 * h / INPUT_GROUP))]
+    if recompute:
+        parts += [("the first downsampler", tail),
+                  (f"side layers' inputs (width {w} and {d}; layer, downsampler and mix checkpointed)",
+                   n * (2.0 * w + 2.0 * d))]
+    else:
+        parts += [("downsamplers", (n + 1) * tail), ("gated mixes", n * 2 * 2.0 * w),
+                  (f"side decoder layers (width {w})", n * sum(b for _, b in layer_saved(side, "hf-bf16")))]
+    return parts + [("upsample input and output", 2.0 * w + 2.0 * h),
+                    ("the base's last hidden state (the top mix)", 2.0 * h)]
 
 
 def base_forward_transient(shape: ModelShape, tokens: int) -> float:
@@ -84,7 +106,9 @@ def side_plan_parts(shape: ModelShape, master_bytes: int, state_bytes: float, to
                 "side network optimizer states": state_bytes * p_side}
     loss = fused_loss_transient(shape, tokens, chunk_mib, 2, 2, device, head_trains=False)
     side = side_shape(shape)
-    layer_bwd = (6 * side.intermediate + 2 * side.hidden) * tokens  # a side layer's MLP backward
-    start = {"fused loss (frozen LM head)": loss, "a side layer's backward": layer_bwd}
+    # A side layer's backward: its activations and its downsampler's, recomputed, and its MLP's gradients.
+    again = sum(b for _, b in layer_saved(side, "hf-bf16")) + 4 * SIDE_DOWNSAMPLE + 2 * side.hidden + _norm(side.hidden, 1, "hf-amp")
+    layer_bwd = (again + 6 * side.intermediate + 2 * side.hidden) * tokens
+    start = {"fused loss (frozen LM head)": loss, "a side layer's backward (recomputed)": layer_bwd}
     end = {"side network gradients (bf16)": 2.0 * p_side}
     return resident, {"start": max(start.values()), "end": sum(end.values())}, side_saved_per_token(shape)

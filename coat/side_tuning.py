@@ -35,9 +35,12 @@ import uuid
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import models
 from .convert import convert
+from .fp8.tensor import Fp8Tensor
+from .functional import dequantize, quantize_per_group
 from .memory_side import side_heads  # the side layers' head rule, shared with their memory plan
 from .nn import adapters
 from .nn._cache import cache_name
@@ -109,6 +112,65 @@ def _downsampler(hidden: int, downsample: int, width: int, eps: float) -> nn.Seq
                          nn.RMSNorm(width, eps=eps))
 
 
+def _input_group(features: int) -> int | None:
+    """The FP8 group (1 x g along the features) of a saved downsampler input: the largest of coat's
+    group sizes dividing the base's hidden size; None (the input is kept in bf16) if none does."""
+    return next((g for g in (128, 64, 32, 16) if features % g == 0), None)
+
+
+class _Fp8SavedInputLinear(torch.autograd.Function):
+    """A Linear computed in the input's dtype whose input is kept for backward only as FP8 codes
+    (E4M3, one fp32 scale per 1 x 128 group): the downsampler's first Linear reads the base's
+    full-width hidden state, the largest thing side tuning keeps (L + 1 states per token). The
+    forward is exactly ``F.linear``; only the weight gradient sees the input rounded to E4M3, as
+    COAT's FP8 linears' weight gradients do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        y = torch.nn.functional.linear(x, weight, bias)
+        group = _input_group(x.shape[-1])
+        if not weight.requires_grad:
+            codes, scales = None, None
+        elif group is None:
+            codes, scales = x, None  # (no FP8 group divides the width: kept as it is)
+        else:
+            q = quantize_per_group(x.reshape(-1, x.shape[-1]).contiguous(), group, "e4m3")
+            codes, scales = q.data, q.scale
+        ctx.group, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = group, x.shape, x.dtype, weight.dtype
+        ctx.needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        ctx.save_for_backward(codes, scales, weight if x.requires_grad else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        codes, scales, weight = ctx.saved_tensors
+        dx = dw = db = None
+        d2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs[0]:
+            dx = (d2 @ weight.to(dy.dtype)).reshape(ctx.x_shape)
+        if ctx.needs[1]:
+            x = codes if ctx.group is None else dequantize(
+                Fp8Tensor(codes, scales, ctx.group), ctx.x_dtype)
+            dw = (d2.t() @ x.reshape(-1, ctx.x_shape[-1]).to(dy.dtype)).to(ctx.w_dtype)
+        if ctx.needs[2]:
+            db = d2.sum(0).to(ctx.w_dtype)
+        return dx, dw, db
+
+
+def _down_head(seq: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """A downsampler's first Linear (``_downsampler``'s modules) on a base hidden state, keeping the
+    state only in FP8 for its weight gradient: hidden -> downsample width."""
+    first = seq[0]
+    return _Fp8SavedInputLinear.apply(x, first.weight, first.bias) if torch.is_grad_enabled() else first(x)
+
+
+def _down_tail(seq: nn.Sequential, y: torch.Tensor) -> torch.Tensor:
+    """The rest of a downsampler: SiLU -> Linear(downsample, side width) -> RMSNorm."""
+    for m in list(seq)[1:]:
+        y = m(y)
+    return y
+
+
 def _check_tensors(tensors: dict, want: dict, where: str) -> None:
     """``tensors`` has exactly ``want``'s names, each a floating-point tensor of its shape."""
     if not isinstance(tensors, dict) or set(tensors) != set(want):
@@ -139,19 +201,36 @@ def _refuse_unsupported(kwargs: dict) -> None:
 
 
 class _Recorder:
-    """Forward hooks on the base's decoder layers, for one forward: layer 0's input (the embedding
-    output) and every layer's output (the last one is the final norm's input)."""
+    """Forward hooks on the base's decoder layers, for one forward: each hidden state the side
+    network reads (layer 0's input, the embedding output, and every layer's output) goes through
+    its downsampler's first Linear as soon as its layer has run, so the base's full-width states
+    are not kept beyond their layer (only FP8 copies are, for those Linears' weight gradients); the
+    last layer's output (the final norm's input) is kept whole for the top mix. ``grad``: whether the downsamplers
+    record autograd (the base itself runs under no_grad)."""
 
-    def __init__(self, layers: nn.ModuleList):
-        self.states: list[torch.Tensor] = []
+    def __init__(self, layers: nn.ModuleList, down: nn.ModuleList, grad: bool):
+        self.down, self.grad = down, grad
+        self.states: list[torch.Tensor] = []  # the first Linear of D_i on h_i (downsample width)
+        self.last: torch.Tensor | None = None
+        self._first_state: torch.Tensor | None = None
         self.handles = [layers[0].register_forward_pre_hook(self._first, with_kwargs=True)]
         self.handles += [layer.register_forward_hook(self._output) for layer in layers]
 
     def _first(self, module, args, kwargs):
-        self.states.append(args[0] if args else kwargs["hidden_states"])
+        self._first_state = args[0] if args else kwargs["hidden_states"]
 
     def _output(self, module, args, out):
-        self.states.append(out[0] if isinstance(out, (tuple, list)) else out)
+        # Outside the layer's own forward (its post-hooks run after it): nothing computed here is
+        # counted as something the base saves.
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        with torch.set_grad_enabled(self.grad):
+            if self._first_state is not None:
+                self.states.append(_down_head(self.down[0], self._first_state))
+                self._first_state = None
+            if len(self.states) >= len(self.down):
+                raise RuntimeError(f"the base ran more decoder layers than the {len(self.down) - 1} the side network has")
+            self.states.append(_down_head(self.down[len(self.states)], out))
+        self.last = out
 
     def __enter__(self):
         return self
@@ -228,12 +307,18 @@ class SideTuned(nn.Module):
     with a trainable QST side network beside it (module docstring). ``base`` is frozen and converted
     in place. ``r``: the side width is hidden // r (even); ``downsample``: the downsamplers' inner
     width. ``intermediate_size`` / ``num_heads`` of the side layers default to the base's
-    intermediate size // r and one head per 64 channels. Only ``side_parameters()`` train."""
+    intermediate size // r and one head per 64 channels. Only ``side_parameters()`` train.
+    ``recompute`` (also an attribute, any time): the side layers run again in backward instead of
+    keeping their activations (at 2048 tokens, 26 of the 30 MiB a Llama-3-8B side layer would keep);
+    it changes no number, only memory against a second side forward."""
 
     def __init__(self, base: nn.Module, r: int = 16, downsample: int = 16, *, intermediate_size: int | None = None,
-                 num_heads: int | None = None):
+                 num_heads: int | None = None, recompute: bool = True):
         super().__init__()
+        if not isinstance(recompute, bool):
+            raise ValueError(f"recompute must be True or False, got {recompute!r}")
         self._build(base, r, downsample, intermediate_size, num_heads)
+        self.recompute = recompute
         _freeze_and_convert(base)  # last: a refused argument leaves the base as it was
 
     def _build(self, base: nn.Module, r, downsample, intermediate_size, num_heads) -> None:
@@ -294,13 +379,16 @@ class SideTuned(nn.Module):
     def _side_named(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if not n.startswith("base.")]
 
-    def _base_states(self, input_ids, attention_mask, position_ids) -> list[torch.Tensor]:
-        with torch.no_grad(), _Recorder(self.base.model.layers) as rec:
+    def _base_states(self, input_ids, attention_mask, position_ids) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(the downsamplers' first Linears on the base's states h_i, i = 0..L; the base's last hidden
+        state h_L)."""
+        grad = torch.is_grad_enabled()  # (read before no_grad: the downsamplers train)
+        with torch.no_grad(), _Recorder(self.base.model.layers, self.down, grad) as rec:
             self.base.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False)
         if len(rec.states) != len(self.layers) + 1:
             raise RuntimeError(f"recorded {len(rec.states)} hidden states of the base, expected {len(self.layers) + 1}")
-        return rec.states
+        return rec.states, rec.last
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -316,7 +404,7 @@ class SideTuned(nn.Module):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         _refuse_unsupported(kwargs)
-        states = self._base_states(input_ids, attention_mask, position_ids)
+        states, last = self._base_states(input_ids, attention_mask, position_ids)
         seq = input_ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
@@ -326,7 +414,7 @@ class SideTuned(nn.Module):
         padded = attention_mask is not None and not bool(attention_mask.all())
         s = self._side_stream(states, position_ids, attention_mask if padded else None)
         w = torch.sigmoid(self.top_gate)
-        h = w * states[-1] + (1 - w) * self.up(s)
+        h = w * last + (1 - w) * self.up(s)
         norm, head = self.base.model.norm, self.base.lm_head
         if labels is None and shift_labels is None:
             return CausalLMOutputWithPast(loss=None, logits=head(norm(h)))
@@ -337,18 +425,27 @@ class SideTuned(nn.Module):
 
     def _side_stream(self, states: list[torch.Tensor], pos: torch.Tensor, mask: torch.Tensor | None,
                      caches: "_Caches | None" = None) -> torch.Tensor:
-        """The side stream after the last side layer, from the base's recorded states (the new
-        tokens' only, with ``caches``). ``mask``: the whole sequence's attention mask when a key is
-        padded, else None (SDPA's own causal mask); ``pos``: the states' positions."""
-        s = self.down[0](states[0])
+        """The side stream after the last side layer, from the downsamplers' first Linears on the
+        base's states (the new tokens' only, with ``caches``). ``mask``: the whole sequence's
+        attention mask when a key is padded, else None (SDPA's own causal mask); ``pos``: the
+        states' positions. When training with ``recompute`` on, each side layer, the rest of its
+        downsampler and its gated mix run under activation checkpointing: they keep only their
+        inputs (the side stream and the downsample-width state) and run again in backward."""
+        s = _down_tail(self.down[0], states[0])
         pe = self.rotary(s, pos)
         side_mask = None if mask is None else _step_mask(mask, s.shape[1], s.dtype)
         cache = {} if caches is None else {"use_cache": True, caches.side_kw: caches.side}
         gates = torch.sigmoid(self.alpha)
+        again = self.recompute and caches is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            s = layer(s, attention_mask=side_mask, position_ids=pos, position_embeddings=pe, **cache)
-            s = s[0] if isinstance(s, tuple) else s
-            s = gates[i] * self.down[i + 1](states[i + 1]) + (1 - gates[i]) * s
+            def block(s, y, g, layer=layer, down=self.down[i + 1]):
+                s = layer(s, attention_mask=side_mask, position_ids=pos, position_embeddings=pe, **cache)
+                s = s[0] if isinstance(s, tuple) else s
+                return g * _down_tail(down, y) + (1 - g) * s
+            # (No randomness in a side layer (no dropout): the recomputation needs no saved RNG state,
+            # which CUDA graph capture could not read.)
+            s = checkpoint(block, s, states[i + 1], gates[i], use_reentrant=False, preserve_rng_state=False) \
+                if again else block(s, states[i + 1], gates[i])
         return s
 
     @torch.no_grad()
@@ -391,13 +488,12 @@ class SideTuned(nn.Module):
         one token a step) through the base and the side network, each with its KV cache. ``mask``:
         the whole sequence's attention mask so far when a key is padded, else None; ``pos``: the new
         tokens' positions."""
-        with _Recorder(self.base.model.layers) as rec:
+        with _Recorder(self.base.model.layers, self.down, False) as rec:
             self.base.model(input_ids=new, attention_mask=mask, position_ids=pos, use_cache=True,
                             **{caches.base_kw: caches.base})
-        states = rec.states
-        s = self._side_stream(states, pos, mask, caches)
+        s = self._side_stream(rec.states, pos, mask, caches)
         w = torch.sigmoid(self.top_gate)
-        h = w * states[-1][:, -1:] + (1 - w) * self.up(s[:, -1:])
+        h = w * rec.last[:, -1:] + (1 - w) * self.up(s[:, -1:])
         return self.base.lm_head(self.base.model.norm(h))[:, 0].float()
 
     # ---- saving and loading the side network ---------------------------------------------------
@@ -445,6 +541,7 @@ class SideTuned(nn.Module):
         nn.Module.__init__(model)
         model._build(base, cfg.get("r"), cfg.get("downsample"), side.get("intermediate_size"),
                      side.get("num_attention_heads"))
+        model.recompute = True
         # What changes the side layers' arithmetic (not max_position_embeddings: default RoPE ignores it)
         differ = [k for k in set(side) | set(model.side_config)
                   if k != "max_position_embeddings" and side.get(k) != model.side_config.get(k)]

@@ -206,7 +206,11 @@ def _build_frozen(shape, dtype, device):
     return build_frozen_fp8(shape, dtype, device)
 
 
-def _prep_side(model, ctx):
+def _prep_side(graphed: bool = False):
+    return lambda model, ctx: _side_step(model, ctx, graphed)
+
+
+def _side_step(model, ctx, graphed: bool):
     # Issue 31: Quantized Side Tuning (coat.SideTuned) on coat's FP8 layers: the base frozen and
     # stored in FP8 (frozen_weights="fp8"), run under no_grad; a side network of width hidden / 16
     # trains with coat.optim.AdamW (FP8 states, fp32 master), the base's fused LM head + loss. The model
@@ -219,7 +223,7 @@ def _prep_side(model, ctx):
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the bf16 weights the FP8 codes replaced
     opt = coat.optim.AdamW(side.side_parameters(), lr=ctx.lr, master_weights="fp32")
-    step = _train_step(side, opt, nullcontext())
+    step = _train_step(side, opt, nullcontext(), graphed)
     step.tensors = side.side_parameters()  # built outside the model: counted by the CPU tracker too
     return step
 
@@ -295,7 +299,9 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
     Setup("qlora", "PEFT QLoRA: bitsandbytes 4-bit NF4 decoder linears + LoRA r=16 on all of them, torch fused AdamW",
           torch.bfloat16, _prep_qlora, needs=("peft", "bitsandbytes"), cuda_only=True, fsdp=False),
     Setup("coat+side", f"coat.convert + coat.SideTuned(r={SIDE_R}): base frozen in FP8 under no_grad, side network "
-          "of width hidden/16, coat.optim.AdamW", torch.bfloat16, _prep_side, fsdp=False, build=_build_frozen),
+          "of width hidden/16, coat.optim.AdamW", torch.bfloat16, _prep_side(), fsdp=False, build=_build_frozen),
+    Setup("coat+side+graph", "coat+side, the step replayed from CUDA graphs (coat.CudaGraphStep)", torch.bfloat16,
+          _prep_side(graphed=True), cuda_only=True, fsdp=False, build=_build_frozen, graphed=True),
     Setup("coat+lora+graph", "coat+lora, the step replayed from CUDA graphs (coat.CudaGraphStep)",
           torch.bfloat16, _prep_lora(True, graphed=True), needs=("peft",), cuda_only=True, fsdp=False, graphed=True),
 )}

@@ -484,7 +484,6 @@ def _validate_side_tuning(cfg: TrainConfig) -> None:
         raise ConfigError("--side-tuning", f"needs the FP8 frozen base (--recipe coat, coat-lean or fp8), not "
                                            f"--recipe {cfg.recipe}: the base is kept only as FP8 codes")
     for name, why in (("release_grads", "the side network's few layers gain nothing from it"),
-                      ("cuda_graph", "not supported with side tuning yet"),
                       ("compile", "not supported with side tuning yet"),
                       ("fp8_stats", "not supported with side tuning yet")):
         if getattr(cfg, name):

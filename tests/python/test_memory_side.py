@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import coat
@@ -25,8 +26,9 @@ def _tiny(hidden=256, inter=688, layers=2, heads=4, vocab=300):
     return coat.SideTuned(model, r=SIDE_R), shape
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("hidden,inter,layers", [(256, 688, 2), (512, 1376, 3)])
-def test_saved_bytes_match_the_plan(hidden, inter, layers, monkeypatch):
+def test_saved_bytes_match_the_plan(hidden, inter, layers, recompute, monkeypatch):
     side, shape = _tiny(hidden, inter, layers)
     ids = torch.randint(0, shape.vocab, (2, 64), generator=torch.Generator().manual_seed(1))
     seen: dict[tuple[int, int], int] = {}
@@ -42,18 +44,30 @@ def test_saved_bytes_match_the_plan(hidden, inter, layers, monkeypatch):
 
     def pack(t):  # each storage once: the base's last hidden state is saved by two ops at the top
         if not in_loss[0]:
-            st = t.untyped_storage()
-            seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+            kept(t)
         return t
 
+    def kept(t):
+        st = t.untyped_storage()
+        seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+
+    def counted_inputs(fn, *args, **kwargs):  # a checkpointed side layer keeps its inputs, not saved tensors
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                kept(a)
+        return checkpoint(fn, *args, **kwargs)
+
     monkeypatch.setattr(side_tuning, "fused_lm_head_loss", counted_apart)
+    monkeypatch.setattr(side_tuning, "checkpoint", counted_inputs)
+    side.recompute = recompute
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         side(input_ids=ids, labels=ids)
-    want = sum(b for _, b in side_saved_per_token(shape)) * ids.numel()
+    want = sum(b for _, b in side_saved_per_token(shape, recompute=recompute)) * ids.numel()
     # 6%: on the CPU, SDPA picks its kernel by shape, and its math path also keeps each side layer's
     # attention probabilities (bf16, seq^2 per head), which the GPU's flash attention does not (the
-    # plan is CUDA's: within 5% of every H200 peak measured, test_memory).
-    assert sum(seen.values()) == pytest.approx(want, rel=0.06)
+    # plan is CUDA's: within 5% of every H200 peak measured, test_memory). 8% without recompute: its
+    # total, without the base's full-width states, is small enough for those probabilities to weigh more.
+    assert sum(seen.values()) == pytest.approx(want, rel=0.06 if recompute else 0.08)
 
 
 def test_side_params_are_the_modules():

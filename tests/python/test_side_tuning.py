@@ -95,6 +95,82 @@ def test_base_saves_nothing_and_gets_no_grads(gen):
     assert all(p.grad is not None for p in st.side_parameters())
 
 
+def _grads(st, ids):
+    st.zero_grad(set_to_none=True)
+    loss = st(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in st._side_named()}
+
+
+def test_recompute_changes_no_number(gen):
+    """Checkpointed side layers (the default) give the eager layers' loss and gradients bit for bit."""
+    ids = _ids(gen)
+    st = SideTuned(_base(), r=4)
+    _train(st, ids, 2)  # away from the zero-started upsample: every gradient non-zero
+    assert st.recompute
+    loss, grads = _grads(st, ids)
+    st.recompute = False
+    loss_eager, grads_eager = _grads(st, ids)
+    assert torch.equal(loss, loss_eager)
+    for n, g in grads.items():
+        assert torch.equal(g, grads_eager[n]), n
+    with pytest.raises(ValueError, match="recompute"):
+        SideTuned(_base(), r=4, recompute=1)
+
+
+def test_only_the_downsamplers_weight_gradient_sees_fp8(gen, monkeypatch):
+    """The downsamplers' first Linears keep their input, a base hidden state, in FP8 for their weight
+    gradients: the loss and every other gradient equal those of plain Linears bit for bit; those
+    weight gradients are within E4M3's rounding of the exact ones."""
+    from coat import side_tuning
+
+    ids = _ids(gen)
+    base = _base()
+    base.model.layers[1].mlp.down_proj.weight.data[:, 3] *= 30  # an outlier channel in the states
+    st = SideTuned(base, r=4)
+    _train(st, ids, 2)
+    loss, grads = _grads(st, ids)
+    monkeypatch.setattr(side_tuning, "_down_head", lambda seq, x: seq[0](x))
+    loss_ref, ref = _grads(st, ids)
+    assert torch.equal(loss, loss_ref)
+    firsts = {f"down.{i}.0.weight" for i in range(len(st.down))}
+    for n, g in grads.items():
+        if n in firsts:
+            assert 0 < rel(g, ref[n]) < 0.05, (n, rel(g, ref[n]))
+        else:
+            assert torch.equal(g, ref[n]), n
+
+
+@pytest.mark.parametrize("width,exact", [(256, False), (48, False), (40, True)])
+def test_fp8_saved_input_linear(width, exact):
+    """_Fp8SavedInputLinear against F.linear: the output and the input and bias gradients equal, the
+    weight gradient within E4M3 rounding of the input (exact where no FP8 group divides the width:
+    the input is kept in bf16)."""
+    from coat.side_tuning import _Fp8SavedInputLinear
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 7, width, generator=g).to(torch.bfloat16)
+    x[0, 1, 5] = 300.0  # an outlier: its group's other elements keep their precision
+    x[2, 3] = 0.0  # an all-zero row
+    w = (torch.randn(16, width, generator=g) * 0.1).to(torch.bfloat16)
+    b = torch.randn(16, generator=g).to(torch.bfloat16)
+    dy = torch.randn(3, 7, 16, generator=g).to(torch.bfloat16)
+    xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+    y = _Fp8SavedInputLinear.apply(xs, ws, bs)
+    y.backward(dy)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    yr = torch.nn.functional.linear(xr, wr, br)
+    yr.backward(dy)
+    assert torch.equal(y, yr)
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(bs.grad, br.grad, rtol=1e-2, atol=1e-2)
+    assert ws.grad.dtype == torch.bfloat16 and ws.grad.shape == w.shape
+    if exact:
+        torch.testing.assert_close(ws.grad, wr.grad, rtol=1e-2, atol=1e-2)
+    else:
+        assert rel(ws.grad, wr.grad) < 0.05
+
+
 def _train(st, ids, steps, opt=None, lr=1e-2):
     opt = opt or torch.optim.AdamW(st.side_parameters(), lr=lr)
     losses = []
@@ -160,7 +236,8 @@ def test_padding_mask(gen):
     st = SideTuned(_base(), r=4)
     ids = _ids(gen)
     _train(st, ids, 2)
-    states = st._base_states(ids, None, None)
+    with torch.no_grad():
+        states = st._base_states(ids, None, None)  # (the downsampled states, the base's last one)
     st._base_states = lambda *args: states
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
@@ -171,10 +248,11 @@ def test_padding_mask(gen):
     assert torch.isfinite(padded).all() and torch.equal(ones, plain)
     torch.testing.assert_close(padded[1], plain[1])  # the unpadded row is unchanged
     assert not torch.allclose(padded[0, 3:], plain[0, 3:])  # row 0's tokens no longer see its first three
-    later = [h.clone() for h in states]
+    downs, last = states
+    later = [h.detach().clone() for h in (*downs, last)]
     for h in later:
         h[:, -1] += 1.0  # the last position changes: no earlier one may see it (causal side layers)
-    st._base_states = lambda *args: later
+    st._base_states = lambda *args: (later[:-1], later[-1])
     with torch.no_grad():
         moved = st(ids).logits
     torch.testing.assert_close(moved[:, :-1], plain[:, :-1])

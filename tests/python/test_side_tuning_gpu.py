@@ -1,7 +1,7 @@
 """coat.SideTuned on a CUDA GPU (marker gpu; skipped without CUDA): a small bf16 Llama whose base runs
 coat's FP8 GEMMs on the device. The model starts as the base, the base keeps no saved tensors
-(saved-tensor hooks) and gets no gradients, and the loss falls under coat.optim.AdamW. Not yet run
-on a GPU by the session that wrote it (it had no device)."""
+(saved-tensor hooks) and gets no gradients, the loss falls under coat.optim.AdamW, cached generation
+matches whole-sequence forwards, and a CUDA-graph step trains as the eager one."""
 
 import pytest
 import torch
@@ -108,3 +108,43 @@ def test_cached_generate_matches_full_forwards_on_the_gpu():
         assert err < 0.15, (i, float(err))
     assert (full.argmax(-1) == seq[:, 16:]).float().mean() >= 0.5
 
+
+
+def test_graph_step_trains_as_the_eager_step_on_the_gpu():
+    """coat.CudaGraphStep replays a side-tuning step (the base's hooks, the checkpointed side layers
+    and their recomputation, the FP8-kept downsampler inputs, coat's AdamW): the same losses and
+    side weights as eager steps, within the accumulation-order differences of captured kernels
+    (tests/python/test_graphs.py's tolerances); and the recomputed side layers keep less memory."""
+    def build():
+        st = SideTuned(_base(), r=8)
+        return st, coat.optim.AdamW(st.side_parameters(), lr=1e-3, master_weights="fp32")
+
+    batches = [torch.randint(0, VOCAB, (2, 64), device="cuda", generator=torch.Generator(device="cuda").manual_seed(i))
+               for i in range(5)]
+    (a, oa), (b, ob) = build(), build()
+    ref = []
+    for ids in batches:
+        loss = a(ids, labels=ids).loss
+        loss.backward()
+        oa.step()
+        oa.zero_grad(set_to_none=True)
+        ref.append(loss.item())
+    step = coat.CudaGraphStep(b, ob, warmup_steps=1)
+    got = [step(input_ids=ids, labels=ids).float().item() for ids in batches]
+    assert step.captures == 1
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-3, atol=0)
+    for (n, p), q in zip(a._side_named(), b.side_parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=1e-4, msg=n)
+
+    def saved_peak(st, recompute):
+        st.recompute = recompute
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss = st(_ids(4, 256), labels=_ids(4, 256)).loss
+        held = torch.cuda.memory_allocated() - before  # what the forward left for backward
+        loss.backward()
+        st.zero_grad(set_to_none=True)
+        return held
+
+    assert saved_peak(a, True) < 0.7 * saved_peak(a, False)
