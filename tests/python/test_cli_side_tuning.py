@@ -185,3 +185,17 @@ def test_bench_builds_the_side_base_one_fp8_layer_at_a_time() -> None:
     ids = torch.randint(0, 64, (2, 16))
     loss = SideTuned(model, r=16)(input_ids=ids, labels=ids).loss
     assert torch.isfinite(loss) and abs(loss.item() - float(torch.tensor(64.0).log())) < 0.5
+
+
+@pytest.mark.gpu
+def test_side_tuning_under_cuda_graph_trains_as_eager_on_the_gpu(tmp_path: Path, ckpt: Path) -> None:
+    """coat train --side-tuning R --cuda-graph (setup coat+side+graph): the replayed step trains the
+    side network as the eager step does (the same seed and batches; within the accumulation-order
+    differences of captured kernels) and saves it the same way."""
+    eager = train(_side(tmp_path, ckpt, "eager", device="cuda"))
+    graph = train(_side(tmp_path, ckpt, "graph", device="cuda", cuda_graph=True))
+    assert graph["finished"] and graph["setup"] == "coat+side+graph"
+    assert graph["final_val_loss"] < graph["initial_val_loss"] - 0.05
+    assert graph["initial_val_loss"] == pytest.approx(eager["initial_val_loss"], rel=1e-6)
+    assert graph["final_val_loss"] == pytest.approx(eager["final_val_loss"], rel=0.02)
+    assert sorted(p.name for p in Path(graph["model_dir"]).iterdir()) == ["side_config.json", "side_model.safetensors"]
