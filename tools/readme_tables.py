@@ -214,25 +214,36 @@ SIDE_PEERS = [("coat+lora", "coat LoRA, FP8 base"), ("bf16+lora", "PEFT LoRA, bf
 
 def e2e_side(data: dict[str, Any], source: str) -> str:
     """Side tuning (coat.SideTuned, r=16) on one H200 beside LoRA r=16 on coat's FP8 base, PEFT's
-    bf16 LoRA and QLoRA at the same batch: peak and tokens/s, and side tuning's ratios to coat LoRA."""
-    lines = ["| model | batch | side tuning: peak | tokens/s | " + " | ".join(f"{n}: peak | tokens/s" for _, n in SIDE_PEERS)
-             + " | side / coat LoRA: peak | tokens/s |", "|---|---:|" + "---:|" * (2 + 2 * len(SIDE_PEERS) + 2)]
+    bf16 LoRA and QLoRA at the same batch: peak and tokens/s, eager and replayed from CUDA graphs
+    (+graph, where measured), and side tuning's ratios to coat LoRA, eager to eager and graph to graph."""
+    lines = ["| model | batch | side tuning: peak | tokens/s | +graph | "
+             + " | ".join(f"{n}: peak | tokens/s" + (" | +graph" if s == "coat+lora" else "") for s, n in SIDE_PEERS)
+             + " | side / coat LoRA: peak | tokens/s | +graph |", "|---|---:|" + "---:|" * (3 + 2 * len(SIDE_PEERS) + 1 + 3)]
     used = []
     for model in ("llama2-7b", "llama3-8b", "llama2-70b"):
         recs = _records(data, H200, model)
         for side in _runs(recs, "coat+side"):
             if side["status"] != "ok":
                 continue
-            peers = [recs.get((setup, side["batch"])) for setup, _ in SIDE_PEERS]
-            cells = [f"{p['peak_gib']:.1f} GiB | {_tok(p)}" if p and p["status"] == "ok" else "- | -" for p in peers]
-            lora = peers[0] if peers[0] and peers[0]["status"] == "ok" else None
-            ratio = (f"{side['peak_gib'] / lora['peak_gib']:.2f}x | {side['tokens_per_s'] / lora['tokens_per_s']:.2f}x"
-                     if lora else "- | -")
-            lines.append(f"| {MODEL_NAMES.get(model, model)} | {side['batch']} | {side['peak_gib']:.1f} GiB | "
-                         f"{_tok(side)} | {' | '.join(cells)} | {ratio} |")
-            used += [side] + [p for p in peers if p]
+            b = side["batch"]
+            ok = {s: r for s in ("coat+side+graph", "coat+lora+graph", *(p for p, _ in SIDE_PEERS))
+                  if (r := recs.get((s, b))) and r["status"] == "ok"}
+            cells = []
+            for s, _ in SIDE_PEERS:
+                p = ok.get(s)
+                cells.append(f"{p['peak_gib']:.1f} GiB | {_tok(p)}" if p else "- | -")
+                if s == "coat+lora":
+                    cells.append(_tok(ok.get("coat+lora+graph")))
+            lora, sg, lg = ok.get("coat+lora"), ok.get("coat+side+graph"), ok.get("coat+lora+graph")
+            ratio = [f"{side['peak_gib'] / lora['peak_gib']:.2f}x" if lora else "-",
+                     f"{side['tokens_per_s'] / lora['tokens_per_s']:.2f}x" if lora else "-",
+                     f"{sg['tokens_per_s'] / lg['tokens_per_s']:.2f}x" if sg and lg else "-"]
+            lines.append(f"| {MODEL_NAMES.get(model, model)} | {b} | {side['peak_gib']:.1f} GiB | {_tok(side)} | "
+                         f"{_tok(sg)} | {' | '.join(cells)} | {' | '.join(ratio)} |")
+            used += [side] + list(ok.values())
     return "\n".join(lines + ["", f"Measured on one H200 at {_commits(used)}: `python benchmarks/bench_e2e.py --setups "
-                              "coat+side coat+lora bf16+lora qlora ...` (benchmarks/RESULTS.md section 13)."])
+                              "coat+side coat+side+graph coat+lora coat+lora+graph bf16+lora qlora ...` (benchmarks/"
+                              "RESULTS.md sections 13 and 42)."])
 
 
 def e2e_4bit(data: dict[str, Any], source: str) -> str:
