@@ -60,9 +60,17 @@ def side_params(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNS
     return (n + 1) * down + n * side.layer_params + w * h + h + n * w + h
 
 
-#: coat.SideTuned keeps each downsampler's input (a base hidden state) as E4M3 codes with one fp32
-#: scale per 1 x INPUT_GROUP group (hidden sizes divisible by 128: every preset).
-INPUT_GROUP = 128
+def input_group(features: int) -> int | None:
+    """The FP8 group (1 x g along the features) in which coat.SideTuned keeps a downsampler's input
+    (a base hidden state): the largest of coat's group sizes dividing the hidden size (128 for every
+    preset); None if none does (the input is then kept as it is, in bf16)."""
+    return next((g for g in (128, 64, 32, 16) if features % g == 0), None)
+
+
+def _kept_input_bytes(hidden: int) -> float:
+    """Bytes per token of one kept downsampler input: E4M3 codes and an fp32 scale per group, or bf16."""
+    g = input_group(hidden)
+    return 2.0 * hidden if g is None else hidden + 4.0 * hidden / g
 
 
 def side_saved_per_token(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNSAMPLE,
@@ -76,7 +84,7 @@ def side_saved_per_token(shape: ModelShape, r: int = SIDE_R, downsample: int = S
     # A downsampler after its first Linear: the SiLU's input, the second Linear's input and output,
     # nn.RMSNorm's saved tensors.
     tail = 2 * d + 2 * d + 2 * w + _norm(w, 1, "hf-amp")
-    parts = [("base hidden states as FP8 (the downsamplers' inputs)", (n + 1) * (h + 4.0 * h / INPUT_GROUP))]
+    parts = [("base hidden states as FP8 (the downsamplers' inputs)", (n + 1) * _kept_input_bytes(h))]
     if recompute:
         parts += [("the first downsampler", tail),
                   (f"side layers' inputs (width {w} and {d}; layer, downsampler and mix checkpointed)",

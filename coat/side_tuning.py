@@ -41,7 +41,8 @@ from . import models
 from .convert import convert
 from .fp8.tensor import Fp8Tensor
 from .functional import dequantize, quantize_per_group
-from .memory_side import side_heads  # the side layers' head rule, shared with their memory plan
+from .memory_side import input_group as _input_group  # shared with the memory plan, as the head rule is
+from .memory_side import side_heads
 from .nn import adapters
 from .nn._cache import cache_name
 from .nn.lm_head_loss import fused_lm_head_loss
@@ -112,12 +113,6 @@ def _downsampler(hidden: int, downsample: int, width: int, eps: float) -> nn.Seq
                          nn.RMSNorm(width, eps=eps))
 
 
-def _input_group(features: int) -> int | None:
-    """The FP8 group (1 x g along the features) of a saved downsampler input: the largest of coat's
-    group sizes dividing the base's hidden size; None (the input is kept in bf16) if none does."""
-    return next((g for g in (128, 64, 32, 16) if features % g == 0), None)
-
-
 class _Fp8SavedInputLinear(torch.autograd.Function):
     """A Linear computed in the input's dtype whose input is kept for backward only as FP8 codes
     (E4M3, one fp32 scale per 1 x 128 group): the downsampler's first Linear reads the base's
@@ -155,6 +150,20 @@ class _Fp8SavedInputLinear(torch.autograd.Function):
         if ctx.needs[2]:
             db = d2.sum(0).to(ctx.w_dtype)
         return dx, dw, db
+
+
+def _same_weights(seen: list, params, layer: int) -> None:
+    """A checkpointed side block's guard: its first run (forward) records its weights' version
+    counters, its recomputation (backward) refuses weights changed in place since then, as autograd
+    refuses a modified saved tensor (a recomputation with other weights would give other gradients,
+    silently)."""
+    versions = [p._version for p in params]
+    if not seen:
+        seen.append(versions)
+    elif versions != seen[0]:
+        raise RuntimeError(f"side layer {layer}: a weight was modified in place between the forward and the "
+                           "backward; its recomputation (SideTuned.recompute) would use the new values. Call "
+                           "backward before changing the side network's weights, or set recompute=False")
 
 
 def _down_head(seq: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
@@ -308,9 +317,10 @@ class SideTuned(nn.Module):
     in place. ``r``: the side width is hidden // r (even); ``downsample``: the downsamplers' inner
     width. ``intermediate_size`` / ``num_heads`` of the side layers default to the base's
     intermediate size // r and one head per 64 channels. Only ``side_parameters()`` train.
-    ``recompute`` (also an attribute, any time): the side layers run again in backward instead of
-    keeping their activations (at 2048 tokens, 26 of the 30 MiB a Llama-3-8B side layer would keep);
-    it changes no number, only memory against a second side forward."""
+    ``recompute`` (also an attribute; a captured ``coat.CudaGraphStep`` keeps the setting it was
+    captured with): the side layers run again in backward instead of keeping their activations (at
+    2048 tokens, about 32 of the 33 MiB a Llama-3-8B side layer, its downsampler tail and its mix
+    would keep); it changes no number, only memory against a second side forward."""
 
     def __init__(self, base: nn.Module, r: int = 16, downsample: int = 16, *, intermediate_size: int | None = None,
                  num_heads: int | None = None, recompute: bool = True):
@@ -438,7 +448,9 @@ class SideTuned(nn.Module):
         gates = torch.sigmoid(self.alpha)
         again = self.recompute and caches is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            def block(s, y, g, layer=layer, down=self.down[i + 1]):
+            def block(s, y, g, layer=layer, down=self.down[i + 1], index=i, seen=[]):
+                if again:
+                    _same_weights(seen, (*layer.parameters(), *down.parameters()), index)
                 s = layer(s, attention_mask=side_mask, position_ids=pos, position_embeddings=pe, **cache)
                 s = s[0] if isinstance(s, tuple) else s
                 return g * _down_tail(down, y) + (1 - g) * s

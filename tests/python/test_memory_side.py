@@ -27,7 +27,7 @@ def _tiny(hidden=256, inter=688, layers=2, heads=4, vocab=300):
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-@pytest.mark.parametrize("hidden,inter,layers", [(256, 688, 2), (512, 1376, 3)])
+@pytest.mark.parametrize("hidden,inter,layers", [(256, 688, 2), (512, 1376, 3), (96, 256, 2)])  # 96: 1 x 32 groups
 def test_saved_bytes_match_the_plan(hidden, inter, layers, recompute, monkeypatch):
     side, shape = _tiny(hidden, inter, layers)
     ids = torch.randint(0, shape.vocab, (2, 64), generator=torch.Generator().manual_seed(1))

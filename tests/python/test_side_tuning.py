@@ -102,15 +102,27 @@ def _grads(st, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in st._side_named()}
 
 
-def test_recompute_changes_no_number(gen):
-    """Checkpointed side layers (the default) give the eager layers' loss and gradients bit for bit."""
+def _grads_masked(st, ids, mask):
+    st.zero_grad(set_to_none=True)
+    loss = st(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in st._side_named()}
+
+
+@pytest.mark.parametrize("dtype,padded", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_recompute_changes_no_number(dtype, padded, gen):
+    """Checkpointed side layers (the default) give the eager layers' loss and gradients bit for bit,
+    with and without padding, in fp32 and bf16."""
     ids = _ids(gen)
-    st = SideTuned(_base(), r=4)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :3] = 0
+    st = SideTuned(_base().to(dtype), r=4)
     _train(st, ids, 2)  # away from the zero-started upsample: every gradient non-zero
     assert st.recompute
-    loss, grads = _grads(st, ids)
+    loss, grads = _grads_masked(st, ids, mask)
     st.recompute = False
-    loss_eager, grads_eager = _grads(st, ids)
+    loss_eager, grads_eager = _grads_masked(st, ids, mask)
     assert torch.equal(loss, loss_eager)
     for n, g in grads.items():
         assert torch.equal(g, grads_eager[n]), n
@@ -356,3 +368,24 @@ def test_a_saved_side_network_generates_as_before(tmp_path, gen):
     seq2, logits2 = again.generate(prompt, max_new_tokens=4, output_logits=True)
     assert torch.equal(seq, seq2) and torch.equal(logits, logits2)
 
+
+
+def test_recompute_refuses_weights_changed_before_backward(gen):
+    """A weight of a checkpointed side block changed in place between forward and backward would
+    be recomputed with its new value, silently; it is refused, as autograd refuses a modified saved
+    tensor without recomputation. Edits after backward (an optimizer step) are what training does."""
+    ids = _ids(gen)
+    st = SideTuned(_base(), r=4)
+    loss = st(ids, labels=ids).loss
+    with torch.no_grad():
+        st.layers[0].mlp.gate_proj.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="side layer 0: a weight was modified in place"):
+        loss.backward()
+    st.zero_grad(set_to_none=True)
+    _train(st, ids, 2)  # forward, backward, step, again: nothing refused
+    st.recompute = False
+    loss = st(ids, labels=ids).loss
+    with torch.no_grad():
+        st.layers[0].mlp.gate_proj.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
