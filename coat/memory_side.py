@@ -4,8 +4,9 @@ in FP8 and run without autograd, a side network of width hidden / r trained besi
 
 What a step holds, per token (bf16 base and side network, as ``coat bench``'s ``coat+side`` builds it):
 - every base hidden state the side network reads (the embedding output and each layer's output),
-  as E4M3 codes with 1 x 128 fp32 scales: each is downsampled as soon as its base layer has run,
-  and its downsampler's first Linear keeps it in FP8 for its weight gradient;
+  as E4M3 codes with an fp32 scale per 1 x ``input_group`` group (128 for every preset): each goes
+  through its downsampler's first Linear as soon as its base layer has run, and that Linear keeps
+  it in FP8 for its weight gradient; the last one also in bf16, for the top mix;
 - per side layer, checkpointed with the rest of its downsampler and its gated mix (coat.SideTuned's
   ``recompute``, the default): its two inputs, the side stream and the downsampler's first Linear's
   output; the first downsampler, not checkpointed, keeps the SiLU's input and output, the second
@@ -76,9 +77,10 @@ def _kept_input_bytes(hidden: int) -> float:
 def side_saved_per_token(shape: ModelShape, r: int = SIDE_R, downsample: int = SIDE_DOWNSAMPLE,
                          recompute: bool = True) -> list[tuple[str, float]]:
     """(part, bytes per token) the side network keeps for its backward, all layers. ``recompute``
-    (coat.SideTuned's default): each side layer and its gated mix are checkpointed and keep only
-    their inputs, the side stream and the downsampled state (bf16); else they keep what a Hugging
-    Face Llama decoder layer keeps, and the mix its two operands."""
+    (coat.SideTuned's default): each side layer, the rest of its downsampler and its gated mix are
+    checkpointed and keep only their inputs, the side stream and the downsampler's first Linear's
+    output (bf16); else they keep what a Hugging Face Llama decoder layer keeps, every downsampler
+    its tail's tensors and each mix its two operands."""
     side = side_shape(shape, r)
     h, w, d, n = shape.hidden, side.hidden, downsample, shape.layers
     # A downsampler after its first Linear: the SiLU's input, the second Linear's input and output,
