@@ -157,6 +157,15 @@ def check_master(st: dict[str, Any], local: torch.Tensor, master: str) -> None:
                          "by master_weights='bf16_sr'")
 
 
+def adopt_edits(master: torch.Tensor, local: torch.Tensor) -> None:
+    """A parameter whose autograd version moved since the step last wrote it: its elements that
+    still hold the master's rounding keep the master (a version can move without an edit: views of
+    one buffer share a counter that every write to any of them moves, and a model loaded after the
+    optimizer writes the same values); the others take the edited value, so the edit stands. One
+    element-wise pass, no host synchronisation."""
+    torch.where(local == master.to(local.dtype), master, local.to(master.dtype), out=master)
+
+
 def tensor_ptrs(state: dict[str, Any]) -> list[int]:
     """The data pointers of a parameter's state tensors (the descriptor cache's key)."""
     return [t.data_ptr() for t in state.values() if isinstance(t, torch.Tensor)]

@@ -341,7 +341,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
                 raise RuntimeError(f"{name}: a parameter of shape {tuple(local.shape)} was changed in place since "
                                    "the last step, and this step is being captured in a CUDA graph, whose replays "
                                    "would overwrite it again each time: change parameters before the warm-up steps")
-            state["master"].copy_(local)  # edited since the last step: the edit stands
+            _state.adopt_edits(state["master"], local)  # edited since the last step: the edit stands
         return (local.device, gi, *self._launch_key(local, grad, group)), (p, local, grad, state)
 
     def _gather(self) -> tuple[dict[tuple, list], dict[tuple, list[int]]]:

@@ -304,7 +304,7 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         for p, g, group, proj, seed in items:
             state = self.state[p]
             if "master" in state and synced.get(id(p), p._version) != p._version:
-                state["master"].copy_(p)  # changed in place since the last step: the change stands
+                _state.adopt_edits(state["master"], p)  # changed in place since the last step: the change stands
             state["step"] += 1
             # bf16_sr: the rounding bits of a matrix come from its seed (the optimizer's and its position)
             sr_seed = seed if self.master_weights == "bf16_sr" else None

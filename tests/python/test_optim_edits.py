@@ -96,3 +96,81 @@ def test_subset_norm_sm_matrices_keep_an_edit(device):
                 p.fill_(0.5)
     assert (p.float() - 0.5).abs().max() < 0.02  # three small steps from 0.5, not back to ~0.05
     torch.testing.assert_close(opt.state[p]["master"].to(torch.bfloat16), p.detach(), rtol=0, atol=0)
+
+
+def _views_of_one_buffer(device: str) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """Two bf16 matrices that are views of one flat buffer: they share autograd's version counter,
+    so a step's write to either moves both versions."""
+    flat = (torch.randn(2 * 64 * 48, generator=torch.Generator().manual_seed(0)) * 0.05).to(device, torch.bfloat16)
+    return (torch.nn.Parameter(flat[: 64 * 48].view(64, 48)), torch.nn.Parameter(flat[64 * 48:].view(64, 48)))
+
+
+def _steps(opt, params, n: int = 20, device: str = "cpu") -> None:
+    for step in range(n):
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, 1.0) if i == 0 else torch.full_like(p, -1.0)
+        opt.step()
+
+
+MAKERS = [lambda g: co.AdamW(g, lr=1e-4, weight_decay=0.0, master_weights="fp32"),
+          lambda g: co.AdamW4bit(g, lr=1e-4, weight_decay=0.0, master_weights="fp32"),
+          lambda g: co.SubsetNormSM(g, lr=1e-4, rank=4, weight_decay=0.0, master_weights="fp32")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", MAKERS, ids=["AdamW", "AdamW4bit", "SubsetNormSM"])
+def test_views_of_one_buffer_keep_their_masters(make, device):
+    """Stepped in two launches (two groups), each view's write moved the other's version: the
+    master must still carry the sub-ulp progress (it was read back from the bf16 weights before)."""
+    views = _views_of_one_buffer(device)
+    apart = tuple(torch.nn.Parameter(v.detach().clone()) for v in views)
+    opt_views = make([{"params": [views[0]]}, {"params": [views[1]]}])
+    opt_apart = make([{"params": [apart[0]]}, {"params": [apart[1]]}])
+    _steps(opt_views, views, device=device)
+    _steps(opt_apart, apart, device=device)
+    for v, a in zip(views, apart):
+        torch.testing.assert_close(opt_views.state[v]["master"], opt_apart.state[a]["master"], rtol=0, atol=0)
+        assert torch.equal(v, a)
+    # the masters moved by ~20 lr; the bf16 weights alone would have lost most of it (a bf16 ulp at
+    # 0.05 is ~2.4e-4, over twice the lr)
+    moved = (opt_views.state[views[0]]["master"] - views[0].detach().float()).abs().max()
+    assert moved > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", MAKERS, ids=["AdamW", "AdamW4bit", "SubsetNormSM"])
+def test_an_edit_of_some_elements_keeps_the_others_masters(make, device):
+    """Only the edited elements take the new value; the rest keep their master's precision."""
+    p = torch.nn.Parameter((torch.randn(64, 48, generator=torch.Generator().manual_seed(1)) * 0.05).to(device, torch.bfloat16))
+    opt = make([p])
+    _steps(opt, [p], n=5, device=device)
+    master = opt.state[p]["master"].clone()
+    with torch.no_grad():
+        p[0].fill_(0.5)
+    p.grad = torch.zeros_like(p)
+    opt.step()  # a zero gradient: only weight decay (0) and the moments move the weights
+    new = opt.state[p]["master"]
+    assert (new[0] - 0.5).abs().max() < 1e-3
+    assert ((new[1:] - master[1:]).abs() <= 5e-4).all() and not torch.equal(new[1:].to(torch.bfloat16).float(), new[1:])
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_the_optimizer_loaded_before_the_model_keeps_its_masters(cls):
+    """The other resume order: optimizer state first, then model.load_state_dict (which moves the
+    versions): the loaded masters continue, as in the model-first order."""
+    p, _ = _params()
+    opt = cls([p], lr=1e-2, master_weights="fp32")
+    for step in range(3):
+        p.grad = _grad(step).to(torch.bfloat16)
+        opt.step()
+    saved_p, saved_opt = p.detach().clone(), opt.state_dict()
+    q, _ = _params()
+    again = cls([q], lr=1e-2, master_weights="fp32")
+    again.load_state_dict(saved_opt)
+    with torch.no_grad():
+        q.copy_(saved_p)
+    q.grad = p.grad = _grad(3).to(torch.bfloat16)
+    opt.step()
+    again.step()
+    assert torch.equal(q, p)
+    torch.testing.assert_close(again.state[q]["master"], opt.state[p]["master"], rtol=0, atol=0)
