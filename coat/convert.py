@@ -21,7 +21,7 @@ from .models import GROUPS, Family
 from .nn import adapters
 from .nn.attention import Fp8AttentionMixin
 from .nn.frozen import freeze_to_fp8
-from .nn.loss import install_fused_loss
+from .nn.loss import check_fused_loss, install_fused_loss
 from .nn.layer import Fp8DecoderLayerMixin
 from .nn.mlp import Fp8SwiGLUMixin
 from .nn.recipe import Fp8Recipe, resolve
@@ -102,49 +102,68 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
     a second convert is refused at the next forward, naming this). ``fused_loss`` (default on): a
     causal LM called with ``labels`` runs its final norm, LM head and cross-entropy chunk by chunk
     (``coat/nn/loss.py``): the [tokens, vocab] logits never exist, and the output's ``logits`` is
-    None; call without labels (or set ``model.coat_fused_loss = False``) to get logits. Converting twice only updates the recipe (and
-    stores newly frozen groups in FP8)."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if frozen_weights not in FROZEN_WEIGHTS:
-        raise ValueError(f"frozen_weights must be one of {FROZEN_WEIGHTS}, got {frozen_weights!r}")
+    None; call without labels (or set ``model.coat_fused_loss = False``) to get logits. A head PEFT
+    wraps (``modules_to_save``, a LoRA adapter on ``lm_head``) takes Hugging Face's loss path; a head
+    the fused loss cannot read (a bias, another module) is refused: convert with ``fused_loss=False``.
+    Every argument and every check runs before the first module is changed: a refused model is left
+    as it was. Converting twice only updates the recipe (and stores newly frozen groups in FP8)."""
+    _check_args(model, recipe, frozen_weights, fused_loss)
     if recipe == "bf16":
-        if frozen_weights != "keep":
-            raise ValueError("frozen_weights='fp8' needs an FP8 recipe (the bf16 recipe leaves the model as it is)")
         return model
     rec = resolve(recipe)
     if rec.granularity != "tensor" and frozen_weights == "fp8":
         raise ValueError(f"frozen_weights='fp8' stores per-tensor FP8 codes: it needs granularity 'tensor', got "
                          f"{rec.granularity!r} (keep the frozen weights with frozen_weights='keep')")
-    fam = models.of_layer(model)
-    if fam is not None:
-        layers = [("", model)]
-    else:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        fam = models.by_model_type(model_type)
-        if fam is None:
-            raise ValueError(
-                f"coat.convert supports {models.names()} models; got {type(model).__name__}"
-                + (f" (model_type={model_type!r})" if model_type else "")
-            )
-        fam.check_config(model.config)
-        layers = [(n + ".", m) for n, m in model.named_modules() if models.of_layer(m) is fam]
-        if not layers:
-            raise ValueError(f"{type(model).__name__} has no {fam.layer_class} to convert")
-    # every layer is checked before any is converted: nothing half-done
+    fam, layers = _find_layers(model)
+    # every check runs before anything is changed: nothing half-done
     acts = [_check_layer(layer, fam, name) for name, layer in layers]
+    fuse = fused_loss and hasattr(_inner_lm(model), "lm_head")
+    if fuse:
+        try:
+            check_fused_loss(model)
+        except ValueError as e:
+            raise ValueError(f"coat.convert(fused_loss=True): {e} (convert with fused_loss=False to keep Hugging "
+                             f"Face's loss)") from None
     for (_, layer), act in zip(layers, acts):
         _convert_layer(layer, rec, fam, act)
     if frozen_weights == "fp8":
         freeze_to_fp8([layer for _, layer in layers], rec)
-    if not isinstance(fused_loss, bool):
-        raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
-    if fused_loss and hasattr(_inner_lm(model), "lm_head"):
+    if fuse:
         install_fused_loss(model, recipe=rec)
         # The model's class is now coat.nn.loss's; a PEFT adapter saved from it names the
         # transformers class in its adapter_config.json all the same (what plain PEFT writes).
         adapters.plain_peft_auto_mapping()
     return model
+
+
+def _check_args(model, recipe, frozen_weights: str, fused_loss: bool) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if frozen_weights not in FROZEN_WEIGHTS:
+        raise ValueError(f"frozen_weights must be one of {FROZEN_WEIGHTS}, got {frozen_weights!r}")
+    if not isinstance(fused_loss, bool):
+        raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
+    if recipe == "bf16" and frozen_weights != "keep":
+        raise ValueError("frozen_weights='fp8' needs an FP8 recipe (the bf16 recipe leaves the model as it is)")
+
+
+def _find_layers(model: nn.Module) -> tuple[Family, list[tuple[str, nn.Module]]]:
+    """The model's family and its decoder layers, each with its name prefix ("" for a lone layer)."""
+    fam = models.of_layer(model)
+    if fam is not None:
+        return fam, [("", model)]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fam = models.by_model_type(model_type)
+    if fam is None:
+        raise ValueError(
+            f"coat.convert supports {models.names()} models; got {type(model).__name__}"
+            + (f" (model_type={model_type!r})" if model_type else "")
+        )
+    fam.check_config(model.config)
+    layers = [(n + ".", m) for n, m in model.named_modules() if models.of_layer(m) is fam]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no {fam.layer_class} to convert")
+    return fam, layers
 
 
 def _inner_lm(model: nn.Module) -> nn.Module:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import models
+from . import adapters
 from ..integrations import transformers as hf
 from ..integrations.packed_check import _UnpackedPositions
 from ._cache import cache_name, pop_cache
@@ -146,34 +147,35 @@ def _subclass(cls: type, mixin: type, name: str) -> type:
     return hf.subclass(cls, mixin, name, __name__, attrs)
 
 
-def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB,
-                       fp8_backward: bool = False, recipe: Fp8Recipe | str | None = None) -> nn.Module:
-    """Makes ``model(..., labels=...)`` of a Hugging Face causal LM of a family in ``coat.models`` (or
-    a PEFT model around one) compute its loss with ``fused_lm_head_loss`` (final norm + LM head +
-    cross-entropy, chunked), in place; returns the model. Parameters, state-dict keys and the class
-    name (which ``save_pretrained`` records) stay as they were; ``torch.save(model)`` loads in a
-    fresh process. A head something wraps at call time (a PEFT adapter or ``modules_to_save`` on
-    ``lm_head``), a custom ``loss_function`` or forward hooks on ``lm_head`` take Hugging Face's
-    path, and so does every call after ``model.coat_fused_loss = False``. Installing twice only
-    updates the settings.
-    ``chunk_mib``, ``fp8_backward`` and ``recipe``: see ``fused_lm_head_loss`` (the LM head's two
-    gradient GEMMs in FP8, in the recipe's formats; ``coat.convert`` passes the model's)."""
+def _head_linear(head: nn.Module) -> nn.Module:
+    """The ``nn.Linear`` inside a PEFT wrapper of the LM head (a LoRA layer, ``modules_to_save``),
+    or ``head`` itself. Such a wrapped head takes Hugging Face's path at every call (the forward
+    checks the head's exact type), and the fused loss once the wrapper is gone (merged, unloaded)."""
+    if adapters.is_lora(head):
+        return head.base_layer
+    try:
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:  # peft not installed: no PEFT wrappers exist
+        return head
+    return head.original_module if isinstance(head, ModulesToSaveWrapper) else head
+
+
+def check_fused_loss(model: nn.Module) -> tuple[nn.Module, nn.Module, models.Family]:
+    """Raises ValueError for a model ``install_fused_loss`` refuses, changing nothing; returns the
+    causal LM (inside a PEFT wrapper), its final norm and its family. ``coat.convert`` calls it
+    before it converts any layer."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(chunk_mib, (int, float)) or isinstance(chunk_mib, bool) or not chunk_mib > 0:
-        raise ValueError(f"chunk_mib must be a positive number, got {chunk_mib!r}")
-    if not isinstance(fp8_backward, bool):
-        raise ValueError(f"fp8_backward must be True or False, got {fp8_backward!r}")
-    wrapper, get_base = model, getattr(model, "get_base_model", None)
+    get_base = getattr(model, "get_base_model", None)
     if callable(get_base):  # a PEFT model: the causal LM it wraps
         model = get_base()
     base = getattr(model, "model", None)
-    head = getattr(model, "lm_head", None)
+    head = _head_linear(getattr(model, "lm_head", None))
     norm = getattr(base, "norm", None)
     if type(head) is not nn.Linear or norm is None or not isinstance(getattr(norm, "weight", None), torch.Tensor):
         raise ValueError(
-            f"install_fused_loss needs a causal LM with .model.norm and a plain nn.Linear .lm_head; "
-            f"{type(model).__name__} has not"
+            f"install_fused_loss needs a causal LM with .model.norm and a plain nn.Linear .lm_head (or a PEFT "
+            f"adapter or modules_to_save around one); {type(model).__name__} has not"
         )
     if head.bias is not None:
         raise ValueError("install_fused_loss supports LM heads without bias")
@@ -185,11 +187,33 @@ def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB
     if fam is None:  # the final norm's arithmetic is the family's: unknown, it could be computed wrong
         raise ValueError(f"install_fused_loss supports {models.names()} models; got {type(model).__name__}"
                          + (f" (model_type={model_type!r})" if model_type else ""))
+    return model, norm, fam
+
+
+def install_fused_loss(model: nn.Module, *, chunk_mib: float = DEFAULT_CHUNK_MIB,
+                       fp8_backward: bool = False, recipe: Fp8Recipe | str | None = None) -> nn.Module:
+    """Makes ``model(..., labels=...)`` of a Hugging Face causal LM of a family in ``coat.models`` (or
+    a PEFT model around one) compute its loss with ``fused_lm_head_loss`` (final norm + LM head +
+    cross-entropy, chunked), in place; returns the model. Parameters, state-dict keys and the class
+    name (which ``save_pretrained`` records) stay as they were; ``torch.save(model)`` loads in a
+    fresh process. A head something wraps at call time (a PEFT adapter or ``modules_to_save`` on
+    ``lm_head``, wrapped before or after this call), a custom ``loss_function`` or forward hooks on
+    ``lm_head`` take Hugging Face's path, and so does every call after ``model.coat_fused_loss =
+    False``. Installing twice only updates the settings. A refused model is left as it was.
+    ``chunk_mib``, ``fp8_backward`` and ``recipe``: see ``fused_lm_head_loss`` (the LM head's two
+    gradient GEMMs in FP8, in the recipe's formats; ``coat.convert`` passes the model's)."""
+    if not isinstance(chunk_mib, (int, float)) or isinstance(chunk_mib, bool) or not chunk_mib > 0:
+        raise ValueError(f"chunk_mib must be a positive number, got {chunk_mib!r}")
+    if not isinstance(fp8_backward, bool):
+        raise ValueError(f"fp8_backward must be True or False, got {fp8_backward!r}")
+    recipe = resolve(recipe)
+    wrapper = model
+    model, norm, fam = check_fused_loss(model)
     norm.__class__ = _subclass(type(norm), _DeferrableNormMixin, "Deferrable" + type(norm).__name__)
     model.__class__ = _subclass(type(model), FusedCausalLMLossMixin, type(model).__name__)
     model.coat_norm_unit_offset = fam.unit_offset
     model.coat_fused_loss = True
     model.coat_loss_chunk_mib = float(chunk_mib)
     model.coat_loss_fp8_backward = fp8_backward
-    model.coat_loss_recipe = resolve(recipe)
+    model.coat_loss_recipe = recipe
     return wrapper
