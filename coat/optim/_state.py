@@ -320,8 +320,10 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, m_fmt: str, v_f
                              f"(codes {q.numel()}, groups {gmax.numel()} / {k16.numel()}, expected {groups(n)})")
         if gmax.dtype != torch.float32 or k16.dtype != torch.uint8:
             raise ValueError(f"{where}: {name}_gmax must be float32 and {name}_k16 uint8")
-        if q.shape != local.shape and q.is_contiguous() and local.is_contiguous():
-            q = q.reshape(local.shape)
+        if q.shape != local.shape:  # as torch's optimizers refuse a moment of another shape
+            raise ValueError(f"{where}: {name}_q was saved for a parameter of shape {tuple(q.shape)} and does not "
+                             f"fit this one of shape {tuple(local.shape)}: load the state dict into the model it "
+                             "was saved from")
         if not same_layout(q, local):  # the groups follow the memory order of the saved codes
             raise ValueError(f"{where}: {name}_q (shape {tuple(q.shape)}, strides {q.stride()}) was saved for a "
                              f"parameter laid out otherwise in memory than this one (shape {tuple(local.shape)}, "

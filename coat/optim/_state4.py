@@ -10,6 +10,8 @@ Keys by kind:
 A "block" state of a parameter that is not contiguous (channels_last, a transposed view) also holds
 ``strides``: the parameter's strides (a tuple of ints, 0 for size-1 dims) when the state was made:
 the codes follow that memory order, and a state is refused for a parameter laid out otherwise.
+A saved "block" or "rank1" state (``state_dict``) also holds ``shape``: the parameter's (whole)
+shape as an int64 tensor, which loading checks (packed codes do not say what they were made for).
 Every kind: ``step`` (fp32 scalar); ``master`` (fp32 like the parameter) for master_weights="fp32"
 on 16-bit parameters; ``sr_seed`` (int64 scalar, CPU) for "bf16_sr".
 """
@@ -173,13 +175,16 @@ def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     per rank (padded to the largest shard's), since a shard's blocks of 128 are its own. The layout
     (shard count, largest shard) travels as ``shard_layout``: blocks cannot be resharded, so a load
     at another layout is refused."""
-    if not is_sharded(p):
-        return st  # replicated everywhere: every rank holds the same state, plain tensors say so
-    world, n_full = shard_layout(p)
     kind = state_kind(st)
+    # packed codes and scales do not say which shape they were made for: a state of another
+    # parameter with as many elements (a transposed matrix) would load into the wrong elements
+    shape = {} if kind == "full" else {"shape": torch.tensor(list(p.shape), dtype=torch.int64)}
+    if not (_is_dtensor(p) and is_sharded(p)):
+        return {**st, **shape}  # replicated everywhere: every rank holds the same state, plain tensors say so
+    world, n_full = shard_layout(p)
     if kind == "rank1":  # kind_of never gives a sharded parameter rank-1 statistics
         raise ValueError("a sharded parameter holds rank-1 states: they span shards and cannot be saved per shard")
-    out = dict(st)
+    out = {**st, **shape}
     if kind == "full":
         out["exp_avg"], out["exp_avg_sq"] = like_param(st["exp_avg"], p), like_param(st["exp_avg_sq"], p)
     else:
@@ -209,7 +214,8 @@ def _from_dtensors(saved: dict[str, Any], local: torch.Tensor, layout: tuple[int
     n = local.numel()
     out = {}
     for k, t in saved.items():
-        if k == "shard_layout":
+        if k in ("shard_layout", "shape"):
+            out[k] = t
             continue
         if _is_dtensor(t):
             t = t.to_local()
@@ -221,12 +227,26 @@ def _from_dtensors(saved: dict[str, Any], local: torch.Tensor, layout: tuple[int
     return out
 
 
+def _check_shape(saved: Any, shape: tuple[int, ...], where: str) -> None:
+    """A state saved with its parameter's shape (states of packed codes) loads only into that shape,
+    as torch's optimizers refuse a moment of another shape."""
+    if saved is None:
+        return
+    got = tuple(int(x) for x in saved.reshape(-1).tolist()) if isinstance(saved, torch.Tensor) else None
+    if got != tuple(shape):
+        raise ValueError(f"{where}: the 4-bit state was saved for a parameter of shape {got} and does not fit "
+                         f"this one of shape {tuple(shape)}: load the state dict into the model it was saved from")
+
+
 def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, master: str, seed: int,
-                     where: str, layout: tuple[int, int] | None = None) -> dict[str, Any]:
+                     where: str, layout: tuple[int, int] | None = None,
+                     shape: tuple[int, ...] | None = None) -> dict[str, Any]:
     """A saved state, checked against the parameter and copied onto its device (never aliased);
-    ``layout``: the parameter's shard layout (``shard_layout``) when it is sharded."""
+    ``layout``: the parameter's shard layout (``shard_layout``) when it is sharded; ``shape``: the
+    (whole) parameter's shape, which a saved "shape" must equal."""
     if "shard_layout" in saved or any(_is_dtensor(t) for t in saved.values()):
         saved = _from_dtensors(saved, local, layout, where)
+    _check_shape(saved.get("shape"), shape if shape is not None else tuple(local.shape), where)
     got = state_kind(saved)
     if got != kind:
         raise ValueError(f"{where}: a {got!r} state (keys {sorted(saved)}) does not fit a parameter of shape "
@@ -251,7 +271,8 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, mast
     st: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).to(dev).reshape(()).clone()}
     for k, (dtype, shape) in _expected(local, kind).items():
         t = saved[k]
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != int(torch.Size(shape).numel()):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != int(torch.Size(shape).numel()) \
+                or (kind == "full" and tuple(t.shape) != tuple(shape)):
             raise ValueError(f"{where}: {k} must be a {dtype} tensor of {torch.Size(shape).numel()} elements "
                              f"(shape {shape}), got {getattr(t, 'dtype', type(t))} of shape "
                              f"{tuple(getattr(t, 'shape', ()))}")

@@ -110,10 +110,13 @@ class AdamW4bit(FusedOptimizer):
         index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
         layout = _state4.shard_layout(p) if _state._is_dtensor(p) and _state.is_sharded(p) else None
         return _state4.load_param_state(saved, local, _state4.kind_of(p, local), self._master_kind(local.dtype),
-                                        _state.param_seed(self.seed, index), what, layout)
+                                        _state.param_seed(self.seed, index), what, layout, tuple(p.shape))
 
     def _dtensor_state(self, state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
         return _state4.to_dtensor_state(state, p)
+
+    def _saved_state(self, state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+        return _state4.to_dtensor_state(state, p)  # every parameter's: packed codes carry their shape
 
     # ---- launch ----------------------------------------------------------------------------------
 

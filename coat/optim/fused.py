@@ -141,7 +141,8 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
       ``found_inf`` skips the step. Not called when ``n_groups`` is 0.
     - ``_check_saved(pid, saved)`` and ``_load_state(saved, p, local, group, what)``: refuse a
       foreign state, and turn a saved state into a live one (checked, on the parameter's device).
-    - ``_dtensor_state(state, p)``: a sharded parameter's state as DTensors for ``state_dict``.
+    - ``_dtensor_state(state, p)``: a sharded parameter's state as DTensors for ``state_dict``
+      (``_saved_state``, which a subclass may override, calls it for DTensor parameters).
 
     Gradient release (``coat.optim.step_in_backward``) drives any subclass through the public
     methods ``release_handle``, ``attach_release``, ``detach_release``, ``plan_launches`` and
@@ -224,6 +225,11 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
     def _dtensor_state(self, state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
         raise NotImplementedError(f"{self.display_name} has no state dict for sharded (DTensor) parameters")
 
+    def _saved_state(self, state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+        """A parameter's state as ``state_dict`` returns it: a sharded parameter's as DTensors. A
+        subclass may add what loading must check (a new dict: the live state stays as it is)."""
+        return self._dtensor_state(state, p) if _state._is_dtensor(p) else state
+
     # ---- parameter groups and state dicts -----------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -255,8 +261,8 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         for g in self.param_groups:
             for p in g["params"]:
                 pid = mapping[id(p)]
-                if pid in sd["state"] and _state._is_dtensor(p):
-                    sd["state"][pid] = self._dtensor_state(sd["state"][pid], p)
+                if pid in sd["state"]:
+                    sd["state"][pid] = self._saved_state(sd["state"][pid], p)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
