@@ -13,6 +13,8 @@ and the LM head stay as they are.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from . import models
@@ -50,6 +52,40 @@ def _subclass(cls: type, mixin: type) -> type:
     return hf.subclass(cls, mixin, "Fp8" + cls.__name__, __name__, {"_coat_hf_module": cls.__module__})
 
 
+def _forward_of(cls: type) -> tuple[type | None, object]:
+    """The class of ``cls``'s MRO whose ``forward`` an instance runs (coat's own classes skipped) and
+    that function, unwrapped (transformers 5.x wraps every decoder layer subclass's forward)."""
+    for c in cls.__mro__:
+        if "forward" in c.__dict__ and not c.__module__.startswith("coat."):
+            return c, inspect.unwrap(c.__dict__["forward"])
+    return None, None
+
+
+def _check_forward(mod: nn.Module, name: str) -> None:
+    """Refuses a module whose forward coat's would replace but which is not transformers' own: a
+    subclass overriding it, a function patched onto the class, one set on the instance. Found by
+    names, not by transformers' internals: the forward an instance runs must be the one of its first
+    transformers class, and that one defined by a transformers class under its own name."""
+    cls = type(mod)
+    base = next((c for c in cls.__mro__ if c.__module__.startswith("transformers.")), None)
+    _, runs = _forward_of(cls)
+    owner, own = _forward_of(base) if base is not None else (None, None)
+    if "forward" in mod.__dict__:
+        why = "has a forward set on the instance"
+    elif owner is None or runs is not own:
+        why = f"overrides forward ({getattr(runs, '__qualname__', repr(runs))})"
+    elif (getattr(own, "__module__", None), getattr(own, "__qualname__", None)) != (owner.__module__,
+                                                                                    f"{owner.__qualname__}.forward"):
+        why = (f"has a forward that is not {owner.__qualname__}'s own: {owner.__qualname__}.forward is "
+               f"{getattr(own, '__module__', '?')}.{getattr(own, '__qualname__', repr(own))} (patched onto the class)")
+    else:
+        return
+    raise ValueError(f"coat.convert: {name} is a {cls.__module__}.{cls.__qualname__} that {why}; coat replaces the "
+                     f"forward of decoder layers, their attention and MLP with its FP8 one, so that forward would be "
+                     f"lost silently. Keep transformers' forward (a forward hook on the module runs with coat's), or "
+                     f"train this model without coat.convert")
+
+
 def _check_layer(layer: nn.Module, fam: Family, prefix: str) -> str:
     """Everything the FP8 blocks read is where the family says, every projection is a plain
     nn.Linear or a PEFT LoRA layer around one (anything else would be read past silently, so it is
@@ -58,6 +94,9 @@ def _check_layer(layer: nn.Module, fam: Family, prefix: str) -> str:
     for name in ("self_attn", "mlp", *fam.norms()):
         if not hasattr(layer, name):
             raise ValueError(f"coat.convert: {prefix}{name} is missing: not a {fam.name} decoder layer")
+    for name, mod in ((prefix[:-1] or "the layer", layer), (f"{prefix}self_attn", layer.self_attn),
+                      (f"{prefix}mlp", layer.mlp)):
+        _check_forward(mod, name)
     if fam.qk_norm != hasattr(layer.self_attn, "q_norm"):
         raise ValueError(f"coat.convert: {prefix}self_attn {'lacks' if fam.qk_norm else 'has'} q_norm, which a "
                          f"{fam.name} decoder layer {'has' if fam.qk_norm else 'lacks'}")

@@ -1,7 +1,9 @@
 """coat.convert refuses before it changes anything (found by review): every argument and every check
 that can refuse runs before the first module is swapped, so a refused model keeps its classes and
 computes what it computed. A PEFT head (modules_to_save, LoRA on lm_head) converts and takes Hugging
-Face's loss path, as install_fused_loss's docstring says."""
+Face's loss path, as install_fused_loss's docstring says. A module whose forward coat replaces (decoder
+layer, attention, MLP) is refused when that forward is not transformers' own: a subclass overriding it,
+a function patched onto the class or set on the instance would silently be lost."""
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from torch import nn
 
 import coat
 import transformers as tf
+from transformers.models.llama import modeling_llama as ml
 
 V = 64
 IDS = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -47,12 +50,47 @@ def _wrapped_head(m):
     return m
 
 
+class ScaledMLP(ml.LlamaMLP):  # a user's tweak: coat's forward would drop it
+    def forward(self, x):
+        return 4.0 * super().forward(x)
+
+
+class ScaledLayer(ml.LlamaDecoderLayer):
+    def forward(self, hidden_states, *args, **kwargs):
+        return 0.5 * super().forward(hidden_states, *args, **kwargs)
+
+
+class NamedMLP(ml.LlamaMLP):  # subclasses that keep transformers' forward convert
+    pass
+
+
+class NamedLayer(ml.LlamaDecoderLayer):  # (transformers 5.x wraps each subclass's inherited forward)
+    pass
+
+
+def _swap(path, cls):
+    def build(m):
+        m.get_submodule(path).__class__ = cls
+        return m
+    return build
+
+
+def _instance_forward(m):
+    mlp = m.model.layers[0].mlp
+    mlp.forward = lambda x: 2.0 * ml.LlamaMLP.forward(mlp, x)
+    return m
+
+
 REFUSALS = {
     "fused_loss not a bool": (lambda m: m, "fused_loss must be True or False", dict(fused_loss="yes")),
     "frozen_weights": (lambda m: m, "frozen_weights must be one of", dict(frozen_weights="int8")),
     "recipe": (lambda m: m, "recipe", dict(recipe="int4")),
     "head with a bias": (_biased_head, r"without bias.*fused_loss=False", {}),
     "head not a linear": (_wrapped_head, r"plain nn.Linear.*fused_loss=False", {}),
+    "mlp overrides forward": (_swap("model.layers.1.mlp", ScaledMLP),
+                              r"model\.layers\.1\.mlp is a .*ScaledMLP.*overrides forward.*would be lost", {}),
+    "layer overrides forward": (_swap("model.layers.0", ScaledLayer), r"model\.layers\.0 is a .*ScaledLayer", {}),
+    "forward set on the instance": (_instance_forward, r"model\.layers\.0\.mlp .*forward set on the instance", {}),
 }
 
 
@@ -83,3 +121,24 @@ def test_a_peft_head_converts_and_takes_hugging_faces_loss_path(peft_kw):
     assert trained.grad is not None
     inner.coat_fused_loss = False
     assert torch.equal(m(input_ids=IDS, labels=IDS).loss, out.loss)  # the same path either way
+
+
+def test_a_forward_patched_onto_the_class_is_refused(monkeypatch):
+    original = ml.LlamaAttention.forward
+
+    def patched(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return (out[0] * 0.5,) + tuple(out[1:])
+
+    monkeypatch.setattr(ml.LlamaAttention, "forward", patched)
+    _assert_refused_unchanged(_llama(), r"model\.layers\.0\.self_attn .*LlamaAttention.*forward is .*patched")
+
+
+def test_a_subclass_that_keeps_the_forward_converts():
+    ref = _llama()
+    m = coat.convert(_swap("model.layers.1", NamedLayer)(_swap("model.layers.0.mlp", NamedMLP)(_llama())))
+    assert type(m.model.layers[1]).__name__ == "Fp8NamedLayer"
+    assert [c.__name__ for c in type(m.model.layers[0].mlp).__mro__[:3]] == ["Fp8NamedMLP", "Fp8SwiGLUMixin", "NamedMLP"]
+    with torch.no_grad():
+        plain = coat.convert(ref)(input_ids=IDS).logits
+        assert torch.equal(m(input_ids=IDS).logits, plain)
