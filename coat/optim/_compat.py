@@ -37,21 +37,21 @@ def check_constructor(lr: Any, betas: Any, flags: dict[str, Any]) -> None:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
-def check_group_flags(group: dict[str, Any], nonfinite: str) -> None:
+def check_group_flags(group: dict[str, Any], nonfinite: str, name: str = "coat.optim.AdamW") -> None:
     """torch's keywords of one parameter group: the values coat runs, else a ValueError naming them."""
-    for name in ("maximize", "capturable"):
-        if not isinstance(group[name], bool):
-            raise ValueError(f"{name} must be a bool, got {group[name]!r}")
-    for name in ("foreach", "fused"):
-        if group[name] not in (None, False, True):
-            raise ValueError(f"{name} must be None or a bool, got {group[name]!r}")
+    for key in ("maximize", "capturable"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"{key} must be a bool, got {group[key]!r}")
+    for key in ("foreach", "fused"):
+        if group[key] not in (None, False, True):
+            raise ValueError(f"{key} must be None or a bool, got {group[key]!r}")
     if group["amsgrad"] is not False:
-        raise ValueError(f"amsgrad={group['amsgrad']!r} is not supported by coat.optim.AdamW: its fused kernel "
-                         "keeps no running maximum of v (that needs a third FP8 state in the kernel); use "
+        raise ValueError(f"amsgrad={group['amsgrad']!r} is not supported by {name}: its fused kernel keeps no "
+                         "running maximum of v (that needs a third quantized state in the kernel); use "
                          "amsgrad=False, or torch.optim.AdamW for AMSGrad")
     if group["differentiable"] is not False:
-        raise ValueError(f"differentiable={group['differentiable']!r} is not supported by coat.optim.AdamW: its "
-                         "step is a fused kernel outside autograd; use differentiable=False")
+        raise ValueError(f"differentiable={group['differentiable']!r} is not supported by {name}: its step is a "
+                         "fused kernel outside autograd; use differentiable=False")
     if group["capturable"] and nonfinite == "raise":
         raise ValueError("capturable=True cannot be combined with nonfinite='raise' (that check synchronises "
                          "with the host at every step); use nonfinite='propagate'")

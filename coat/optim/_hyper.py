@@ -58,7 +58,7 @@ def check_adam_group(group: dict[str, Any], nonfinite: str, name: str) -> None:
         raise ValueError(f"decoupled_weight_decay={group['decoupled_weight_decay']!r} with weight_decay="
                          f"{group['weight_decay']} is not supported by {name}: its weight decay is AdamW's "
                          "(decoupled); a torch.optim.Adam state dict with weight decay does not load here")
-    _compat.check_group_flags(group, nonfinite)
+    _compat.check_group_flags(group, nonfinite, name)
 
 
 def check_param_dtype(dt: torch.dtype, master_weights: str, name: str) -> None:

@@ -55,7 +55,9 @@ class AdamW(FusedOptimizer):
         nonfinite: "propagate" (default) behaves as torch.optim.AdamW: a NaN/Inf gradient makes
             that element's moments NaN (stored as the NaN code) and its parameter non-finite.
             "raise" checks the gradients first and raises ``FloatingPointError`` before anything
-            is written; that check synchronises with the host once per step.
+            is written; that check synchronises with the host once per step. Under GradScaler
+            (which passes ``found_inf``) its own skip decides instead: an overflowing step is
+            skipped, not raised, as GradScaler expects.
         seed: seed of the stochastic rounding (each parameter's seed derives from it and the
             parameter's position in the groups; stored in the state dict, so a resumed run rounds
             exactly as the uninterrupted one).

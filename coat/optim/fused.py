@@ -481,8 +481,9 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
             except Exception:
                 torch._foreach_sub_(steps, 1)
                 raise
-        if fi is not None:  # a skipped step does not count (torch's fused optimizers do the same)
-            torch._foreach_sub_(steps, [fi.reshape(())] * len(steps))
+        if fi is not None:  # a skipped step does not count; found_inf is a flag, though GradScaler passes
+            # the sum of its devices' flags (torch's fused AdamW subtracts that sum: two devices, two steps)
+            torch._foreach_sub_(steps, [(fi.reshape(()) != 0).float()] * len(steps))
         _compat.bump_versions([p for p, _, _, _ in items] + [st["master"] for *_, st in items if "master" in st])
         self._synced.update((id(p), _versions(p)) for p, _, _, st in items if "master" in st)
 
@@ -501,17 +502,29 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            self._step()
+        except BaseException:
+            # GradScaler sets these for one step() and deletes them after it returns: after a raise
+            # they would stay, and every later step would read a stale found_inf and skip
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
+        return loss
+
+    def _step(self) -> None:
         release = self._release
         amp_scale = getattr(self, "grad_scale", None)  # GradScaler's names for them
         found_inf = getattr(self, "found_inf", None)
         clip_scale = release.before_step(amp_scale, found_inf) if release is not None else None
         buckets, positions = self._gather()
-        if self.nonfinite == "raise":
+        # under GradScaler, non-finite gradients are its found_inf's to skip (an overflow of the
+        # scaled loss is how it finds its scale), not an error
+        if self.nonfinite == "raise" and found_inf is None:
             self._raise_on_nonfinite(buckets)
         self.run_launches(self._plan(buckets, positions), clip_scale, amp_scale=amp_scale, found_inf=found_inf)
         if release is not None:
             release.end_iteration()
-        return loss
 
     @staticmethod
     def _raise_on_nonfinite(buckets: dict[tuple, list]) -> None:

@@ -225,6 +225,9 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
         if p.is_complex() or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"params: coat.optim.SubsetNormSM supports float32, bfloat16 and float16 "
                              f"parameters, got {p.dtype}")
+        if self.master_weights == "bf16_sr" and p.dtype == torch.float16:  # matrices too: no master, no rounding
+            raise ValueError("params: master_weights='bf16_sr' needs bfloat16 parameters, got torch.float16 "
+                             "(cast the model with .bfloat16(), or use master_weights='fp32')")
 
     @staticmethod
     def _is_matrix(p: torch.Tensor, group: dict[str, Any]) -> bool:

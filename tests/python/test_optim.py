@@ -280,6 +280,42 @@ def test_grad_scaler_skips_and_unscales():
     torch.testing.assert_close(_flat(b), _flat(a), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("cls", [co.AdamW, co.AdamW4bit])
+def test_grad_scaler_overflow_is_skipped_not_raised_under_nonfinite_raise(cls):
+    """GradScaler finds its scale by overflowing: its found_inf skips that step; nonfinite='raise'
+    must not turn it into an error (and after any raise, the scaler's attributes must not stay)."""
+    w = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(0)))
+    opt, scaler = cls([w], lr=1e-2, nonfinite="raise"), torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    for i in range(3):
+        opt.zero_grad()
+        loss = (w * torch.randn(16, generator=torch.Generator().manual_seed(i))).sum() * (1e35 if i == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0 ** 15 and opt.state[w]["step"].item() == 2
+    w.grad = torch.full_like(w, float("nan"))  # without GradScaler the check still raises
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(0.0)  # as GradScaler sets them
+    w.grad = torch.ones(16).to_sparse()  # refused: a sparse gradient
+    with pytest.raises(ValueError):
+        opt.step()
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+
+
+@pytest.mark.parametrize("cls", [co.AdamW, co.AdamW4bit])
+def test_found_inf_is_a_flag(cls):
+    """GradScaler passes the sum of its devices' found_inf: 2.0 skips one step, not two."""
+    w = torch.nn.Parameter(torch.randn(16))
+    opt = cls([w], lr=1e-2)
+    for fi in (0.0, 2.0, 0.0):
+        w.grad = torch.randn(16)
+        opt.found_inf = torch.tensor(fi)
+        opt.step()
+    del opt.found_inf
+    assert opt.state[w]["step"].item() == 2
+
+
 def test_scheduler_tensor_lr_closure_and_groups():
     a, b = _mlp(), _mlp()
     lr = float(torch.tensor(2e-3))  # the fp32 value, so that both runs use the same lr

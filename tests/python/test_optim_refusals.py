@@ -152,3 +152,18 @@ def test_snsm_harmless_flag_values_accepted():
         assert (W < W0).all() and (b < b0).all()
         results.append((W.detach().clone(), b.detach().clone()))
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [co.AdamW, co.AdamW4bit])
+@pytest.mark.parametrize("flag", ["amsgrad", "differentiable"])
+def test_refusals_name_the_optimizer_they_come_from(cls, flag):
+    with pytest.raises(ValueError, match=f"not supported by {cls.display_name}:"):
+        cls([torch.nn.Parameter(torch.randn(4))], **{flag: True})
+
+
+def test_subset_norm_sm_refuses_fp16_matrices_under_bf16_sr():
+    """bf16_sr keeps no master: an fp16 matrix would be rounded to nearest without one (updates
+    below its ulp lost), where every other fp16 parameter is refused."""
+    with pytest.raises(ValueError, match="bfloat16"):
+        co.SubsetNormSM([torch.nn.Parameter(torch.randn(32, 16, dtype=torch.float16))], lr=1e-3, rank=4,
+                        master_weights="bf16_sr")
