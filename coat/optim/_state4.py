@@ -249,8 +249,11 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, mast
     _check_shape(saved.get("shape"), shape if shape is not None else tuple(local.shape), where)
     got = state_kind(saved)
     if got != kind:
+        hint = (" (a torch.optim.AdamW state has this form: AdamW4bit keeps full-precision moments only for "
+                f"tensors of at most {_ops.MIN_NUMEL - 1} elements, so it cannot take one for this tensor; start "
+                "its optimizer state fresh)") if got == "full" else ""
         raise ValueError(f"{where}: a {got!r} state (keys {sorted(saved)}) does not fit a parameter of shape "
-                         f"{tuple(local.shape)}, which takes {kind!r} states")
+                         f"{tuple(local.shape)}, which takes {kind!r} states{hint}")
     missing = [k for k in ("step", *_KEYS[kind]) if k not in saved]
     if missing:
         raise ValueError(f"{where}: missing {missing} (not a coat.optim.AdamW4bit state)")
