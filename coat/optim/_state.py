@@ -157,13 +157,20 @@ def check_master(st: dict[str, Any], local: torch.Tensor, master: str) -> None:
                          "by master_weights='bf16_sr'")
 
 
-def adopt_edits(master: torch.Tensor, local: torch.Tensor) -> None:
+def adopt_edits(master: torch.Tensor, local: torch.Tensor, chunk: int = 1 << 24) -> None:
     """A parameter whose autograd version moved since the step last wrote it: its elements that
     still hold the master's rounding keep the master (a version can move without an edit: views of
     one buffer share a counter that every write to any of them moves, and a model loaded after the
     optimizer writes the same values); the others take the edited value, so the edit stands. One
-    element-wise pass, no host synchronisation."""
-    torch.where(local == master.to(local.dtype), master, local.to(master.dtype), out=master)
+    element-wise pass, no host synchronisation; in slices of ``chunk`` elements, so that its
+    temporaries stay small beside a large parameter."""
+    if not (same_layout(master, local) and is_dense(local)):
+        torch.where(local == master.to(local.dtype), master, local.to(master.dtype), out=master)
+        return
+    mv, lv = memory_view(master), memory_view(local)
+    for i in range(0, lv.numel(), chunk):
+        m, v = mv[i:i + chunk], lv[i:i + chunk]
+        torch.where(v == m.to(v.dtype), m, v.to(m.dtype), out=m)
 
 
 def tensor_ptrs(state: dict[str, Any]) -> list[int]:

@@ -174,3 +174,17 @@ def test_the_optimizer_loaded_before_the_model_keeps_its_masters(cls):
     again.step()
     assert torch.equal(q, p)
     torch.testing.assert_close(again.state[q]["master"], opt.state[p]["master"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("perm", [None, (2, 0, 1)], ids=["contiguous", "permuted"])
+def test_adopting_edits_in_slices_equals_one_pass(perm):
+    from coat.optim._state import adopt_edits
+
+    local = (torch.randn(8, 6, 5, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
+    local = local.permute(*perm) if perm else local
+    master = torch.empty_like(local, dtype=torch.float32).copy_(local.float() + 1e-4)
+    with torch.no_grad():
+        local[0] = 0.5
+    expect = torch.where(local == master.to(local.dtype), master, local.float())
+    adopt_edits(master, local, chunk=17)  # slices that split rows of every dimension
+    assert torch.equal(master, expect) and master.stride() == local.stride()
