@@ -86,6 +86,21 @@ def _check_forward(mod: nn.Module, name: str) -> None:
                      f"train this model without coat.convert")
 
 
+def _refuse_accelerate_hooks(model: nn.Module) -> None:
+    """accelerate's dispatch (``from_pretrained(device_map=...)``, ``dispatch_model``, ``cpu_offload``)
+    hooks modules: each keeps its original bound forward (``_old_forward``) and calls that, so coat's
+    forwards would never run (or would meet offloaded weights on the meta device)."""
+    for name, mod in model.named_modules():
+        if hasattr(mod, "_hf_hook") or hasattr(mod, "_old_forward"):
+            where = name or f"the model ({type(model).__name__})"
+            raise ValueError(
+                f"coat.convert: {where} carries accelerate's hooks (_hf_hook / _old_forward): the model was "
+                f"dispatched or offloaded by accelerate (from_pretrained with a device_map, dispatch_model, "
+                f"cpu_offload), and those hooks call the original forward, so coat's would never run. coat needs "
+                f"the whole model on one device per process: load it without device_map (then .to(device)), or "
+                f"shard it with FSDP2 through coat.integrations.fsdp (docs/fsdp.md)")
+
+
 def _check_layer(layer: nn.Module, fam: Family, prefix: str) -> str:
     """Everything the FP8 blocks read is where the family says, every projection is a plain
     nn.Linear or a PEFT LoRA layer around one (anything else would be read past silently, so it is
@@ -144,8 +159,10 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
     None; call without labels (or set ``model.coat_fused_loss = False``) to get logits. A head PEFT
     wraps (``modules_to_save``, a LoRA adapter on ``lm_head``) takes Hugging Face's loss path; a head
     the fused loss cannot read (a bias, another module) is refused: convert with ``fused_loss=False``.
-    Every argument and every check runs before the first module is changed: a refused model is left
-    as it was. Converting twice only updates the recipe (and stores newly frozen groups in FP8)."""
+    A decoder layer, attention or MLP whose forward is not transformers' own (coat's replaces it) and
+    a model accelerate dispatched or offloaded (its hooks would bypass coat) are refused
+    (docs/models.md). Every argument and every check runs before the first module is changed: a
+    refused model is left as it was. Converting twice only updates the recipe (and stores newly frozen groups in FP8)."""
     _check_args(model, recipe, frozen_weights, fused_loss)
     if recipe == "bf16":
         return model
@@ -155,6 +172,7 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
                          f"{rec.granularity!r} (keep the frozen weights with frozen_weights='keep')")
     fam, layers = _find_layers(model)
     # every check runs before anything is changed: nothing half-done
+    _refuse_accelerate_hooks(model)
     acts = [_check_layer(layer, fam, name) for name, layer in layers]
     fuse = fused_loss and hasattr(_inner_lm(model), "lm_head")
     if fuse:

@@ -3,7 +3,9 @@ that can refuse runs before the first module is swapped, so a refused model keep
 computes what it computed. A PEFT head (modules_to_save, LoRA on lm_head) converts and takes Hugging
 Face's loss path, as install_fused_loss's docstring says. A module whose forward coat replaces (decoder
 layer, attention, MLP) is refused when that forward is not transformers' own: a subclass overriding it,
-a function patched onto the class or set on the instance would silently be lost."""
+a function patched onto the class or set on the instance would silently be lost. A model accelerate
+dispatched or offloaded (device_map, dispatch_model, cpu_offload) is refused: its hooks call the
+original forwards, so coat's would never run."""
 
 import pytest
 import torch
@@ -142,3 +144,35 @@ def test_a_subclass_that_keeps_the_forward_converts():
     with torch.no_grad():
         plain = coat.convert(ref)(input_ids=IDS).logits
         assert torch.equal(m(input_ids=IDS).logits, plain)
+
+
+def _accelerate_hooked(where):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    m = _llama()
+    if where == "cpu_offload":
+        return accelerate.cpu_offload(m, execution_device=torch.device("cpu")), r"the model \(LlamaForCausalLM\)"
+    add_hook_to_module(m.get_submodule(where), AlignDevicesHook(execution_device=torch.device("cpu"),
+                                                                 io_same_device=True))
+    return m, where.replace(".", r"\.")
+
+
+@pytest.mark.parametrize("where", ["model.layers.1", "model.layers.0.mlp.down_proj", "cpu_offload"])
+def test_a_model_accelerate_hooked_is_refused(where):
+    m, name = _accelerate_hooked(where)
+    _assert_refused_unchanged(m, rf"coat\.convert: {name} carries accelerate's hooks.*device_map"
+                                 r".*one device per process.*without device_map.*FSDP2")
+
+
+def test_from_pretrained_with_an_offloading_device_map_is_refused(tmp_path):
+    pytest.importorskip("accelerate")
+    _llama().save_pretrained(tmp_path / "m")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    m = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map,
+                                                offload_folder=str(tmp_path / "offload"))
+    _assert_refused_unchanged(m, r"carries accelerate's hooks.*device_map")
+    # a device_map that puts the whole model on one device adds no hooks: it converts
+    one = coat.convert(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map="cpu"))
+    assert type(one.model.layers[0]).__name__ == "Fp8LlamaDecoderLayer"
