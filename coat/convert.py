@@ -23,7 +23,7 @@ from .models import GROUPS, Family
 from .nn import adapters
 from .nn.attention import Fp8AttentionMixin
 from .nn.frozen import freeze_to_fp8
-from .nn.loss import check_fused_loss, install_fused_loss
+from .nn.loss import DEFAULT_CHUNK_MIB, FusedCausalLMLossMixin, check_fused_loss, install_fused_loss
 from .nn.layer import Fp8DecoderLayerMixin
 from .nn.mlp import Fp8SwiGLUMixin
 from .nn.recipe import Fp8Recipe, resolve
@@ -162,9 +162,13 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
     A decoder layer, attention or MLP whose forward is not transformers' own (coat's replaces it) and
     a model accelerate dispatched or offloaded (its hooks would bypass coat) are refused
     (docs/models.md). Every argument and every check runs before the first module is changed: a
-    refused model is left as it was. Converting twice only updates the recipe (and stores newly frozen groups in FP8)."""
+    refused model is left as it was. Converting again updates the recipe, stores newly frozen
+    groups in FP8 and applies ``fused_loss`` (False switches an installed fused loss off, as
+    ``model.coat_fused_loss = False`` does; its chunk size and FP8 backward are kept); it cannot undo
+    a conversion: ``recipe="bf16"`` on a converted model is refused."""
     _check_args(model, recipe, frozen_weights, fused_loss)
     if recipe == "bf16":
+        _refuse_converted(model)
         return model
     rec = resolve(recipe)
     if rec.granularity != "tensor" and frozen_weights == "fp8":
@@ -185,11 +189,15 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
         _convert_layer(layer, rec, fam, act)
     if frozen_weights == "fp8":
         freeze_to_fp8([layer for _, layer in layers], rec)
-    if fuse:
-        install_fused_loss(model, recipe=rec)
+    lm = _inner_lm(model)
+    if fuse:  # installed again: only the recipe changes (and the switch, on)
+        install_fused_loss(model, recipe=rec, chunk_mib=getattr(lm, "coat_loss_chunk_mib", DEFAULT_CHUNK_MIB),
+                           fp8_backward=getattr(lm, "coat_loss_fp8_backward", False))
         # The model's class is now coat.nn.loss's; a PEFT adapter saved from it names the
         # transformers class in its adapter_config.json all the same (what plain PEFT writes).
         adapters.plain_peft_auto_mapping()
+    elif isinstance(lm, FusedCausalLMLossMixin):  # converted before with the fused loss: switched off
+        lm.coat_fused_loss = False
     return model
 
 
@@ -202,6 +210,16 @@ def _check_args(model, recipe, frozen_weights: str, fused_loss: bool) -> None:
         raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
     if recipe == "bf16" and frozen_weights != "keep":
         raise ValueError("frozen_weights='fp8' needs an FP8 recipe (the bf16 recipe leaves the model as it is)")
+
+
+def _refuse_converted(model: nn.Module) -> None:
+    """The bf16 recipe leaves a model as it is; it cannot turn a converted one back."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, Fp8DecoderLayerMixin):
+            raise ValueError(f"coat.convert(recipe='bf16'): {name or 'the layer'} ({type(mod).__name__}) is already "
+                             f"converted to FP8, and convert cannot undo a conversion: load the model again (the "
+                             f"save_pretrained checkpoint of a converted model is plain transformers') to train it "
+                             f"in bf16")
 
 
 def _find_layers(model: nn.Module) -> tuple[Family, list[tuple[str, nn.Module]]]:

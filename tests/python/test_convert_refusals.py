@@ -5,7 +5,8 @@ Face's loss path, as install_fused_loss's docstring says. A module whose forward
 layer, attention, MLP) is refused when that forward is not transformers' own: a subclass overriding it,
 a function patched onto the class or set on the instance would silently be lost. A model accelerate
 dispatched or offloaded (device_map, dispatch_model, cpu_offload) is refused: its hooks call the
-original forwards, so coat's would never run."""
+original forwards, so coat's would never run. Converting again applies fused_loss (on or off) and the
+recipe, keeps the fused loss's other settings, and refuses recipe="bf16" (it cannot undo a conversion)."""
 
 import pytest
 import torch
@@ -29,17 +30,17 @@ def _llama(seed=0):
 def _state(model):
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
-    return [(n, type(m)) for n, m in model.named_modules()], logits
+    return [(n, type(m)) for n, m in model.named_modules()], logits, getattr(model, "coat_fused_loss", None)
 
 
 def _assert_refused_unchanged(model, match, exc=ValueError, **kw):
-    classes, logits = _state(model)
+    classes, logits, fused = _state(model)
     with pytest.raises(exc, match=match):
         coat.convert(model, **kw)
-    after, again = _state(model)
+    after, again, fused_after = _state(model)
     assert after == classes  # no module swapped (the decoder layers, the causal LM, its final norm)
     assert torch.equal(again, logits)
-    assert not hasattr(model, "coat_fused_loss")
+    assert fused_after == fused
 
 
 def _biased_head(m):
@@ -87,6 +88,10 @@ REFUSALS = {
     "fused_loss not a bool": (lambda m: m, "fused_loss must be True or False", dict(fused_loss="yes")),
     "frozen_weights": (lambda m: m, "frozen_weights must be one of", dict(frozen_weights="int8")),
     "recipe": (lambda m: m, "recipe", dict(recipe="int4")),
+    "fused_loss with the bf16 recipe": (lambda m: m, "fused_loss must be", dict(recipe="bf16", fused_loss="no")),
+    "bf16 on a converted model": (coat.convert, r"recipe='bf16'.*model\.layers\.0 .*already converted.*cannot undo",
+                                  dict(recipe="bf16")),
+    "fused_loss on a converted model": (coat.convert, "fused_loss must be", dict(fused_loss=1)),
     "head with a bias": (_biased_head, r"without bias.*fused_loss=False", {}),
     "head not a linear": (_wrapped_head, r"plain nn.Linear.*fused_loss=False", {}),
     "mlp overrides forward": (_swap("model.layers.1.mlp", ScaledMLP),
@@ -176,3 +181,25 @@ def test_from_pretrained_with_an_offloading_device_map_is_refused(tmp_path):
     # a device_map that puts the whole model on one device adds no hooks: it converts
     one = coat.convert(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map="cpu"))
     assert type(one.model.layers[0]).__name__ == "Fp8LlamaDecoderLayer"
+
+
+def test_converting_again_applies_fused_loss_and_the_recipe_and_keeps_the_loss_settings():
+    m = coat.convert(_llama())
+    coat.nn.loss.install_fused_loss(m, chunk_mib=0.5, fp8_backward=True)
+    assert m(input_ids=IDS, labels=IDS).logits is None
+    coat.convert(m, fused_loss=False)
+    out = m(input_ids=IDS, labels=IDS)
+    assert out.logits is not None and not m.coat_fused_loss  # Hugging Face's loss path
+    rec = coat.Fp8Recipe(granularity="block")
+    coat.convert(m, recipe=rec)  # fused_loss=True (the default) switches it on again
+    assert m(input_ids=IDS, labels=IDS).logits is None
+    assert m.coat_loss_recipe is m.model.layers[1].mlp.coat_recipe is rec
+    assert (m.coat_loss_chunk_mib, m.coat_loss_fp8_backward) == (0.5, True)  # convert only updates the recipe
+
+
+def test_converting_a_peft_model_again_switches_its_fused_loss():
+    peft = pytest.importorskip("peft")
+    m = coat.convert(peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"])))
+    assert m(input_ids=IDS, labels=IDS).logits is None
+    coat.convert(m, fused_loss=False)
+    assert m(input_ids=IDS, labels=IDS).logits is not None
