@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from coat.cli.config import IDENTITY_FLAGS, LATER_IDENTITY_FLAGS, TrainConfig
 from coat.cli.distributed_train import Dist
+from coat.cli.safe_load import unpickling_cause
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -131,7 +132,7 @@ def lock(out: Path) -> None:
     key = str(out.resolve())
     if key in _LOCKS:
         return
-    f = open(out / ".lock", "a+")
+    f = os.fdopen(os.open(out / ".lock", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -499,6 +500,8 @@ def _check_files(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"its {MANIFEST} is damaged") from None
     for rel, want in listed.items():
         path = ckpt / rel
+        if os.path.isabs(rel) or ".." in Path(rel).parts:  # read nothing outside the checkpoint
+            raise CheckpointError(f"its {MANIFEST} names {rel!r}, outside the checkpoint folder")
         if not path.is_file():
             raise CheckpointError(f"its file {rel} is missing")
         if path.stat().st_size != want.get("bytes"):
@@ -592,9 +595,6 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             optimizer.load_state_dict(sd["optim"])
         train_state = torch.load(ckpt / "train_state.pt", weights_only=True)
         rank_state = torch.load(ckpt / f"rank{d.rank:05d}.pt", weights_only=True)
-    except (Exception, CheckpointException) as e:
-        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-        # torch's refusal of a pickle that would run code puts its cause on one line among advice
-        cause = next((line for line in lines if "Unpickler error" in line), lines[-1] if lines else "")
-        raise CheckpointError(f"it could not be loaded safely ({type(e).__name__}: {cause})") from e
+    except (Exception, CheckpointException) as e:  # torch's refusal of a pickle names the global among advice
+        raise CheckpointError(f"it could not be loaded safely ({type(e).__name__}: {unpickling_cause(e)})") from e
     return train_state, rank_state

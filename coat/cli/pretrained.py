@@ -99,7 +99,7 @@ def missing_modules(init: InitCheckpoint, targets: list[str]) -> tuple[list[str]
 
     _quiet_transformers()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(init.path))
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(init.path, trust_remote_code=False))
     names = [n for n, _ in model.named_modules() if n]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
@@ -118,11 +118,17 @@ def load_tokenizer(init: InitCheckpoint) -> HFTokenizer | None:
         return None
     from transformers import AutoTokenizer
 
+    from coat.cli.config import ConfigError
+
     _quiet_transformers()
     try:
-        tok = AutoTokenizer.from_pretrained(init.path)
+        # never the folder's own code (an auto_map), whatever a prompt on stdin would be answered
+        tok = AutoTokenizer.from_pretrained(init.path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a broken tokenizer folder
-        raise ValueError(f"the tokenizer in {init.path} failed to load ({type(e).__name__}: {e})") from e
+        if "custom code" in str(e):
+            raise ConfigError("--init", f"the tokenizer in {init.path} names code of its own (an auto_map in "
+                              "tokenizer_config.json), which coat does not run: use a tokenizer folder without it") from e
+        raise ConfigError("--init", f"the tokenizer in {init.path} failed to load ({type(e).__name__}: {e})") from e
     h = hashlib.sha256()
     for name in _FINGERPRINT_FILES:
         f = init.path / name
@@ -141,8 +147,15 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict[str, Any]:
 def load_model(init: InitCheckpoint, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    from coat.cli.config import ConfigError
+    from coat.cli.safe_load import unpickling_cause
+
     _quiet_transformers()
-    return AutoModelForCausalLM.from_pretrained(init.path, **_dtype_kwarg(dtype))
+    try:  # weights a pickle would run code from are refused by transformers' weights_only load
+        return AutoModelForCausalLM.from_pretrained(init.path, trust_remote_code=False, **_dtype_kwarg(dtype))
+    except Exception as e:  # transformers raises many types for a broken folder
+        raise ConfigError("--init", f"the model in {init.path} failed to load ({type(e).__name__}: "
+                          f"{unpickling_cause(e)})") from e
 
 
 def save_model(state_dict: dict[str, torch.Tensor], config: Any, out: Path, dtype: str,

@@ -90,11 +90,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:  # torch's message: advice, then the cause on the last lines
-            cause = next((line.strip() for line in str(e).splitlines() if "Unpickler error" in line), str(e))
-            raise UnsafeCheckpointError(f"entry {read_item.dest_index.fqn}: {cause}") from None
+            raise UnsafeCheckpointError(f"entry {read_item.dest_index.fqn}: {unpickling_cause(e)}") from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+#: torch.load's advice around the cause of a refusal (torch 2.6-2.13 word it differently)
+_ADVICE = ("Weights only load failed", "Re-running `torch.load`", "Check the documentation of torch.load",
+           "Please file an issue", "In PyTorch 2.6")
+
+
+def unpickling_cause(e: BaseException) -> str:
+    """The cause in torch.load's refusal of a pickle (which names the global it would have run),
+    without the advice around it."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    cause = next((line for line in lines if "Unpickler error" in line), None)
+    rest = [line for line in lines if not any(a in line for a in _ADVICE)]
+    return cause or " ".join(rest) or (lines[-1] if lines else "")

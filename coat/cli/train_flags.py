@@ -177,7 +177,8 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
                    "in metrics.jsonl and summary.json (a recorded step costs ~10%% more)")
     g.add_argument("--out", metavar="DIR", help="output folder, new or empty (default: a new runs/<timestamp>)")
     g.add_argument("--save", action=argparse.BooleanOptionalAction, help="write the trained model with "
-                   "save_pretrained (and the tokenizer) to OUT/model (default: on with --init)")
+                   "save_pretrained (and the --init model's tokenizer, where it has one) to OUT/model (default: "
+                   "on with --init)")
     g.add_argument("--save-every", **_N, help="write a checkpoint (model, optimizer, scheduler, RNG, data "
                    "position) every N steps and at the end")
     g.add_argument("--keep-last", **_N, help="checkpoints kept (older ones are deleted)" + _default("keep_last"))

@@ -233,3 +233,31 @@ def test_bad_lora_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     err = _usage_error(["--init", str(ckpt), "--lora", "4", "--lora-targets", "no_such_proj", "--recipe", "coat",
                         "--out", str(tmp_path / "bad"), *common], capsys)
     assert "--lora-targets" in err and "no_such_proj" in err
+
+
+def test_init_folders_never_run_their_own_code(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    """A tokenizer whose config names code in the folder (auto_map) is refused even where a prompt
+    would be answered "y"; weights in a pickle that would run code are refused as --init's error."""
+    import builtins
+
+    marker = tmp_path / "marker"
+    monkeypatch.setattr(builtins, "input", lambda *a, **k: "y")  # transformers' trust_remote_code prompt
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]})
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (ckpt / "tokenization_evil.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+    out = tmp_path / "out"
+    err = _usage_error(["--init", str(ckpt), "--out", str(out), "--steps", "1"], capsys)
+    assert "--init" in err and not marker.exists() and not out.exists()
+
+    class _Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    bad = make_checkpoint(tmp_path / "bad", "llama", tokenizer=False)
+    (bad / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": _Payload()}, bad / "pytorch_model.bin")
+    err = _usage_error(["--init", str(bad), "--out", str(out), "--steps", "1", "--no-compare"], capsys)
+    assert "argument --init: the model in" in err and "Traceback" not in err and not marker.exists(), err

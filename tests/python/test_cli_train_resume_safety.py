@@ -203,3 +203,40 @@ def test_a_pickle_that_runs_code_in_a_checkpoint_file_is_refused(
     assert "step_00000006 cannot be resumed: it could not be loaded safely (UnpicklingError: WeightsUnpickler " \
            "error: Unsupported global: GLOBAL io.open" in err
     assert f"resume from it with --resume {run} --from-step 4" in err and not marker.exists()
+
+
+def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(
+        base: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A manifest is read from the checkpoint: the files it names are hashed, so none may lie outside."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the checkpoint's")
+
+    def point_out(ckpt_dir: Path) -> None:
+        manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+        manifest["files"]["../../../outside.txt"] = {"bytes": outside.stat().st_size, "sha256": "0"}
+        (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
+
+    run = damaged_copy(base, tmp_path, point_out)
+    err = usage_error(capsys, "--resume", str(run), "--steps", "8")
+    assert "names '../../../outside.txt', outside the checkpoint folder" in err
+
+
+def test_a_blocked_global_is_named_in_the_refusal() -> None:
+    """torch names the global a pickle would run on one line among advice (worded otherwise across
+    versions); the refusal keeps that line."""
+    import io
+    import os as _os
+
+    from coat.cli.safe_load import unpickling_cause
+
+    class _System:
+        def __reduce__(self):
+            return (_os.system, ("true",))
+
+    buf = io.BytesIO()
+    torch.save({"x": _System()}, buf)
+    buf.seek(0)
+    with pytest.raises(pickle.UnpicklingError) as e:
+        torch.load(buf, weights_only=True)
+    cause = unpickling_cause(e.value)
+    assert "system" in cause and "Check the documentation" not in cause and "Weights only load failed" not in cause
