@@ -307,6 +307,9 @@ class CudaGraphStep:
         # The replayed step wrote the parameters behind autograd's back; a forward saved before this
         # call must not backward through them silently (as after an eager step).
         bump_versions(self._opt_objects[1])
+        mark_synced = getattr(self.optimizer, "mark_synced", None)  # coat's optimizers: not edits
+        if mark_synced is not None:
+            mark_synced(self._opt_objects[1])
         for p, g in self._grads:  # a zero_grad() between calls must not orphan the captured buffers
             if p.grad is not g:
                 p.grad = g

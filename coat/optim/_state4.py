@@ -10,8 +10,9 @@ Keys by kind:
 A "block" state of a parameter that is not contiguous (channels_last, a transposed view) also holds
 ``strides``: the parameter's strides (a tuple of ints, 0 for size-1 dims) when the state was made:
 the codes follow that memory order, and a state is refused for a parameter laid out otherwise.
-A saved "block" or "rank1" state (``state_dict``) also holds ``shape``: the parameter's (whole)
-shape as an int64 tensor, which loading checks (packed codes do not say what they were made for).
+A saved "block" or "rank1" state (``state_dict``) of a plain (not DTensor) parameter also holds
+``shape``: the parameter's shape as an int64 tensor, which loading checks when present (packed
+codes do not say what they were made for).
 Every kind: ``step`` (fp32 scalar); ``master`` (fp32 like the parameter) for master_weights="fp32"
 on 16-bit parameters; ``sr_seed`` (int64 scalar, CPU) for "bf16_sr".
 """
@@ -176,15 +177,19 @@ def to_dtensor_state(st: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     (shard count, largest shard) travels as ``shard_layout``: blocks cannot be resharded, so a load
     at another layout is refused."""
     kind = state_kind(st)
-    # packed codes and scales do not say which shape they were made for: a state of another
-    # parameter with as many elements (a transposed matrix) would load into the wrong elements
-    shape = {} if kind == "full" else {"shape": torch.tensor(list(p.shape), dtype=torch.int64)}
-    if not (_is_dtensor(p) and is_sharded(p)):
-        return {**st, **shape}  # replicated everywhere: every rank holds the same state, plain tensors say so
+    if not _is_dtensor(p):
+        # packed codes and scales do not say which shape they were made for: a state of another
+        # parameter with as many elements (a transposed matrix) would load into the wrong elements.
+        # Not for DTensors: distributed checkpoints load by parameter name into the live state's
+        # keys (a new key would refuse every checkpoint written without it), and shards check
+        # their layout.
+        return st if kind == "full" else {**st, "shape": torch.tensor(list(p.shape), dtype=torch.int64)}
+    if not is_sharded(p):
+        return st  # replicated everywhere: every rank holds the same state, plain tensors say so
     world, n_full = shard_layout(p)
     if kind == "rank1":  # kind_of never gives a sharded parameter rank-1 statistics
         raise ValueError("a sharded parameter holds rank-1 states: they span shards and cannot be saved per shard")
-    out = {**st, **shape}
+    out = dict(st)
     if kind == "full":
         out["exp_avg"], out["exp_avg_sq"] = like_param(st["exp_avg"], p), like_param(st["exp_avg_sq"], p)
     else:

@@ -395,9 +395,18 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         (gradient clipping) and by ``amp_scale`` (GradScaler's scale), negated where the group
         maximizes; a nonzero ``found_inf`` skips the step. Tensors on any device, or None."""
         on_device: dict[tuple, torch.Tensor] = {}
+        launches = list(launches)
         for launch in launches:
             self._launch(launch.key, launch.items, launch.table, launch.n_groups, clip_scale, amp_scale, found_inf,
                          on_device)
+        # in sync once all have run: a launch's writes also move the versions of views of one buffer
+        # that other launches stepped (else each step would take those for edits)
+        self.mark_synced(p for launch in launches for p, *_ in launch.items)
+
+    def mark_synced(self, params: Iterable[torch.Tensor]) -> None:
+        """The fp32 masters of ``params`` hold what the parameters were last written from (a step
+        that wrote them, also one replayed from a CUDA graph): their versions as they are now."""
+        self._synced.update((id(p), _versions(p)) for p in params if "master" in self.state.get(p, ()))
 
     def _descriptors(self, key: tuple, items: list) -> tuple[torch.Tensor, int]:
         """The descriptor table of one launch. Built in full (every state checked) when a parameter
@@ -485,7 +494,6 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
             # the sum of its devices' flags (torch's fused AdamW subtracts that sum: two devices, two steps)
             torch._foreach_sub_(steps, [(fi.reshape(()) != 0).float()] * len(steps))
         _compat.bump_versions([p for p, _, _, _ in items] + [st["master"] for *_, st in items if "master" in st])
-        self._synced.update((id(p), _versions(p)) for p, _, _, st in items if "master" in st)
 
     # ---- step ----------------------------------------------------------------------------------
 

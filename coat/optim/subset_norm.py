@@ -315,6 +315,12 @@ class SubsetNormSM(ReleaseTarget, torch.optim.Optimizer):
             if "master" in state:
                 synced[id(p)] = p._version
 
+    def mark_synced(self, params: Iterable[torch.Tensor]) -> None:
+        """As coat.optim.AdamW's: the masters hold what ``params`` were last written from."""
+        params = list(params)
+        self._synced.update((id(p), p._version) for p in params if "master" in self.state.get(p, ()))
+        self._adamw.mark_synced(params)
+
     def _inner_positions(self) -> dict[int, int]:
         """Position in the whole parameter list -> position in the AdamW part's list."""
         return {outer: inner for inner, outer in enumerate(self._adamw_ids())}

@@ -63,9 +63,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         kinds = [co.adamw4bit._state4.state_kind(opt.state[p]) for p in model.parameters()]
         sd = opt.state_dict()
         dtensors = sorted(k for st in sd["state"].values() for k, v in st.items() if type(v).__name__ == "DTensor")
+        # no key a distributed checkpoint written before it would lack (DCP loads into these keys)
+        keys = sorted({k for st in sd["state"].values() for k in st})
         full = [p.full_tensor().detach() for p in model.parameters()]
         if rank == 0:
-            torch.save({"params": full, "kinds": kinds, "dtensors": dtensors}, out)
+            torch.save({"params": full, "kinds": kinds, "dtensors": dtensors, "keys": keys}, out)
         end_worker()
     finally:
         dist.destroy_process_group()
@@ -77,6 +79,7 @@ def test_sharded_step_equals_unsharded_blocks(tmp_path):
     got = torch.load(out)
     assert got["kinds"] == ["block", "full", "block", "full"]
     assert "exp_avg_q4" in got["dtensors"] and "exp_avg_sq_absmax" in got["dtensors"] and "exp_avg" in got["dtensors"]
+    assert "shape" not in got["keys"]
     model = _model()
     opt = co.AdamW4bit(model.parameters(), lr=1e-2)
     _run(model, opt)

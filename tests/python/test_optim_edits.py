@@ -188,3 +188,24 @@ def test_adopting_edits_in_slices_equals_one_pass(perm):
     expect = torch.where(local == master.to(local.dtype), master, local.float())
     adopt_edits(master, local, chunk=17)  # slices that split rows of every dimension
     assert torch.equal(master, expect) and master.stride() == local.stride()
+
+
+@pytest.mark.parametrize("make", MAKERS[:2], ids=["AdamW", "AdamW4bit"])
+def test_views_stepped_by_several_launches_are_in_sync_after_the_step(make, monkeypatch):
+    """The launches of one step move each other's shared versions: that is not an edit, so no
+    step re-reads the masters (an extra pass over them every step), and a CUDA graph's capture
+    (which refuses edits) is not refused; a replay's version bump marked synced is not one either."""
+    import coat.optim._compat as compat
+    import coat.optim._state as st
+
+    calls = []
+    real = st.adopt_edits
+    monkeypatch.setattr(st, "adopt_edits", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    views = _views_of_one_buffer("cpu")
+    opt = make([{"params": [views[0]]}, {"params": [views[1]]}])
+    _steps(opt, views, n=5)
+    assert not calls
+    compat.bump_versions(list(views))  # what CudaGraphStep's replay does after writing the weights
+    opt.mark_synced(views)
+    _steps(opt, views, n=1)
+    assert not calls
