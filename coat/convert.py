@@ -13,7 +13,9 @@ and the LM head stay as they are.
 
 from __future__ import annotations
 
-import inspect
+import functools
+import importlib.util
+import os
 
 from torch import nn
 
@@ -52,12 +54,33 @@ def _subclass(cls: type, mixin: type) -> type:
     return hf.subclass(cls, mixin, "Fp8" + cls.__name__, __name__, {"_coat_hf_module": cls.__module__})
 
 
+@functools.cache
+def _transformers_dir() -> str:
+    spec = importlib.util.find_spec("transformers")  # found, not imported
+    return os.path.join(os.path.abspath(spec.submodule_search_locations[0]), "") if spec else "\0"
+
+
+def _in_transformers(f: object) -> bool:
+    """Whether function ``f``'s code is transformers' own (by the file it was compiled from)."""
+    code = getattr(f, "__code__", None)
+    return code is not None and os.path.abspath(code.co_filename).startswith(_transformers_dir())
+
+
+def _unwrap(f: object) -> object:
+    """``f`` without transformers' own wrappers (transformers 5.x wraps every decoder layer
+    subclass's forward, and decorates forwards); another wrapper (a patch made with
+    functools.wraps) is kept, so that it is not taken for the function it wraps."""
+    while hasattr(f, "__wrapped__") and _in_transformers(f):
+        f = f.__wrapped__
+    return f
+
+
 def _forward_of(cls: type) -> tuple[type | None, object]:
     """The class of ``cls``'s MRO whose ``forward`` an instance runs (coat's own classes skipped) and
-    that function, unwrapped (transformers 5.x wraps every decoder layer subclass's forward)."""
+    that function, without transformers' wrappers."""
     for c in cls.__mro__:
         if "forward" in c.__dict__ and not c.__module__.startswith("coat."):
-            return c, inspect.unwrap(c.__dict__["forward"])
+            return c, _unwrap(c.__dict__["forward"])
     return None, None
 
 
@@ -75,14 +98,17 @@ def _check_forward(mod: nn.Module, name: str) -> None:
     elif owner is None or runs is not own:
         why = f"overrides forward ({getattr(runs, '__qualname__', repr(runs))})"
     elif (getattr(own, "__module__", None), getattr(own, "__qualname__", None)) != (owner.__module__,
-                                                                                    f"{owner.__qualname__}.forward"):
-        why = (f"has a forward that is not {owner.__qualname__}'s own: {owner.__qualname__}.forward is "
-               f"{getattr(own, '__module__', '?')}.{getattr(own, '__qualname__', repr(own))} (patched onto the class)")
+                                                                                    f"{owner.__qualname__}.forward") \
+            or not _in_transformers(own):
+        how = " with functools.wraps" if hasattr(own, "__wrapped__") else ""
+        why = (f"has a forward that is not {owner.__qualname__}'s own: {owner.__qualname__}.forward was replaced "
+               f"by {getattr(own, '__module__', '?')}.{getattr(own, '__qualname__', repr(own))} (patched onto the "
+               f"class{how})")
     else:
         return
     raise ValueError(f"coat.convert: {name} is a {cls.__module__}.{cls.__qualname__} that {why}; coat replaces the "
-                     f"forward of decoder layers, their attention and MLP with its FP8 one, so that forward would be "
-                     f"lost silently. Keep transformers' forward (a forward hook on the module runs with coat's), or "
+                     f"forward of decoder layers, their attention, MLP and norms (and of the final norm, in its fused "
+                     f"loss) with its own, so that forward would be lost silently. Keep transformers' forward (a forward hook on the module runs with coat's), or "
                      f"train this model without coat.convert")
 
 
@@ -109,8 +135,12 @@ def _check_layer(layer: nn.Module, fam: Family, prefix: str) -> str:
     for name in ("self_attn", "mlp", *fam.norms()):
         if not hasattr(layer, name):
             raise ValueError(f"coat.convert: {prefix}{name} is missing: not a {fam.name} decoder layer")
+    # coat's forwards replace these, and compute the norms from their weights
+    norms = [(f"{prefix}{n}", getattr(layer, n)) for n in fam.norms()]
+    norms += [(f"{prefix}self_attn.{n}", getattr(layer.self_attn, n)) for n in ("q_norm", "k_norm")
+              if isinstance(getattr(layer.self_attn, n, None), nn.Module)]
     for name, mod in ((prefix[:-1] or "the layer", layer), (f"{prefix}self_attn", layer.self_attn),
-                      (f"{prefix}mlp", layer.mlp)):
+                      (f"{prefix}mlp", layer.mlp), *norms):
         _check_forward(mod, name)
     if fam.qk_norm != hasattr(layer.self_attn, "q_norm"):
         raise ValueError(f"coat.convert: {prefix}self_attn {'lacks' if fam.qk_norm else 'has'} q_norm, which a "
@@ -181,7 +211,7 @@ def convert(model: nn.Module, recipe: str | Fp8Recipe = "fp8", frozen_weights: s
     fuse = fused_loss and hasattr(_inner_lm(model), "lm_head")
     if fuse:
         try:
-            check_fused_loss(model)
+            _check_forward(check_fused_loss(model)[1], "the final norm")  # the fused loss computes it
         except ValueError as e:
             raise ValueError(f"coat.convert(fused_loss=True): {e} (convert with fused_loss=False to keep Hugging "
                              f"Face's loss)") from None

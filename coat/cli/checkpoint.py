@@ -129,21 +129,21 @@ def check_default_root(root: Path) -> None:
 
 def lock(out: Path) -> None:
     """Locks ``out`` for this process (released when it exits); ``OutputError`` if taken."""
-    key = str(out.resolve())
-    if key in _LOCKS:
+    if (key := str(out.resolve())) in _LOCKS:
         return
-    f = os.fdopen(os.open(out / ".lock", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a+")
-    try:
+    try:  # not through a symlink: the lock file is created where it lies
+        f = os.fdopen(os.open(out / ".lock", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a+")
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
         raise OutputError(f"{out} is in use by another coat train process") from None
+    except OSError as e:
+        raise OutputError(f"cannot lock {out}: {out / '.lock'} is a symlink or unusable ({e.strerror})") from None
     _LOCKS[key] = f
 
 
 def unlock(out: Path) -> None:
-    f = _LOCKS.pop(str(out.resolve()), None)
-    if f is not None:
+    if (f := _LOCKS.pop(str(out.resolve()), None)) is not None:
         f.close()
 
 
@@ -500,7 +500,7 @@ def _check_files(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"its {MANIFEST} is damaged") from None
     for rel, want in listed.items():
         path = ckpt / rel
-        if os.path.isabs(rel) or ".." in Path(rel).parts:  # read nothing outside the checkpoint
+        if not path.resolve().is_relative_to(ckpt.resolve()):  # read nothing outside it (../, symlinks)
             raise CheckpointError(f"its {MANIFEST} names {rel!r}, outside the checkpoint folder")
         if not path.is_file():
             raise CheckpointError(f"its file {rel} is missing")

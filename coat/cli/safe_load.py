@@ -110,4 +110,5 @@ def unpickling_cause(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     cause = next((line for line in lines if "Unpickler error" in line), None)
     rest = [line for line in lines if not any(a in line for a in _ADVICE)]
-    return cause or " ".join(rest) or (lines[-1] if lines else "")
+    cause = cause or " ".join(rest) or (lines[-1] if lines else "")
+    return cause.split(" Please use `torch.serialization.add_safe_globals")[0]  # not the advice to allow it

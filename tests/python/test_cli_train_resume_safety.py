@@ -220,6 +220,22 @@ def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(
     err = usage_error(capsys, "--resume", str(run), "--steps", "8")
     assert "names '../../../outside.txt', outside the checkpoint folder" in err
 
+    def link_out(ckpt_dir: Path) -> None:  # a listed name that is a symlink to a file elsewhere
+        (ckpt_dir / "model_optim.pt").unlink()
+        (ckpt_dir / "model_optim.pt").symlink_to(outside)
+
+    run = damaged_copy(base, tmp_path / "linked", link_out)
+    err = usage_error(capsys, "--resume", str(run), "--steps", "8")
+    assert "names 'model_optim.pt', outside the checkpoint folder" in err
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused(base: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = damaged_copy(base, tmp_path, lambda ckpt_dir: None)
+    victim = tmp_path / "victim"
+    (run / ".lock").symlink_to(victim)
+    err = usage_error(capsys, "--resume", str(run), "--steps", "8")
+    assert ".lock is a symlink or unusable" in err and not victim.exists()
+
 
 def test_a_blocked_global_is_named_in_the_refusal() -> None:
     """torch names the global a pickle would run on one line among advice (worded otherwise across
@@ -240,3 +256,12 @@ def test_a_blocked_global_is_named_in_the_refusal() -> None:
         torch.load(buf, weights_only=True)
     cause = unpickling_cause(e.value)
     assert "system" in cause and "Check the documentation" not in cause and "Weights only load failed" not in cause
+    import fractions
+
+    buf = io.BytesIO()
+    torch.save({"x": fractions.Fraction(1, 3)}, buf)  # a global of an allowed module: torch advises allowing it
+    buf.seek(0)
+    with pytest.raises(pickle.UnpicklingError) as e:
+        torch.load(buf, weights_only=True)
+    cause = unpickling_cause(e.value)
+    assert "Fraction" in cause and "add_safe_globals" not in cause

@@ -138,7 +138,35 @@ def test_a_forward_patched_onto_the_class_is_refused(monkeypatch):
         return (out[0] * 0.5,) + tuple(out[1:])
 
     monkeypatch.setattr(ml.LlamaAttention, "forward", patched)
-    _assert_refused_unchanged(_llama(), r"model\.layers\.0\.self_attn .*LlamaAttention.*forward is .*patched")
+    _assert_refused_unchanged(_llama(), r"model\.layers\.0\.self_attn .*LlamaAttention.*forward was replaced by .*patched")
+
+
+def test_a_patch_made_with_functools_wraps_is_refused(monkeypatch):
+    """functools.wraps copies the original's names and sets __wrapped__: only transformers' own
+    wrappers are looked through."""
+    import functools
+
+    original = ml.LlamaMLP.forward
+
+    @functools.wraps(original)
+    def patched(self, x):
+        return 2.0 * original(self, x)
+
+    monkeypatch.setattr(ml.LlamaMLP, "forward", patched)
+    _assert_refused_unchanged(_llama(), r"model\.layers\.0\.mlp .*replaced by .*functools\.wraps")
+
+
+class ShiftedNorm(ml.LlamaRMSNorm):
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+@pytest.mark.parametrize("path, name", [("model.layers.0.input_layernorm", "model.layers.0.input_layernorm"),
+                                        ("model.norm", "the final norm")])
+def test_a_norm_overriding_forward_is_refused(path, name):
+    """coat computes the norms from their weights (in its layers and in the fused loss): an
+    overriding forward would be dropped."""
+    _assert_refused_unchanged(_swap(path, ShiftedNorm)(_llama()), f"{name} .*ShiftedNorm.*overrides forward")
 
 
 def test_a_subclass_that_keeps_the_forward_converts():
