@@ -34,12 +34,12 @@ from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, NotModeled, fu
 from coat.memory_recipes import (ADAMW4_STATE_BYTES, COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe,
                                  snsm_state_bytes, snsm_step_transient)
 from coat.memory_shapes import MODEL_TYPES, PRESETS, ModelShape, load_shape
-from coat.memory_side import side_plan_parts
+from coat.memory_side import side_params, side_plan_parts
 
 __all__ = ["GiB", "MiB", "MODEL_TYPES", "NotModeled", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
            "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "saved_constants", "outside_saved",
            "fused_loss_transient", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan", "max_batch",
-           "GPU_RATES", "OPTIMIZER_BYTES", "model_flops", "step_time_floor", "rates_for", "UNIT_FLOPS",
+           "GPU_RATES", "OPTIMIZER_BYTES", "flops_base", "model_flops", "step_time_floor", "rates_for", "UNIT_FLOPS",
            "auto_fsdp_unit", "fsdp_unit_value"]
 
 
@@ -383,6 +383,13 @@ OPTIMIZER_BYTES = {"amp": 28.0, "bf16": 14.0, "coat": 4 + 2 + COAT_STATE_BYTES +
                    "coat4bit-lean": 2 + 2 + ADAMW4_STATE_BYTES + 2 + ADAMW4_STATE_BYTES + 2.5}
 
 
+def flops_base(setup: str) -> str:
+    """model_flops' base of a recipe or bench setup name: LoRA's frozen base computes no weight
+    gradients, side tuning's runs forward only."""
+    parts = setup.split("+")
+    return "frozen" if "lora" in parts else "forward" if "side" in parts else "trained"
+
+
 def model_flops(shape: ModelShape, batch: int, seq: int, base: str = "trained") -> tuple[float, float, float]:
     """FLOPs of one training step on ``batch`` sequences of ``seq`` tokens: (decoder linears, LM
     head, attention). ``base``: "trained" (every GEMM), "frozen" (no weight gradients: LoRA) or
@@ -405,11 +412,13 @@ def step_time_floor(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, 
     communication not counted)."""
     rec = recipe(rec) if isinstance(rec, str) else rec
     t = batch * seq
-    dec, head, attn = model_flops(shape, batch, seq, "frozen" if rec.lora else "trained")
+    dec, head, attn = model_flops(shape, batch, seq, flops_base(rec.name))
     dec_rate = rates["fp8"] if rec.fp8_weights else rates["bf16"]
     gemm_s = dec / dec_rate + (head + attn) / rates["bf16"]
     if rec.lora:  # torch AdamW over the fp32 adapters: as amp's optimizer, per adapter parameter
         opt_s = OPTIMIZER_BYTES["amp"] * shape.lora_params(LORA_RANK) / rates["bw"]
+    elif rec.side:  # the side network's optimizer only (the base is frozen)
+        opt_s = OPTIMIZER_BYTES.get(rec.name.split("+")[0], 14.0) * side_params(shape) / rates["bw"]
     else:
         opt_s = OPTIMIZER_BYTES.get(rec.name.split("+")[0], 14.0) * shape.n_params / gpus / rates["bw"]
     total = gemm_s + opt_s

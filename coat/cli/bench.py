@@ -294,8 +294,8 @@ def add_mfu(records: list[dict[str, Any]]) -> None:
     dense BF16 peak, the usual denominator, also for FP8 recipes, whose GEMMs peak twice as high)."""
     for r in records:
         if r.get("status") == "ok" and r.get("shape"):
-            base = "frozen" if "lora" in r["setup"] else "forward" if "side" in r["setup"] else "trained"
-            flops = sum(memory.model_flops(memory.ModelShape(**r["shape"]), r["batch"], r["seq"], base))
+            flops = sum(memory.model_flops(memory.ModelShape(**r["shape"]), r["batch"], r["seq"],
+                                           memory.flops_base(r["setup"])))
             r["model_tflops"] = flops / (r["batch"] * r["seq"]) * r["tokens_per_s"] / 1e12
             rates = memory.rates_for(r.get("device") or "")
             r["mfu"] = r["model_tflops"] * 1e12 / rates["peak_bf16"] if rates else None

@@ -457,3 +457,15 @@ def test_lora_plan():
             M.recipe(name)
     with pytest.raises(ValueError, match="LoRA is modeled on one GPU"):
         M.plan(shape, "bf16+lora", 1, 2048, gpus=2)
+
+
+def test_side_tuning_time_floor_counts_the_forward_and_the_side_optimizer_only():
+    """Side tuning runs the frozen base forward only and steps only the side network: its floor is
+    not full fine-tuning's (bench's model FLOPs take the same rule: M.flops_base)."""
+    shape = M.PRESETS["llama2-7b"]
+    rates = M.GPU_RATES["h100"]
+    full = M.step_time_floor(shape, "coat", 1, 2048, rates)
+    side = M.step_time_floor(shape, "coat+side", 1, 2048, rates)
+    assert side["gemm_ms"] < full["gemm_ms"] / 2.5 and side["optimizer_ms"] < full["optimizer_ms"] / 50
+    assert [M.flops_base(s) for s in ("coat+side+graph", "coat+lora", "coat-lean+release")] == \
+        ["forward", "frozen", "trained"]
