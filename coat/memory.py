@@ -339,8 +339,12 @@ def auto_fsdp_unit(shape: ModelShape, rec: Recipe | str | None, batch: int, seq:
     return k
 
 
+#: max_batch searches no further (a larger batch that fits is reported as this one)
+MAX_BATCH_SEARCHED = 1 << 16
+
+
 def max_batch(shape: ModelShape, rec: Recipe | str, seq: int, memory_gib: float, gpus: int = 1,
-              device: str = "cuda", limit: int = 1 << 16, fsdp_unit: int | str = 1) -> int:
+              device: str = "cuda", limit: int = MAX_BATCH_SEARCHED, fsdp_unit: int | str = 1) -> int:
     """The largest batch (sequences per GPU) whose peak plus reserve fits in ``memory_gib``; 0 if none.
     ``fsdp_unit="auto"``: each batch at its own ``auto_fsdp_unit``."""
     cap = memory_gib * GiB

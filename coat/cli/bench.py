@@ -108,8 +108,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     for s in per_setup:
         if s not in setups:
             raise BenchError(f"argument --setup-batches: {s!r} is not among --setups {', '.join(setups)}")
-    seq = args.seq or d["seq"]
-    max_batch = args.max_batch or d["max_batch"]
+    seq = d["seq"] if args.seq is None else args.seq  # 0 is refused below, not taken for "default"
+    max_batch = d["max_batch"] if args.max_batch is None else args.max_batch
+    if max_batch <= 0:
+        raise BenchError("argument --max-batch: must be positive")
     if args.batches in (None, ["auto"]):
         batches = [2 ** k for k in range(0, 1 + int(math.log2(max_batch)))]
     else:
@@ -124,8 +126,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if too_deep:
         raise BenchError(f"argument --fsdp-unit: {args.fsdp_unit} is more than the decoder layers of "
                          f"{', '.join(too_deep)}")
-    if args.max_seconds is not None and args.max_seconds <= 0:
-        raise BenchError("argument --max-seconds: must be positive")
+    for flag, v in (("--max-seconds", args.max_seconds), ("--timeout", args.timeout),
+                    ("--skip-predicted-oom", args.skip_predicted_oom)):
+        if v is not None and not v > 0:  # NaN too
+            raise BenchError(f"argument {flag}: must be positive")
     if args.json and Path(args.json).exists():  # refuse before running, not after
         try:
             json.loads(Path(args.json).read_text())

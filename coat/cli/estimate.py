@@ -216,7 +216,8 @@ def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
                  f"({memory.CUDA_CONTEXT / GiB:.1f} GiB + {memory.FRAGMENTATION:.0%})")
     mb = r["max_batch"]
     lines.append(f"largest batch that fits in {r['gpu_memory_gib']:.1f} GiB ({r['gpu_memory_source']}): "
-                 + (f"{mb} x {r['seq']} tokens" if mb else "none: not even batch 1"))
+                 + (f"{mb} x {r['seq']} tokens" if mb else "none: not even batch 1")
+                 + (" (the search's limit: larger ones fit too)" if mb >= memory.MAX_BATCH_SEARCHED else ""))
     t = r.get("time")
     if t:
         lines.append(f"time per step >= {t['step_ms']:.0f} ms (GEMMs {t['gemm_ms']:.0f} ms + optimizer "

@@ -107,6 +107,11 @@ def test_merge_json_replaces_by_key_and_refuses_bad_files(tmp_path):
     (["--setups", "bf16", "--setup-batches", "coat=1"], "--setup-batches"), (["--steps", "0"], "--steps"),
     (["--fsdp-unit", "2"], "--fsdp-unit: applies to --fsdp runs only"),
     (["--fsdp", "2", "--fsdp-unit", "3", "--model", "tiny"], "--fsdp-unit: 3 is more than the decoder layers of tiny"),
+    # found by review: 0 was taken for the default, a negative --max-batch crashed, and a negative
+    # --skip-predicted-oom recorded every configuration as out of memory
+    (["--seq", "0"], "--seq"), (["--max-batch", "0"], "--max-batch"), (["--max-batch", "-4"], "--max-batch"),
+    (["--skip-predicted-oom", "-1"], "--skip-predicted-oom"), (["--skip-predicted-oom", "0"], "--skip-predicted-oom"),
+    (["--timeout", "0"], "--timeout"),
 ])
 def test_bad_flags_are_named(argv, flag):
     with pytest.raises(bench.BenchError, match=flag):

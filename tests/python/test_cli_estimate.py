@@ -165,3 +165,8 @@ def test_json_claims_no_device_without_a_gpu(capsys):
     r = json.loads(_run(capsys, "--model", "tiny", "--json"))
     assert "device" not in r and r["gpu"] is None and r["gpu_memory_source"] == "default (no GPU here)"
     assert json.loads(_run(capsys, "--model", "tiny", "--gpu", "h200", "--json"))["gpu"] == "h200"
+
+
+def test_a_largest_batch_at_the_search_limit_says_so(capsys):
+    out = _run(capsys, "--model", "tiny", "--seq", "1", "--gpu-memory", "1000")
+    assert "65536 x 1 tokens (the search's limit: larger ones fit too)" in out
