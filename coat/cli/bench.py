@@ -108,10 +108,13 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     for s in per_setup:
         if s not in setups:
             raise BenchError(f"argument --setup-batches: {s!r} is not among --setups {', '.join(setups)}")
-    seq = d["seq"] if args.seq is None else args.seq  # 0 is refused below, not taken for "default"
+    seq = d["seq"] if args.seq is None else args.seq  # 0 is refused here, not taken for "default"
     max_batch = d["max_batch"] if args.max_batch is None else args.max_batch
-    if max_batch <= 0:
-        raise BenchError("argument --max-batch: must be positive")
+    for flag, v in (("--seq", seq), ("--max-batch", max_batch), ("--warmup", args.warmup + 1), ("--steps", args.steps),
+                    ("--fsdp", args.fsdp), ("--max-seconds", args.max_seconds), ("--timeout", args.timeout),
+                    ("--skip-predicted-oom", args.skip_predicted_oom)):
+        if v is not None and not v > 0:  # NaN too
+            raise BenchError(f"argument {flag}: must be positive")
     if args.batches in (None, ["auto"]):
         batches = [2 ** k for k in range(0, 1 + int(math.log2(max_batch)))]
     else:
@@ -119,17 +122,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     batches = sorted(set(batches) | {b for bs in per_setup.values() for b in bs})
     if args.fsdp_unit not in (1, "auto") and not args.fsdp:
         raise BenchError("argument --fsdp-unit: applies to --fsdp runs only")
-    for flag, v in (("--seq", seq), ("--warmup", args.warmup + 1), ("--steps", args.steps), ("--fsdp", args.fsdp)):
-        if v is not None and v <= 0:
-            raise BenchError(f"argument {flag}: must be positive")
     too_deep = [n for n, s in shapes.items() if args.fsdp_unit != "auto" and args.fsdp_unit > s.layers]
     if too_deep:
         raise BenchError(f"argument --fsdp-unit: {args.fsdp_unit} is more than the decoder layers of "
                          f"{', '.join(too_deep)}")
-    for flag, v in (("--max-seconds", args.max_seconds), ("--timeout", args.timeout),
-                    ("--skip-predicted-oom", args.skip_predicted_oom)):
-        if v is not None and not v > 0:  # NaN too
-            raise BenchError(f"argument {flag}: must be positive")
     if args.json and Path(args.json).exists():  # refuse before running, not after
         try:
             json.loads(Path(args.json).read_text())
