@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from coat.memory_recipes import LORA_RANK, NotModeled  # NotModeled: defined with the recipes, which refuse +side
 from coat.memory_shapes import ModelShape
+# The FP8 layers' own rules for which widths their FP8 norm and SwiGLU kernels take (1 x 16 groups):
+# other widths fall back to saving the input in its own dtype, and the plan counts what they save.
+from coat.nn.block import fp8_swiglu_ok
+from coat.nn.norm import fp8_norm_ok
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -31,15 +35,40 @@ def saved_constants(shape: ModelShape, table: str, fused_loss: bool) -> tuple[fl
     """Bytes saved whatever the token count, (per decoder layer, outside the layers): Gemma 3's
     Hugging Face norms each keep their fp32 1 + w (4 norms of the hidden width and the q and k norms
     of the head width per layer; the final norm, unless the fused loss applies it)."""
-    if not (shape.gemma and table in ("hf-bf16", "hf-amp")):
+    if not shape.gemma or table not in ("hf-bf16", "hf-amp", "coat"):
         return 0.0, 0.0
-    per_layer = 4.0 * (4 * shape.hidden + (2 * shape.head_dim if shape.qk_norm else 0))
+    if table == "coat":  # only the norms that fall back to Hugging Face's arithmetic (``_coat_norm``)
+        per_layer = 4.0 * ((2 * shape.hidden if not fp8_norm_ok(shape.hidden) else 0)
+                           + (2 * shape.head_dim if shape.qk_norm and not fp8_norm_ok(shape.head_dim) else 0))
+    else:
+        per_layer = 4.0 * (4 * shape.hidden + (2 * shape.head_dim if shape.qk_norm else 0))
     return per_layer, 0.0 if fused_loss else 4.0 * shape.hidden
 
 
 def _fp8_norm_input(width: int, rows: int) -> float:
     """coat's fused/FP8 RMSNorm: E4M3 input, fp32 scale per 16, fp32 rstd per row."""
     return width + width / 16 * 4 + 4 * rows
+
+
+def _coat_norm(shape: ModelShape, width: int, rows: int, fused: bool, trains: bool = True) -> float:
+    """A norm of coat's layers over ``rows`` rows of ``width`` per token (coat/nn/norm.py, block.py):
+    its input in FP8 where ``fp8_norm_ok(width)``; else, fused into the GEMM after it (the block op),
+    its input in bf16, coat's layers' dtype (the norm is recomputed in backward); else (``coat.nn.norm.rms_norm``) Hugging
+    Face's arithmetic under autograd, which keeps no normalized output for a frozen weight."""
+    if fp8_norm_ok(width):
+        return _fp8_norm_input(width * rows, rows)
+    if fused:
+        return 2.0 * width * rows
+    return _hf_norm(shape, width * rows, rows, "hf-bf16") if trains else 4.0 * width * rows + 4 * rows
+
+
+def _coat_gated(i: int, fused: bool) -> float:
+    """act(gate) * up over the [.., 2I] gate/up output: its input in FP8 (1 x 16 scales) where
+    ``fp8_swiglu_ok(I)``; else, fused into down_proj's block op, the bf16 gate/up (recomputed in
+    backward); else (``coat.nn.mlp.swiglu``) autograd's gate/up, act(gate) and nothing more."""
+    if fp8_swiglu_ok(i):
+        return 2 * i + 2 * i / 16 * 4
+    return 4.0 * i if fused else 6.0 * i
 
 
 def layer_saved(shape: ModelShape, table: str, granularity: str = "tensor") -> list[tuple[str, float]]:
@@ -78,25 +107,37 @@ def layer_saved(shape: ModelShape, table: str, granularity: str = "tensor") -> l
                 ("SwiGLU (gate, silu, up)", 6 * i)]
         return ops
     if table in ("coat", "coat-lora"):
-        ops = [("input RMSNorm + q/k/v (FP8 norm input)", _fp8_norm_input(h, 1))]
-        if shape.qk_norm:
-            ops.append(("q/k RMSNorm (FP8 input)", _fp8_norm_input(q, nh) + _fp8_norm_input(kv, shape.kv_heads)))
-        o_in = ("o_proj input (FP8, transposed, 128x1 scales)", q + q / 32) if granularity == "block" else \
-            ("o_proj input (FP8, transposed)", q)
-        ops += [("attention (SDPA)", sdpa), o_in,
-                ("pre-MLP RMSNorm + gate/up (FP8 norm input)", _fp8_norm_input(h, 1)),
-                (gated.split(" (")[0] + " + down (FP8 gate/up, 1x16 scales)", 2 * i + 2 * i / 16 * 4)]
-        if shape.gemma:  # the sandwich norms: FP8-saved norms (coat/nn/layer.py)
-            ops += [("sandwich RMSNorms (FP8 input)", 2 * _fp8_norm_input(h, 1))]
-        if table == "coat-lora":
-            # The FP8-frozen base (coat/nn/frozen.py): o_proj keeps no input for a weight gradient;
-            # the adapters (coat/nn/adapters.py) keep their bf16 inputs (q/k/v's and gate/up's shared,
-            # o's is the attention output, already kept; down's the SwiGLU product) and A's bf16
-            # outputs. Their bf16 weight copies are counted apart (per layer, not per token).
-            ops = [op for op in ops if not op[0].startswith("o_proj")]
-            ops += [("LoRA inputs, bf16 (q/k/v, gate/up, down)", 4 * h + 2 * i), ("LoRA A outputs, bf16", 7 * 2 * LORA_RANK)]
-        return ops
+        return _coat_layer_saved(shape, table, granularity, sdpa, gated)
     raise ValueError(f"unknown activation table {table!r}")
+
+
+def _coat_layer_saved(shape: ModelShape, table: str, granularity: str, sdpa: float, gated: str) -> list[tuple[str, float]]:
+    """``layer_saved`` of coat's layers (``table`` "coat" or "coat-lora"). With LoRA the norms and
+    the SwiGLU run apart from their GEMMs (the adapters need their outputs), their weights frozen."""
+    h, q, i, nh, d = shape.hidden, shape.q_width, shape.intermediate, shape.heads, shape.head_dim
+    lora = table == "coat-lora"
+    fp8 = fp8_norm_ok(h)
+    norm_in = ("FP8 norm input" if fp8 else "bf16 norm input") if not lora or fp8 else "HF norm, frozen"
+    ops = [(f"input RMSNorm + q/k/v ({norm_in})", _coat_norm(shape, h, 1, fused=not lora, trains=False))]
+    if shape.qk_norm:
+        ops.append((f"q/k RMSNorm ({'FP8' if fp8_norm_ok(d) else 'HF'} input)",
+                    _coat_norm(shape, d, nh, False, not lora) + _coat_norm(shape, d, shape.kv_heads, False, not lora)))
+    o_in = ("o_proj input (FP8, transposed, 128x1 scales)", q + q / 32) if granularity == "block" else \
+        ("o_proj input (FP8, transposed)", q)
+    gu = "FP8 gate/up, 1x16 scales" if fp8_swiglu_ok(i) else "bf16 gate/up" if not lora else "autograd's gate/up, act"
+    ops += [("attention (SDPA)", sdpa), o_in,
+            (f"pre-MLP RMSNorm + gate/up ({norm_in})", _coat_norm(shape, h, 1, fused=not lora, trains=False)),
+            (gated.split(" (")[0] + f" + down ({gu})", _coat_gated(i, fused=not lora))]
+    if shape.gemma:  # the sandwich norms: coat.nn.norm.rms_norm (coat/nn/layer.py)
+        ops += [(f"sandwich RMSNorms ({'FP8' if fp8 else 'HF'} input)", 2 * _coat_norm(shape, h, 1, False))]
+    if lora:
+        # The FP8-frozen base (coat/nn/frozen.py): o_proj keeps no input for a weight gradient;
+        # the adapters (coat/nn/adapters.py) keep their bf16 inputs (q/k/v's and gate/up's shared,
+        # o's is the attention output, already kept; down's the SwiGLU product) and A's bf16
+        # outputs. Their bf16 weight copies are counted apart (per layer, not per token).
+        ops = [op for op in ops if not op[0].startswith("o_proj")]
+        ops += [("LoRA inputs, bf16 (q/k/v, gate/up, down)", 4 * h + 2 * i), ("LoRA A outputs, bf16", 7 * 2 * LORA_RANK)]
+    return ops
 
 
 def outside_saved(shape: ModelShape, table: str, fused_loss: bool) -> list[tuple[str, float]]:
