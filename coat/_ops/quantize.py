@@ -151,6 +151,34 @@ def _(parts):
     return _new(_stacked_shapes(parts, False, True)[1], _U8, parts[0])
 
 
+@custom_op("coat::amax_stacked", mutates_args=())
+def amax_stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """max |X| over the finite values of X = cat(parts, 0) (fp32 [1]), read where the parts lie:
+    quantize_stacked_amax's amax pass alone."""
+    x = _first(parts)
+    with dev_ctx(x):
+        return _C.amax_stacked(parts, stream(x))
+
+
+@amax_stacked.register_fake
+def _(parts):
+    _first(parts)
+    return _new(1, torch.float32, parts[0])
+
+
+@custom_op("coat::quantize_per_tensor_from_amax", mutates_args=())
+def quantize_per_tensor_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of x with the scale of a given amax (fp32 [1]): bit for bit what
+    quantize_per_tensor_amax gives when amax is the one it would find (one pass, no amax pass)."""
+    with dev_ctx(x):
+        return _C.quantize_per_tensor_from_amax(x, amax, fmt, stream(x))
+
+
+@quantize_per_tensor_from_amax.register_fake
+def _(x, amax, fmt):
+    return _new(x.shape, _U8, x), _new(1, torch.float32, x)
+
+
 @custom_op("coat::dequantize_per_tensor", mutates_args=())
 def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor, fmt: int, dtype: torch.dtype) -> torch.Tensor:
     with dev_ctx(q):

@@ -183,23 +183,31 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard(model: nn.Module, mesh: Any, device: torch.device | str, mp_policy: Any = None,
-          layers_per_unit: int = 1) -> nn.Module:
+          layers_per_unit: int = 1, fp8_all_gather: bool = False) -> nn.Module:
     """``fully_shard`` every ``layers_per_unit`` consecutive decoder layers as one unit (one
     all-gather and one reduce-scatter each), then the root (embeddings, final norm, LM head); a
     model built under ``matrices_on_meta`` is then materialized on ``device``. More layers per unit
     mean fewer, larger collectives and fewer hooks on the host, and that many more layers' weights
-    unsharded at a time."""
+    unsharded at a time. ``fp8_all_gather``: gather the converted layers' weights as FP8 codes
+    (``fp8_gather``; a model converted with per-tensor FP8 scaling, else ``ValueError``)."""
     from torch.distributed.fsdp import fully_shard
+
+    from . import fp8_gather
 
     layers = decoder_layers(model)
     if not isinstance(layers_per_unit, int) or not 1 <= layers_per_unit <= len(layers):
         raise ValueError(f"layers_per_unit must be an integer from 1 to the model's {len(layers)} decoder layers, "
                          f"got {layers_per_unit!r}")
+    if fp8_all_gather and any(fp8_gather.weight_groups(layer) is None for layer in layers):
+        raise ValueError("fp8_all_gather=True needs every decoder layer converted with per-tensor FP8 scaling "
+                         "(coat.convert with a recipe of granularity 'tensor'); shard with fp8_all_gather=False")
     kw = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
-    for i in range(0, len(layers), layers_per_unit):
-        unit = layers[i:i + layers_per_unit]
+    units = [layers[i:i + layers_per_unit] for i in range(0, len(layers), layers_per_unit)]
+    for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], **kw)
     fully_shard(model, **kw)
     if has_meta(model):
         materialize(model, device)
+    if fp8_all_gather:
+        fp8_gather.install(units)
     return model

@@ -84,7 +84,7 @@ class Spec(NamedTuple):
     act: str  # the gate's activation ("silu", "gelu_tanh")
     n_w: int  # weights (their biases follow them)
     cdt: torch.dtype  # the GEMM output dtype
-    source: str  # the weight's source (weights.LIVE, CACHED, FROZEN)
+    source: str  # the weight's source (weights.LIVE, CACHED, FROZEN, GATHERED)
     frozen_scales: Optional[tuple]  # with the FROZEN source
     flat: bool  # return the [tokens, N] output itself
 
@@ -158,7 +158,7 @@ class _BlockFn(torch.autograd.Function):
             x_in = gemm_in if pre == NONE else f.stat_in
             if gran == "tensor":
                 S.active.record(weights, "x", x_in, f.saved[1] if pre == NONE else f.stat_scale, fmt)
-                if spec.source != W.FROZEN:  # FP8-frozen weights are codes already
+                if spec.source not in (W.FROZEN, W.GATHERED):  # FP8-frozen or -gathered weights are codes already
                     S.active.record(weights, "w", list(weights), w_scale, fmt)
             else:  # the operands quantized anew at the recipe's scale modes
                 act_mode, w_mode = blk.MODES[gran]
@@ -270,5 +270,9 @@ def make_spec(pre: int, recipe: Fp8Recipe, x: torch.Tensor, weights, *, eps: flo
     if act not in ACT_IDS:
         raise ValueError(f"act must be one of {tuple(ACT_IDS)}, got {act!r}")
     cache = frozen_scales is None and W.use_cache(recipe.weight_cache, weights)
+    src = W.source(cache, frozen_scales, weights)
+    if src == W.GATHERED and recipe.granularity != "tensor":
+        raise ValueError(f"FP8 all-gather gives per-tensor weight codes, but the recipe scales {recipe.granularity}-"
+                         "wise: shard with fp8_all_gather=False for row or block granularity")
     return Spec(pre, recipe, float(eps), bool(unit_offset), act, len(weights), compute_dtype(x),
-                W.source(cache, frozen_scales), None if frozen_scales is None else tuple(frozen_scales), flat)
+                src, None if frozen_scales is None else tuple(frozen_scales), flat)

@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ops import quantize as qops
 from . import frozen
+from . import gathered
 from .._ops._util import fmt_id
 from .recipe import DEFAULT
 
@@ -138,14 +139,16 @@ def _cached(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> Fp8Weight:
 
 #: Where a layer block's FP8 weight comes from (``source``): "live" (the parameters, quantized by the
 #: block op itself in each direction: the default lifetime above), "cached" (``weight_cache=True``),
-#: "frozen" (FP8-frozen codes, ``frozen.py``). Gathered weights (FSDP2 all-gathers a sharded
-#: parameter before the forward) reach the block as live parameters.
-LIVE, CACHED, FROZEN = "live", "cached", "frozen"
+#: "frozen" (FP8-frozen codes, ``frozen.py``), "gathered" (codes FSDP2 gathered under FP8 all-gather,
+#: ``gathered.py``). Weights FSDP2 gathers in their own dtype reach the block as live parameters.
+LIVE, CACHED, FROZEN, GATHERED = "live", "cached", "frozen", "gathered"
 
 
-def source(cache: bool, frozen_scales: Optional[Sequence[torch.Tensor]]) -> str:
+def source(cache: bool, frozen_scales: Optional[Sequence[torch.Tensor]], weights: Sequence[torch.Tensor] = ()) -> str:
     """The source of a layer call's weight: ``cache`` as ``use_cache`` decided, ``frozen_scales``
-    the scales of FP8-frozen codes (or None)."""
+    the scales of FP8-frozen codes (or None), ``weights`` the call's (FP8-gathered or not)."""
+    if gathered.is_gathered(weights):
+        return GATHERED
     return FROZEN if frozen_scales is not None else CACHED if cache else LIVE
 
 
@@ -156,6 +159,8 @@ def forward_codes(src: str, weights: Sequence[torch.Tensor], frozen_scales: Opti
     itself (counted here as a "forward" pass)."""
     if src == FROZEN:
         return frozen.group_codes(weights, frozen_scales)
+    if src == GATHERED:
+        return gathered.group_codes(weights, dtype)
     if src == CACHED:
         w = _cached(weights, dtype)
         return w.data, w.scale
@@ -166,11 +171,13 @@ def forward_codes(src: str, weights: Sequence[torch.Tensor], frozen_scales: Opti
 def backward_codes(src: str, weights: Sequence[torch.Tensor], scale: torch.Tensor,
                    dtype: torch.dtype = DEFAULT.act_dtype) -> Optional[torch.Tensor]:
     """Transposed FP8 codes [K, N] of cat(weights, 0) with the forward's ``scale`` for the
-    input-gradient GEMM: the FP8-frozen codes transposed, the cached copy when the forward used the
+    input-gradient GEMM: the FP8-frozen or FP8-gathered codes transposed, the cached copy when the forward used the
     cache and the weights have not changed since, else None: the block op quantizes the live
     parameters with ``scale`` itself (counted here as a "backward" pass)."""
     if src == FROZEN:
         return frozen.group_codes_t(weights)
+    if src == GATHERED:
+        return gathered.group_codes_t(weights, dtype)
     if src == CACHED:
         entry = _lookup(weights, dtype)
         if entry is not None and entry.scale is scale:

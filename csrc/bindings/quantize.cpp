@@ -134,6 +134,27 @@ nb::object transpose_stacked_codes_py(const std::vector<Array>& parts_, uintptr_
   return q_t.tensor;
 }
 
+// amax [1] (fp32): max |X| over the finite values of the stacked parts (float dtypes).
+nb::object amax_stacked_py(const std::vector<Array>& parts_, uintptr_t stream) {
+  const std::vector<View> parts = views_of_parts(parts_);
+  const StackedRows x = stacked_of(parts, false);
+  Created amax = new_tensor({1}, NewDtype::kFloat32, parts[0], "amax");
+  auto* a = static_cast<float*>(amax.view.data);
+  if (parts[0].cuda)
+    COAT_GPU_CALL(amax_stacked(x, a, stream_of(stream)));
+  else
+    ref::amax_stacked(x, a);
+  return amax.tensor;
+}
+
+// (q, scale) of x with its scale from a given amax (fp32 [1]): quantize_per_tensor_amax's codes
+// and scale when amax is the one it would find.
+nb::tuple quantize_per_tensor_from_amax_py(const Array& x_, const Array& amax_, int fmt_, uintptr_t stream) {
+  const View x = view_of(x_, "x"), amax = view_of(amax_, "amax");
+  PerTensorFp8 r = quantize_amax(x, fp8_format(fmt_), false, stream_of(stream), &amax);
+  return nb::make_tuple(r.q.tensor, r.scale.tensor);
+}
+
 void check_group(const View& x, int group) {
   COAT_CHECK_ARG(group == 16 || group == 32 || group == 64 || group == 128,
                  "group_size must be 16, 32, 64 or 128, got " + std::to_string(group));
@@ -280,6 +301,9 @@ void register_quantize(nb::module_& m) {
         arg("stream"));
   m.def("quantize_stacked", &quantize_stacked_py, restore_device(), arg("parts"), arg("scale").none(), arg("fmt"), arg("rowmajor"),
         arg("transpose"), arg("stream"));
+  m.def("amax_stacked", &amax_stacked_py, restore_device(), arg("parts"), arg("stream"));
+  m.def("quantize_per_tensor_from_amax", &quantize_per_tensor_from_amax_py, restore_device(), arg("x"), arg("amax"),
+        arg("fmt"), arg("stream"));
   m.def("transpose_stacked_codes", &transpose_stacked_codes_py, restore_device(), arg("parts"), arg("stream"));
   m.def("dequantize_per_tensor", &dequantize_per_tensor_py, restore_device(), arg("q"), arg("scale"), arg("fmt"), arg("dtype"),
         arg("stream"));

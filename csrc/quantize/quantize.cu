@@ -452,6 +452,20 @@ void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float
   });
 }
 
+void amax_stacked(const StackedRows& x, float* amax, cudaStream_t stream) {
+  COAT_CHECK_ARG(amax != nullptr, "amax must not be null");
+  const int64_t n = detail::check_stacked_parts(x) * x.cols;
+  COAT_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (n == 0) return;
+  dispatch_dtype(x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    bool vec = false;
+    const Stack<T> s = stack_of<T>(x, &vec);
+    amax_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(s, n, vec, amax);
+    COAT_CHECK_LAUNCH();
+  });
+}
+
 void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t, cudaStream_t stream) {
   const int64_t rows = detail::check_stacked_codes(x, q_t);
   if (rows * x.cols == 0) return;

@@ -77,6 +77,17 @@ void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float
   });
 }
 
+void amax_stacked(const StackedRows& x, float* amax) {
+  COAT_CHECK_ARG(amax != nullptr, "amax must not be null");
+  detail::check_stacked_parts(x);
+  float m = 0.0f;
+  dispatch_dtype(x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (int p = 0; p < x.count; ++p) m = std::max(m, amax_of(static_cast<const T*>(x.data[p]), x.rows[p] * x.cols));
+  });
+  amax[0] = m;
+}
+
 void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t) {
   const int64_t rows = detail::check_stacked_codes(x, q_t);
   int64_t r0 = 0;

@@ -3,11 +3,9 @@ gradients close to the unsharded converted model, a torch.distributed.checkpoint
 bit-identically, no derived FP8 copy of an unsharded weight alive outside the layer's own forward
 or backward, and the per-step weight cache refused.
 
-Design: FSDP2 gathers the bf16 weights as usual and coat quantizes what it gathered, just in time
-(coat/nn/weights.py). Gathering FP8 (quantizing the shards first, as torchao's float8 all-gather
-does) halves the all-gather's bytes but saves no memory, needs an amax all-reduce across ranks
-before the shards can be quantized, and cannot give the backward's transposed codes without a
-transpose of the gathered matrix."""
+Here FSDP2 gathers the weights in their own dtype and coat quantizes what it gathered, just in time
+(coat/nn/weights.py); test_fp8_gather.py covers the FP8 all-gather (shards quantized first, bit for
+bit the same training)."""
 
 from __future__ import annotations
 

@@ -72,6 +72,11 @@ void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, f
 void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float* amax, float* scale_out,
                                 uint8_t* q, uint8_t* q_t, cudaStream_t stream);
 
+// amax[0] = max |X| over the finite values of the stacked X: quantize_stacked's amax pass alone.
+// A sharded weight's local maximum, reduced over the ranks and handed to quantize_stacked_from_amax
+// for each shard (FP8 all-gather under FSDP2: every rank's codes take the whole weight's scale).
+void amax_stacked(const StackedRows& x, float* amax, cudaStream_t stream);
+
 // The transpose q_t [cols, R] of stacked FP8 codes X [R, cols] (x.dtype is ignored: the parts
 // hold one-byte codes), reading each part where it lies: the input-gradient GEMM's layout of an
 // FP8-frozen projection group, made in one pass (no concatenated copy, no strided byte copy).
@@ -149,6 +154,7 @@ void quantize_per_tensor_amax(const void* x, DType x_dtype, int64_t rows, int64_
                               Fp8Format fmt, float* amax, float* scale, uint8_t* q, uint8_t* q_t);
 void dequantize_per_tensor(const uint8_t* q, Fp8Format fmt, int64_t n, const float* scale, void* y,
                            DType out_dtype);
+void amax_stacked(const StackedRows& x, float* amax);
 void transpose_stacked_codes(const StackedRows& x, uint8_t* q_t);
 void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, float* amax,
                       float* scale_out, uint8_t* q, uint8_t* q_t);

@@ -1,0 +1,156 @@
+"""FP8 all-gather under FSDP2: the decoder layers' weights are gathered as FP8 codes, not bf16.
+
+FSDP2 gathers a unit's weights before its forward and again before its backward. Here each rank
+quantizes its shard first, with the scale the converted layer would compute from the whole weight
+group (fused QKV, o, fused gate/up, down: the group's amax is the maximum of the ranks' shard
+maxima, one all-reduce per unit and gather), and FSDP2 moves the codes (``nn.gathered``). Half the
+bytes cross the links and FSDP2's copy-in and copy-out, the gathered weights take half the memory,
+and the weight's amax and quantize passes read 1 / world of it; the layer computes bit for bit what
+it computes with a bf16 gather.
+
+FSDP2's extension point: a sharded parameter whose local tensor has ``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather`` gathers what the first returns and builds the unsharded parameter with the
+second. They are set on the local shards after sharding (FSDP2's lazy initialization picks them up
+at the first forward), so the optimizer, gradient release, checkpoints and DCP still see plain
+sharded tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .._ops import quantize as qops
+from .._ops._util import fmt_id
+from ..nn.gathered import Fp8Gathered
+
+__all__ = ["weight_groups", "install", "installed_units"]
+
+
+def weight_groups(layer: nn.Module) -> Optional[list[list[nn.Parameter]]]:
+    """The weight groups of a converted decoder layer, each quantized with one scale by its block
+    ([q, k, v], [o], [gate, up], [down]), or None when the layer is not converted with per-tensor
+    FP8 scaling (nothing to gather as FP8)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    recipe = getattr(attn, "coat_recipe", None)
+    if recipe is None or getattr(mlp, "coat_recipe", None) is None or recipe.granularity != "tensor":
+        return None
+    names = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+             ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+    return [[getattr(getattr(layer, block), n).weight for n in group] for block, group in names]
+
+
+def _shard(ref: weakref.ref, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """A weight's local shard (held by reference: the shard holds the hooks), in the dtype FSDP2
+    would gather (its param_dtype)."""
+    t = ref()
+    if t is None:
+        raise RuntimeError("FP8 all-gather: a sharded weight was replaced after FP8 all-gather was set up "
+                           "(load_state_dict(assign=True), or the model moved?); load into the sharded "
+                           "parameters in place, or shard again")
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+class _Unit:
+    """The FP8-gathered weight groups of one FSDP2 unit. A gather calls ``pre`` once per weight; the
+    first call of each gather refreshes the groups' amaxes (one all-reduce for the unit), and each
+    group's first weight makes the scale the group shares."""
+
+    def __init__(self, groups: list[list[weakref.ref]], fmt: torch.dtype):
+        self.groups, self.fmt, self.gen = groups, fmt, 0
+        self.amax: Optional[torch.Tensor] = None
+        self.scales: dict[int, torch.Tensor] = {}
+        self.gathers = 0  # refreshes so far (tests, diagnostics)
+
+    def refresh(self, mesh, dtype: Optional[torch.dtype]) -> None:
+        amax = torch.cat([qops.amax_stacked([_shard(p, dtype) for p in g]) for g in self.groups])
+        if mesh.size() > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        self.amax, self.scales, self.gen, self.gathers = amax, {}, self.gen + 1, self.gathers + 1
+
+    def codes(self, gi: int, shard: weakref.ref, rows: int, world: int, dtype: Optional[torch.dtype]):
+        """(the shard's codes padded to FSDP2's shard size, the group's scale)."""
+        q, scale = qops.quantize_per_tensor_from_amax(_shard(shard, dtype), self.amax[gi:gi + 1], fmt_id(self.fmt))
+        padded = -(-rows // world)
+        if q.shape[0] != padded:  # the last ranks' shards of an unevenly split weight
+            q = torch.cat([q, q.new_zeros(padded - q.shape[0], *q.shape[1:])])
+        return q, self.scales.setdefault(gi, scale)
+
+
+class _PreAllGather:
+    """``fsdp_pre_all_gather`` of one sharded weight: FSDP2 reads it off the local shard."""
+
+    def __init__(self, unit: _Unit, gi: int, shard: weakref.ref):
+        self.unit, self.gi, self.shard, self.seen = unit, gi, shard, unit.gen
+
+    def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
+        unit = self.unit
+        dtype = getattr(mp_policy, "param_dtype", None)
+        if self.seen == unit.gen:  # this weight already took the current amaxes: a new gather
+            unit.refresh(mesh, dtype)
+        self.seen = unit.gen
+        q, scale = unit.codes(self.gi, self.shard, outer_size[0], mesh.size(), dtype)
+        return (q,), scale
+
+
+class _PostAllGather:
+    """``fsdp_post_all_gather``: the gathered codes as the unsharded weight (an ``Fp8Gathered``)."""
+
+    def __init__(self, fmt: torch.dtype):
+        self.fmt = fmt
+
+    def __call__(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (codes,), scale = all_gather_outputs, metadata
+        if scale.is_cuda:  # made on FSDP2's copy-in stream, read by the layer on this one
+            scale.record_stream(torch.cuda.current_stream(scale.device))
+        if out is not None:  # the same codes buffer, gathered again: only the scale is new
+            out._scale = scale
+            return None
+        return Fp8Gathered(codes, scale, param_dtype, self.fmt), (codes,)
+
+
+def install(units: list[list[nn.Module]]) -> int:
+    """Gathers the converted decoder layers' weights of each FSDP2 unit (its list of layers) as FP8
+    codes from the next forward on; call after ``fully_shard`` and materialization, before the first
+    forward. Returns the number of weights it covers (0: no layer converted with per-tensor FP8).
+    ``ValueError`` if a unit mixes converted and unconverted layers or a weight is not sharded."""
+    covered = 0
+    for layers in units:
+        per_layer = [weight_groups(layer) for layer in layers]
+        if all(g is None for g in per_layer):
+            continue
+        if any(g is None for g in per_layer):
+            raise ValueError("FP8 all-gather: an FSDP2 unit holds converted and unconverted decoder layers; "
+                             "convert every layer with one per-tensor FP8 recipe, or shard with fp8_all_gather=False")
+        groups = [g for gs in per_layer for g in gs]
+        for g in groups:
+            for p in g:
+                if not hasattr(p, "_local_tensor"):
+                    raise ValueError("FP8 all-gather: a decoder-layer weight is not an FSDP2-sharded parameter; "
+                                     "call it after fully_shard (coat.integrations.fsdp.shard does)")
+        refs = [[weakref.ref(p._local_tensor) for p in g] for g in groups]
+        unit = _Unit(refs, layers[0].self_attn.coat_recipe.act_dtype)
+        post = _PostAllGather(unit.fmt)
+        for gi, g in enumerate(refs):
+            for ref in g:
+                ref().fsdp_pre_all_gather = _PreAllGather(unit, gi, ref)
+                ref().fsdp_post_all_gather = post
+                covered += 1
+        for layer in layers:
+            layer.coat_fp8_gather = unit
+    return covered
+
+
+def installed_units(model: nn.Module) -> list[_Unit]:
+    """The FP8 all-gather units of a sharded model (one per FSDP2 unit that gathers FP8), in order."""
+    seen: dict[int, _Unit] = {}
+    for m in model.modules():
+        u = getattr(m, "coat_fp8_gather", None)
+        if u is not None:
+            seen.setdefault(id(u), u)
+    return list(seen.values())
