@@ -153,10 +153,7 @@ def _check_layer(layer: nn.Module, fam: Family, prefix: str) -> str:
                 raise ValueError(f"coat.convert: {full} is missing: not a {fam.name} decoder layer")
             adapters.base_linear(mod, full)
             adapters.check_adapters(mod, full)
-    cfg = getattr(layer.self_attn, "config", None)
-    if cfg is not None:
-        fam.check_config(cfg)
-    return fam.activation(cfg)
+    return fam.check(getattr(layer.self_attn, "config", None))
 
 
 def _convert_layer(layer: nn.Module, recipe: Fp8Recipe, fam: Family, act: str) -> None:

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from coat import memory, recipes
+from coat import memory, models, recipes
 from coat.cli.config import fsdp_unit_arg
 from coat.memory import GiB, MiB
 
@@ -29,16 +29,16 @@ DEFAULT_MEMORY_GIB = 80.0
 MAX_SIZE = 2**31 - 1
 _SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "vocab_size", "head_dim")
-#: Recipes whose decoder layers coat.convert rewrites (it supports SwiGLU MLPs only), and whose
-#: optimizer is coat.optim's (AdamW, AdamW4bit, SubsetNormSM: the ones gradient release steps inside
-#: backward).
+#: Recipes whose optimizer is coat.optim's (AdamW, AdamW4bit, SubsetNormSM: the ones gradient release
+#: steps inside backward).
 _COAT_RECIPES = ("coat", "coat-lean", "coat4bit", "coat4bit-lean", "snsm", "snsm-lean")
 
 
 def check_model(model: str, recipe: str) -> None:
     """What coat.memory's shape reader lets through but no estimate can use, as ``ValueError``
     naming the config field: a null ``text_config``, booleans or huge numbers as sizes, zero
-    KV heads, an MLP that coat.convert refuses under a coat recipe."""
+    KV heads, a model that coat.convert refuses (its activation, soft-capping: ``Family.check``) under a
+    recipe whose layers it converts."""
     from coat import memory
 
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
@@ -65,10 +65,26 @@ def check_model(model: str, recipe: str) -> None:
             shown = json.dumps(v)
             raise ValueError(f"{where}: {key} must be an integer in [1, {MAX_SIZE}], got "
                              + (shown if len(shown) <= 24 else shown[:20] + "..."))
-    act = cfg.get("hidden_act", "silu")
-    if recipes.parse(recipe).recipe in _COAT_RECIPES and act != "silu":
-        raise ValueError(f"{where}: hidden_act {act!r}: recipe {recipe} converts the decoder layers with coat.convert, "
-                         "which supports SwiGLU MLPs (hidden_act 'silu') only; estimate --recipe amp or bf16")
+    fam = models.by_model_type(cfg.get("model_type"))
+    if fam is None or recipes.parse(recipe).recipe not in recipes.FP8_RECIPES:
+        return  # no family: load_shape refuses its model_type under every recipe; amp, bf16 keep HF's layers
+    try:
+        fam.check(_hf_config(cfg))  # coat.convert's own checks, on the config transformers makes of the file
+    except ValueError as e:
+        raise ValueError(f"{where}: recipe {recipe} converts the decoder layers with coat.convert, which refuses "
+                         f"this model ({e}); estimate --recipe amp or bf16") from None
+
+
+def _hf_config(cfg: dict[str, Any]):
+    """The transformers config of a ``config.json`` dictionary, as loading the model makes it (its
+    class's defaults for what the file leaves out)."""
+    from transformers import AutoConfig
+
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(cfg["model_type"], **kw)
+    except Exception as e:  # noqa: BLE001  transformers raises what its config classes raise
+        raise ValueError(f"transformers cannot build its config: {type(e).__name__}: {e}") from None
 
 
 def check_recipe(recipe: str) -> None:

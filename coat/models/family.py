@@ -69,6 +69,12 @@ class Family:
                              f"{self.act_config}={name!r}")
         return act
 
+    def check(self, config) -> str:
+        """Everything ``coat.convert`` asks of ``config`` (a transformers config, or None): the switches
+        ``check_config`` refuses, then the activation. Returns the gated activation."""
+        self.check_config(config)
+        return self.activation(config)
+
     def check_config(self, config) -> None:
         """Refuses a configuration whose switches coat's blocks would silently ignore."""
         for attr in self.refused:

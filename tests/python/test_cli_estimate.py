@@ -110,7 +110,7 @@ _LLAMA = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "nu
     (_LLAMA | {"num_hidden_layers": 10**12}, "amp", "num_hidden_layers must be an integer in [1, 2147483647]"),
     (_LLAMA | {"num_hidden_layers": True}, "coat", "num_hidden_layers must be an integer in [1, 2147483647], got true"),
     (_LLAMA | {"num_key_value_heads": 0}, "coat", "num_key_value_heads must be an integer in [1, 2147483647], got 0"),
-    (_LLAMA | {"hidden_act": "gelu"}, "coat-lean", "hidden_act 'gelu': recipe coat-lean converts the decoder layers"),
+    (_LLAMA | {"hidden_act": "gelu"}, "coat-lean", "recipe coat-lean converts the decoder layers with coat.convert"),
 ])
 def test_bad_model_configs_are_named(tmp_path, capsys, cfg, recipe, why):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
