@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from coat import models
+
 #: Model types whose decoder layers the saved-activation tables describe (the ones ``coat.convert`` takes).
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
@@ -30,6 +32,7 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3
     model_type: str = "llama"
+    hidden_act: str = ""  # the MLP's activation as the config names it ("": its config class's default)
 
     @property
     def gemma(self) -> bool:
@@ -118,7 +121,8 @@ class ModelShape:
             tied=bool(cfg.get("tie_word_embeddings", mt == "gemma3_text")),
             qkv_bias=bool(cfg.get("attention_bias", False)) or mt == "qwen2",
             o_bias=bool(cfg.get("attention_bias", False)) and mt in ("llama", "qwen3"),
-            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=mt in ("qwen3", "gemma3_text"), model_type=mt)
+            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=mt in ("qwen3", "gemma3_text"), model_type=mt,
+            hidden_act=act if isinstance(act := cfg.get(_act_key(mt)), str) else "")
 
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` fields that rebuild this shape with transformers (random init)."""
@@ -128,10 +132,18 @@ class ModelShape:
                    tie_word_embeddings=self.tied, mlp_bias=self.mlp_bias)
         if self.model_type in ("llama", "qwen3"):
             cfg["attention_bias"] = self.o_bias
+        if self.hidden_act:
+            cfg[_act_key(self.model_type)] = self.hidden_act
         if self.gemma:  # every layer global (the memory plan does not tell sliding layers apart)
             cfg |= dict(query_pre_attn_scalar=self.head_dim, layer_types=["full_attention"] * self.layers)
             del cfg["mlp_bias"]
         return cfg
+
+
+def _act_key(model_type: str) -> str:
+    """The config key naming the MLP's activation (``hidden_activation`` for Gemma 3)."""
+    fam = models.by_model_type(model_type)
+    return fam.act_config if fam is not None else "hidden_act"
 
 
 def _shape(name, h, layers, heads, kv, inter, vocab, **kw) -> ModelShape:
