@@ -124,9 +124,14 @@ class Recipe:
                     graph=self.graph if graph is None else graph, lora=self.lora if lora is None else lora,
                     side=self.side if side is None else side)
         base = self.name.split("+")[0]
+        default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
+        mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
+                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora, "side": r.side,
+                r.fp8_granularity: r.fp8_granularity != "tensor"}
+        r = replace(r, name=names.Setup(base, tuple(m for m in names.MODES if mods.get(m))).name)  # the setup asked for
         if r.side and not self.side:
             if base not in names.SIDE_RECIPES or r.lora or r.grad_release or not r.fused_loss:
-                raise ValueError(f"--recipe {r.name}+side: side tuning is modeled for {', '.join(names.SIDE_RECIPES)} "
+                raise ValueError(f"--recipe {r.name}: side tuning is modeled for {', '.join(names.SIDE_RECIPES)} "
                                  "with the fused loss, eager or replayed from CUDA graphs (+graph), without other "
                                  "modes (coat train's and coat bench's setups)")
         if r.lora and not self.lora:
@@ -134,18 +139,14 @@ class Recipe:
             # layers) and coat+lora (PEFT on coat.convert's layers, the base kept only in FP8:
             # convert(frozen_weights="fp8"), the fused loss).
             if r.grad_release or (base, r.fused_loss) not in (("bf16", False), ("coat", True)):
-                raise ValueError(f"--recipe {r.name}+lora: LoRA is modeled for bf16+lora and coat+lora (coat "
-                                 "bench's setups) only")
+                raise ValueError(f"--recipe {r.name}: LoRA is modeled for bf16+lora and coat+lora (coat bench's "
+                                 "setups, with their graph variants) only")
             table, base_summary = {"bf16": ("hf-bf16-lora", "bf16 weights"),
                                    "coat": ("coat-lora", "coat.convert, decoder weights in FP8 only")}[base]
             r = replace(r, activations=table, fsdp_activations=table, master_bytes=0, state_bytes=0, grad_bytes=0,
                         summary=f"{base_summary} (the base, frozen), PEFT LoRA r={LORA_RANK} on every decoder "
                         "linear (fp32 adapters, torch AdamW)")
-        default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
-        mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
-                "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora, "side": r.side,
-                r.fp8_granularity: r.fp8_granularity != "tensor"}
-        return replace(r, name=names.Setup(base, tuple(m for m in names.MODES if mods.get(m))).name)
+        return r
 
 
 #: The rank of ``+lora`` setups (coat bench's LoRA setups: r=16 on every decoder linear).
