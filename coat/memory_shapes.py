@@ -169,6 +169,18 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in (
 )}
 
 
+def _folder_name(config_path: str) -> str:
+    """The name of the model whose ``config.json`` this is: the model id of a Hugging Face cache
+    snapshot (``models--<org>--<name>/snapshots/<revision>/``: not the revision's hash), else the
+    folder's name."""
+    folder = os.path.dirname(os.path.abspath(config_path))
+    parent, snapshots = os.path.split(os.path.dirname(folder))
+    repo = os.path.basename(parent)
+    if snapshots == "snapshots" and repo.startswith("models--") and len(repo) > len("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return os.path.basename(folder)
+
+
 def load_shape(model: str) -> ModelShape:
     """A preset name, a ``config.json`` path, or a checkpoint folder holding one."""
     if model in PRESETS:
@@ -191,6 +203,6 @@ def load_shape(model: str) -> ModelShape:
     if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers keep the LM here
         cfg = cfg["text_config"]
     try:
-        return ModelShape.from_hf_config(cfg, name=os.path.basename(os.path.dirname(os.path.abspath(path))) or model)
+        return ModelShape.from_hf_config(cfg, name=_folder_name(path) or model)
     except ValueError as e:
         raise ValueError(f"--model {model!r}: {e}") from None
