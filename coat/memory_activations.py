@@ -53,8 +53,9 @@ def _fp8_norm_input(width: int, rows: int) -> float:
 def _coat_norm(shape: ModelShape, width: int, rows: int, fused: bool, trains: bool = True) -> float:
     """A norm of coat's layers over ``rows`` rows of ``width`` per token (coat/nn/norm.py, block.py):
     its input in FP8 where ``fp8_norm_ok(width)``; else, fused into the GEMM after it (the block op),
-    its input in bf16, coat's layers' dtype (the norm is recomputed in backward); else (``coat.nn.norm.rms_norm``) Hugging
-    Face's arithmetic under autograd, which keeps no normalized output for a frozen weight."""
+    its input in bf16, the layers' dtype (the norm is recomputed in backward); else
+    (``coat.nn.norm.rms_norm``) Hugging Face's arithmetic under autograd, which keeps no normalized
+    output for a frozen weight."""
     if fp8_norm_ok(width):
         return _fp8_norm_input(width * rows, rows)
     if fused:
@@ -111,7 +112,8 @@ def layer_saved(shape: ModelShape, table: str, granularity: str = "tensor") -> l
     raise ValueError(f"unknown activation table {table!r}")
 
 
-def _coat_layer_saved(shape: ModelShape, table: str, granularity: str, sdpa: float, gated: str) -> list[tuple[str, float]]:
+def _coat_layer_saved(shape: ModelShape, table: str, granularity: str, sdpa: float,
+                      gated: str) -> list[tuple[str, float]]:
     """``layer_saved`` of coat's layers (``table`` "coat" or "coat-lora"). With LoRA the norms and
     the SwiGLU run apart from their GEMMs (the adapters need their outputs), their weights frozen."""
     h, q, i, nh, d = shape.hidden, shape.q_width, shape.intermediate, shape.heads, shape.head_dim
