@@ -84,9 +84,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
 
     from coat.cli.bench_worker import SETUPS
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise BenchError("argument --device: cuda requested but torch sees no CUDA device")
     d = DEVICE_DEFAULTS[device]
@@ -115,13 +113,13 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
                     ("--skip-predicted-oom", args.skip_predicted_oom)):
         if v is not None and not v > 0:  # NaN too
             raise BenchError(f"argument {flag}: must be positive")
-    if args.batches in (None, ["auto"]):
-        batches = [2 ** k for k in range(0, 1 + int(math.log2(max_batch)))]
-    else:
-        batches = _positive_ints("--batches", args.batches)
+    batches = [2 ** k for k in range(0, 1 + int(math.log2(max_batch)))] if args.batches in (None, ["auto"]) \
+        else _positive_ints("--batches", args.batches)
     batches = sorted(set(batches) | {b for bs in per_setup.values() for b in bs})
-    if args.fsdp_unit not in (1, "auto") and not args.fsdp:
-        raise BenchError("argument --fsdp-unit: applies to --fsdp runs only")
+    for flag, given in (("--fsdp-unit", args.fsdp_unit not in (1, "auto")), ("--no-fp8-all-gather",
+                                                                             args.fp8_all_gather is False)):
+        if given and not args.fsdp:
+            raise BenchError(f"argument {flag}: applies to --fsdp runs only")
     too_deep = [n for n, s in shapes.items() if args.fsdp_unit != "auto" and args.fsdp_unit > s.layers]
     if too_deep:
         raise BenchError(f"argument --fsdp-unit: {args.fsdp_unit} is more than the decoder layers of "
@@ -158,10 +156,8 @@ def launch(cfg: dict[str, Any], world: int, timeout: float, fsdp: bool) -> dict[
     with tempfile.TemporaryDirectory(prefix="coat-bench-") as tmp:
         cfg = dict(cfg, result=os.path.join(tmp, "result.json"))
         mod = ["-m", "coat.cli.bench_worker", json.dumps(cfg)]
-        if fsdp:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *mod]
-        else:
-            cmd = [sys.executable, *mod]
+        run = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if fsdp else []
+        cmd = [sys.executable, *run, *mod]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
         # A session of its own, so a timeout ends torchrun's ranks too, not only torchrun.
@@ -264,7 +260,8 @@ def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dic
                 timeout = args.timeout if left is None else max(10.0, min(args.timeout, left))
                 cfg = {"setup": s, "shape": asdict(shape), "batch": batch, "seq": opts["seq"], "warmup": args.warmup,
                        "steps": args.steps, "device": opts["device"], "fsdp": fsdp, "run_id": run_id, "commit": sha,
-                       "fsdp_unit": unit, "deadline": None if left is None else start + args.max_seconds}
+                       "fsdp_unit": unit, "deadline": None if left is None else start + args.max_seconds,
+                       "fp8_all_gather": args.fp8_all_gather}
                 t0 = time.time()
                 res = launch(cfg, world, timeout, fsdp)
                 last_cost[s] = time.time() - t0
@@ -307,9 +304,7 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
     base = {(r["model"], r["batch"], r["world"], r["setup"]): r["tokens_per_s"] for r in records
             if r.get("status") == "ok" and r["setup"] in BASELINES}
     for r in records:
-        if r.get("status") != "ok":
-            continue
-        for b in BASELINES:
+        for b in BASELINES if r.get("status") == "ok" else ():
             ref = base.get((r["model"], r["batch"], r["world"], b))
             r[f"vs_{b}"] = None if not ref else r["tokens_per_s"] / ref
 
@@ -342,7 +337,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(align) + "|"]
     order = {s: i for i, s in enumerate(dict.fromkeys(r["setup"] for r in records))}
     for r in sorted(records, key=lambda r: (r["model"], r.get("world", 1), order[r["setup"]], r["batch"])):
-        unit = f", {r['fsdp_unit']} layers per unit" if r.get("fsdp_unit", 1) != 1 else ""
+        unit = (f", {r['fsdp_unit']} layers per unit" if r.get("fsdp_unit", 1) != 1 else "") + \
+            (", bf16 gathers" if r.get("fp8_all_gather") is False else "")
         model = r["model"] + (f" (FSDP2 x{r['world']}{unit}, per GPU)" if r.get("world", 1) > 1 else "")
         est, peak, res = (r.get(x) for x in ("estimate_gib", "peak_gib", "resident_gib"))
         if r["status"] != "ok":
@@ -368,7 +364,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
 
 def record_key(r: dict[str, Any]) -> str:
     return (f"{r.get('device', '?')}|{r['model']}|{recipes.canonical(r['setup'])}|batch{r['batch']}|seq{r['seq']}|"
-            f"world{r.get('world', 1)}" + (f"|unit{r['fsdp_unit']}" if r.get("fsdp_unit", 1) != 1 else ""))
+            f"world{r.get('world', 1)}" + (f"|unit{r['fsdp_unit']}" if r.get("fsdp_unit", 1) != 1 else "")
+            + ("|bf16gather" if r.get("fp8_all_gather") is False else ""))
 
 
 def merge_json(path: Path, records: list[dict[str, Any]]) -> None:
@@ -494,6 +491,8 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
                    "decoder layers per fully_shard unit (fewer, larger collectives; K layers' weights gathered at a "
                    "time); auto: per configuration, the fewest layers whose GEMMs hide FSDP2's host work per unit, as "
                    "many as fit the GPU (coat estimate --fsdp-unit)")
+    g.add_argument("--no-fp8-all-gather", dest="fp8_all_gather", action="store_false", default=None,
+                   help="with --fsdp: gather the FP8 layers' weights in bf16 (default: as FP8 codes)")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     g = p.add_argument_group("how long")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first")
@@ -558,6 +557,7 @@ def run_here(opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     unit = fsdp_unit(args, shape, SETUPS[setup].recipe, batch, opts["seq"], world, opts["device"])
     cfg = {"setup": setup, "shape": asdict(shape), "batch": batch, "seq": opts["seq"], "warmup": args.warmup,
            "steps": args.steps, "device": opts["device"], "fsdp": True, "commit": commit(), "fsdp_unit": unit,
+           "fp8_all_gather": args.fp8_all_gather,
            "run_id": time.strftime("%Y%m%dT%H%M%S")}
     import torch.distributed as dist
 

@@ -35,7 +35,7 @@ import sys
 import time
 import traceback
 import weakref
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from coat import memory, models, recipes
-from coat.integrations import fsdp as coat_fsdp
+from coat.integrations import fp8_gather, fsdp as coat_fsdp
 from coat.memory_side import SIDE_R  # the coat+side setup: side width hidden / SIDE_R (QST default)
 
 GiB = memory.GiB
@@ -57,6 +57,7 @@ class Context:
     mesh: Any  # a DeviceMesh under --fsdp, else None
     lr: float = 1e-5
     layers_per_unit: int = 1  # decoder layers per fully_shard unit (--fsdp-unit)
+    fp8_all_gather: bool | None = None  # converted layers' weights gathered as FP8 (None: where they allow it)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, autocast, gr
 
 def _shard(model: torch.nn.Module, ctx: Context, mp_policy=None) -> None:
     """FSDP2: one ``fully_shard`` per ``ctx.layers_per_unit`` decoder layers, then the root."""
-    coat_fsdp.shard(model, ctx.mesh, ctx.device, mp_policy, ctx.layers_per_unit)
+    coat_fsdp.shard(model, ctx.mesh, ctx.device, mp_policy, ctx.layers_per_unit, ctx.fp8_all_gather)
 
 
 def _torch_adamw(model: torch.nn.Module, ctx: Context) -> torch.optim.Optimizer:
@@ -491,10 +492,8 @@ def _versions() -> dict[str, Any]:
 
     v: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
     for pkg in ("transformers", "torchao", "coat"):
-        try:
+        with suppress(md.PackageNotFoundError):
             v[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
     return v
 
 
@@ -504,8 +503,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     shape = memory.ModelShape(**cfg["shape"])
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     fsdp = bool(cfg.get("fsdp"))
-    want = cfg.get("device", "auto")
-    dev_type = ("cuda" if torch.cuda.is_available() else "cpu") if want == "auto" else want
+    dev_type = cfg.get("device", "auto").replace("auto", "cuda" if torch.cuda.is_available() else "cpu")
     res: dict[str, Any] = {"setup": setup.name, "model": shape.name, "shape": asdict(shape), "batch": cfg["batch"],
                            "seq": cfg["seq"], "world": world if fsdp else 1, "rank": rank, "run_id": cfg.get("run_id"),
                            "commit": cfg.get("commit"), "warmup": cfg["warmup"], "steps": cfg["steps"],
@@ -537,7 +535,10 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         # Under FSDP the matrices wait on the meta device until _shard: a rank holds its shards only.
         with coat_fsdp.matrices_on_meta() if fsdp and setup.build is None else nullcontext():
             model = (setup.build or build_model)(shape, setup.param_dtype, dev)
-        step = setup.prepare(model, Context(dev, mesh, layers_per_unit=cfg.get("fsdp_unit", 1)))
+        ctx = Context(dev, mesh, layers_per_unit=cfg.get("fsdp_unit", 1), fp8_all_gather=cfg.get("fp8_all_gather"))
+        step = setup.prepare(model, ctx)
+        ag = fp8_gather.state(coat_fsdp.decoder_layers(model)) if fsdp else None
+        res |= {"fp8_all_gather": ag} if ag is not None else {}
         res["init_s"] = time.perf_counter() - t0
         g = torch.Generator(device=dev).manual_seed(1234 + rank)
         ids = torch.randint(0, shape.vocab, (cfg["batch"], cfg["seq"]), device=dev, generator=g)

@@ -27,7 +27,7 @@ from .._ops import quantize as qops
 from .._ops._util import fmt_id
 from ..nn.gathered import Fp8Gathered
 
-__all__ = ["weight_groups", "install", "installed_units"]
+__all__ = ["weight_groups", "install", "installed_units", "state"]
 
 
 def weight_groups(layer: nn.Module) -> Optional[list[list[nn.Parameter]]]:
@@ -144,6 +144,14 @@ def install(units: list[list[nn.Module]]) -> int:
         for layer in layers:
             layer.coat_fp8_gather = unit
     return covered
+
+
+def state(layers: list[nn.Module]) -> Optional[bool]:
+    """Whether a sharded model's decoder layers gather their weights as FP8 (None: they are not FP8
+    with per-tensor scaling, so the question does not arise)."""
+    if any(weight_groups(layer) is None for layer in layers):
+        return None
+    return all(getattr(layer, "coat_fp8_gather", None) is not None for layer in layers)
 
 
 def installed_units(model: nn.Module) -> list[_Unit]:
