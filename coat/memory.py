@@ -38,7 +38,7 @@ from coat.memory_side import side_params, side_plan_parts
 
 __all__ = ["GiB", "MiB", "MODEL_TYPES", "NotModeled", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
            "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "saved_constants", "outside_saved",
-           "fused_loss_transient", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan", "max_batch",
+           "fused_loss_transient", "fp8_gathered", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan", "max_batch",
            "GPU_RATES", "OPTIMIZER_BYTES", "flops_base", "model_flops", "step_time_floor", "rates_for", "UNIT_FLOPS",
            "auto_fsdp_unit", "fsdp_unit_value"]
 
@@ -88,14 +88,21 @@ class Plan:
         return d
 
 
-#: GEMMs read bf16 weights in every recipe (FSDP2 gathers them in bf16).
+#: Weights and gradients in the compute dtype (bf16): FSDP2 gathers weights and reduces gradients in it.
 _COMPUTE_BYTES = 2
 
 
+def fp8_gathered(rec: Recipe) -> bool:
+    """Whether FSDP2 gathers this recipe's decoder-layer weights as FP8 codes by default
+    (coat.integrations.fsdp.shard: FP8 layers with per-tensor scaling)."""
+    return rec.fp8_weights and rec.fp8_granularity == "tensor" and not rec.lora and not rec.side
+
+
 def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int = 1, device: str = "cuda",
-         fsdp_unit: int = 1) -> Plan:
+         fsdp_unit: int = 1, fp8_all_gather: bool = True) -> Plan:
     """The memory plan of one full step at ``batch`` sequences of ``seq`` tokens (per GPU under FSDP2,
-    with ``fsdp_unit`` decoder layers per ``fully_shard`` unit: coat.integrations.fsdp.shard)."""
+    with ``fsdp_unit`` decoder layers per ``fully_shard`` unit: coat.integrations.fsdp.shard;
+    ``fp8_all_gather=False``: the FP8 layers' weights gathered in bf16, not as FP8 codes)."""
     rec = recipe(rec) if isinstance(rec, str) else rec
     _check_step(batch, seq, gpus, device)
     if not isinstance(fsdp_unit, int) or not 1 <= fsdp_unit <= shape.layers:
@@ -125,7 +132,7 @@ def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int =
     head_grad = 0.0 if rec.lora else head_bytes * head
     layer_tr, weight_tr = _layer_transients(s, rec, table, t)
     copies = 2.0 * (s.layers * s.layer_linear_params + head) if rec.weight_copies and not fsdp else 0.0
-    fsdp_tr, fsdp_end = _fsdp_transients(s, rec, fsdp_unit) if fsdp else (0.0, 0.0)
+    fsdp_tr, fsdp_end = _fsdp_transients(s, rec, fsdp_unit, fp8_all_gather) if fsdp else (0.0, 0.0)
     work = CUDA_WORKSPACE if device == "cuda" else 0.0
 
     resident = weights + 4.0 * adapters + master + states
@@ -244,17 +251,20 @@ def _layer_transients(s: ModelShape, rec: Recipe, table: str, t: int) -> tuple[f
     return layer_tr, weight_tr
 
 
-def _fsdp_transients(s: ModelShape, rec: Recipe, unit: int = 1) -> tuple[float, float]:
-    """FSDP2's gathered bf16 weights at the start of backward: the root module's (embedding, head,
-    final norm) for the whole step, and two units of ``unit`` layers (the running one and the
-    prefetched one: at most every layer, when a unit holds more than half of them); in backward one
-    unit's unsharded gradients, plus their copy in the reduce dtype. Then what of it is alive at the
-    end of backward."""
+def _fsdp_transients(s: ModelShape, rec: Recipe, unit: int = 1, fp8_all_gather: bool = True) -> tuple[float, float]:
+    """FSDP2's gathered weights at the start of backward: the root module's (embedding, head, final
+    norm) for the whole step, and two units of ``unit`` layers (the running one and the prefetched
+    one: at most every layer, when a unit holds more than half of them), their linear weights as
+    FP8 codes under FP8 all-gather; in backward one unit's unsharded gradients, plus their copy in
+    the reduce dtype. Then what of it is alive at the end of backward."""
     compute = _COMPUTE_BYTES
     root = s.embed_params + s.head_params + s.hidden
     reduce_copy = rec.fsdp_reduce_bytes if rec.fsdp_reduce_bytes != compute else 0
     gathered = min(2 * unit, s.layers)
-    start = compute * root + (compute * gathered + (compute + reduce_copy) * unit) * s.layer_params
+    layer = compute * s.layer_params
+    if fp8_all_gather and fp8_gathered(rec):  # one byte per linear weight, the norms' in bf16
+        layer -= (compute - 1) * s.layer_linear_params
+    start = compute * root + gathered * layer + (compute + reduce_copy) * unit * s.layer_params
     return start, (compute + reduce_copy) * (s.embed_params + s.head_params)
 
 
@@ -313,7 +323,7 @@ def fsdp_unit_value(text: str) -> int | str:
 
 
 def auto_fsdp_unit(shape: ModelShape, rec: Recipe | str | None, batch: int, seq: int, gpus: int,
-                   memory_gib: float | None) -> int:
+                   memory_gib: float | None, fp8_all_gather: bool = True) -> int:
     """Decoder layers per FSDP2 unit for ``--fsdp-unit auto``: the fewest (a power of two, at most
     the model's layers; the largest such when none reaches it) whose GEMMs reach ``UNIT_FLOPS`` per
     GPU and step, halved while the plan's
@@ -332,7 +342,8 @@ def auto_fsdp_unit(shape: ModelShape, rec: Recipe | str | None, batch: int, seq:
     while 2 * k <= shape.layers and k * per_layer < UNIT_FLOPS:
         k *= 2
     try:
-        while rec is not None and k > 1 and plan(shape, rec, batch, seq, gpus, "cuda", k).required_gib > memory_gib:
+        while rec is not None and k > 1 and \
+                plan(shape, rec, batch, seq, gpus, "cuda", k, fp8_all_gather).required_gib > memory_gib:
             k //= 2
     except ValueError:  # NotModeled, or a plan refused for this recipe (LoRA under FSDP2)
         pass

@@ -187,12 +187,12 @@ def launch(cfg: dict[str, Any], world: int, timeout: float, fsdp: bool) -> dict[
 
 
 def estimate(shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq: int, world: int,
-             device: str, fsdp_unit: int = 1) -> float | None:
+             device: str, fsdp_unit: int = 1, fp8_all_gather: bool | None = None) -> float | None:
     if setup_recipe is None:
         return None
     try:
         return memory.plan(shape, setup_recipe, batch, seq, world, "cuda" if device != "cpu" else "cpu",
-                           fsdp_unit).peak_gib
+                           fsdp_unit, fp8_all_gather is not False).peak_gib
     except memory.NotModeled:  # measured all the same, without an estimate beside it
         return None
 
@@ -208,7 +208,7 @@ def fsdp_unit(args: argparse.Namespace, shape: memory.ModelShape, setup_recipe: 
         gib = gpu_info()["memory_gib"]
         cap = os.environ.get("COAT_BENCH_GPU_GIB")
         gib = min(gib, float(cap)) if cap else gib
-    return memory.auto_fsdp_unit(shape, setup_recipe, batch, seq, world, gib)
+    return memory.auto_fsdp_unit(shape, setup_recipe, batch, seq, world, gib, args.fp8_all_gather is not False)
 
 
 def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dict[str, Any]]:
@@ -238,7 +238,7 @@ def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dic
                     continue
                 rec_name = SETUPS[s].recipe
                 unit = fsdp_unit(args, shape, rec_name, batch, opts["seq"], world, opts["device"]) if fsdp else 1
-                est = estimate(shape, rec_name, batch, opts["seq"], world, opts["device"], unit)
+                est = estimate(shape, rec_name, batch, opts["seq"], world, opts["device"], unit, args.fp8_all_gather)
                 base = {"model": name, "setup": s, "batch": batch, "seq": opts["seq"], "world": world,
                         "shape": asdict(shape), "recipe": rec_name, "estimate_gib": est, "run_id": run_id,
                         "commit": sha} | ({"fsdp_unit": unit} if fsdp else {})
@@ -564,7 +564,7 @@ def run_here(opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     res = run_config(cfg)
     rec = {**res, "model": name, "world": world, "estimate_gib": estimate(shape, SETUPS[setup].recipe, batch,
                                                                             opts["seq"], world, opts["device"],
-                                                                            unit)}
+                                                                            unit, args.fp8_all_gather)}
     if rec.get("status") not in ("ok", "skipped"):
         # Peers may wait in a collective this rank never joins: report, then leave at once; the non-zero
         # exit makes torchrun stop the group.
