@@ -133,7 +133,7 @@ def test_fsdp_unit_takes_auto_or_a_count(capsys, monkeypatch):
         assert bench.fsdp_unit(a, shape, "coat+nonsense", 1, 2048, 2, "cuda") == 8  # not modeled: GEMMs alone
         assert bench.fsdp_unit(_args("--fsdp", "2", "--fsdp-unit", "3"), shape, "coat", 1, 2048, 2, "cuda") == 3
         # COAT_BENCH_GPU_GIB makes the worker act as a smaller card: auto sizes K for that card
-        small = M.plan(shape, "coat-lean", 1, 2048, 2, "cuda", 1).required_gib + 0.5
+        small = M.plan(shape, "coat-lean", 1, 2048, 2, "cuda", 1).required_gib + 0.01
         monkeypatch.setenv("COAT_BENCH_GPU_GIB", str(small))
         assert bench.fsdp_unit(a, shape, "coat-lean", 1, 2048, 2, "cuda") == 1
     finally:
