@@ -166,17 +166,20 @@ def _(parts):
     return _new(1, torch.float32, parts[0])
 
 
-@custom_op("coat::quantize_per_tensor_from_amax", mutates_args=())
-def quantize_per_tensor_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale) of x with the scale of a given amax (fp32 [1]): bit for bit what
-    quantize_per_tensor_amax gives when amax is the one it would find (one pass, no amax pass)."""
+@custom_op("coat::quantize_stacked_from_amax", mutates_args=())
+def quantize_stacked_from_amax(parts: list[torch.Tensor], amax: torch.Tensor,
+                               fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [R, K], scale) of X = cat(parts, 0) with the scale of a given amax (fp32 [1]): bit for bit
+    what quantize_stacked_amax gives when amax is the one it would find (one pass, no amax pass)."""
+    x = _first(parts)
     with dev_ctx(x):
-        return _C.quantize_per_tensor_from_amax(x, amax, fmt, stream(x))
+        return _C.quantize_stacked_from_amax(parts, amax, fmt, stream(x))
 
 
-@quantize_per_tensor_from_amax.register_fake
-def _(x, amax, fmt):
-    return _new(x.shape, _U8, x), _new(1, torch.float32, x)
+@quantize_stacked_from_amax.register_fake
+def _(parts, amax, fmt):
+    _check_stacked(parts, True, False)
+    return _new(_stacked_shapes(parts, True, False)[0], _U8, parts[0]), _new(1, torch.float32, parts[0])
 
 
 @custom_op("coat::dequantize_per_tensor", mutates_args=())

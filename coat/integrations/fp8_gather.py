@@ -55,47 +55,48 @@ def _shard(ref: weakref.ref, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 
 class _Unit:
-    """The FP8-gathered weight groups of one FSDP2 unit. A gather calls ``pre`` once per weight; the
-    first call of each gather refreshes the groups' amaxes (one all-reduce for the unit), and each
-    group's first weight makes the scale the group shares."""
+    """The FP8-gathered weight groups of one FSDP2 unit. FSDP2 asks each weight for its all-gather
+    input once per gather; the first ask of a gather quantizes every group's shards (one amax pass
+    per group, one all-reduce for the unit, one quantize pass per group) and each weight takes its
+    rows of its group's codes. Nothing is kept once every weight has taken its codes."""
 
     def __init__(self, groups: list[list[weakref.ref]], fmt: torch.dtype):
-        self.groups, self.fmt, self.gen = groups, fmt, 0
-        self.amax: Optional[torch.Tensor] = None
-        self.scales: dict[int, torch.Tensor] = {}
-        self.gathers = 0  # refreshes so far (tests, diagnostics)
+        self.groups, self.fmt = groups, fmt
+        self.pending: list[list] = [[None] * len(g) for g in groups]  # per weight: (codes, scale) not yet taken
+        self.gathers = 0  # quantizations so far (tests, diagnostics)
 
     def refresh(self, mesh, dtype: Optional[torch.dtype]) -> None:
-        amax = torch.cat([qops.amax_stacked([_shard(p, dtype) for p in g]) for g in self.groups])
+        shards = [[_shard(r, dtype) for r in g] for g in self.groups]
+        amax = torch.cat([qops.amax_stacked(parts) for parts in shards])
         if mesh.size() > 1:
             import torch.distributed as dist
 
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        self.amax, self.scales, self.gen, self.gathers = amax, {}, self.gen + 1, self.gathers + 1
+        for gi, parts in enumerate(shards):
+            q, scale = qops.quantize_stacked_from_amax(parts, amax[gi:gi + 1], fmt_id(self.fmt))
+            self.pending[gi] = [(rows, scale) for rows in torch.split(q, [p.shape[0] for p in parts])]
+        self.gathers += 1
 
-    def codes(self, gi: int, shard: weakref.ref, rows: int, world: int, dtype: Optional[torch.dtype]):
-        """(the shard's codes padded to FSDP2's shard size, the group's scale)."""
-        q, scale = qops.quantize_per_tensor_from_amax(_shard(shard, dtype), self.amax[gi:gi + 1], fmt_id(self.fmt))
-        padded = -(-rows // world)
+    def take(self, gi: int, wi: int, mesh, dtype: Optional[torch.dtype], rows: int):
+        """(weight wi of group gi's codes padded to FSDP2's shard size, the group's scale)."""
+        if self.pending[gi][wi] is None:  # taken in the last gather: this is a new one
+            self.refresh(mesh, dtype)
+        (q, scale), self.pending[gi][wi] = self.pending[gi][wi], None
+        padded = -(-rows // mesh.size())
         if q.shape[0] != padded:  # the last ranks' shards of an unevenly split weight
             q = torch.cat([q, q.new_zeros(padded - q.shape[0], *q.shape[1:])])
-        return q, self.scales.setdefault(gi, scale)
+        return q, scale
 
 
 class _PreAllGather:
     """``fsdp_pre_all_gather`` of one sharded weight: FSDP2 reads it off the local shard."""
 
-    def __init__(self, unit: _Unit, gi: int, shard: weakref.ref):
-        self.unit, self.gi, self.shard, self.seen = unit, gi, shard, unit.gen
+    def __init__(self, unit: _Unit, gi: int, wi: int):
+        self.unit, self.gi, self.wi = unit, gi, wi
 
     def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
-        unit = self.unit
-        dtype = getattr(mp_policy, "param_dtype", None)
-        if self.seen == unit.gen:  # this weight already took the current amaxes: a new gather
-            unit.refresh(mesh, dtype)
-        self.seen = unit.gen
-        q, scale = unit.codes(self.gi, self.shard, outer_size[0], mesh.size(), dtype)
-        return (q,), scale
+        q, scale = self.unit.take(self.gi, self.wi, mesh, getattr(mp_policy, "param_dtype", None), outer_size[0])
+        return (q.contiguous(),), scale
 
 
 class _PostAllGather:
@@ -137,8 +138,8 @@ def install(units: list[list[nn.Module]]) -> int:
         unit = _Unit(refs, layers[0].self_attn.coat_recipe.act_dtype)
         post = _PostAllGather(unit.fmt)
         for gi, g in enumerate(refs):
-            for ref in g:
-                ref().fsdp_pre_all_gather = _PreAllGather(unit, gi, ref)
+            for wi, ref in enumerate(g):
+                ref().fsdp_pre_all_gather = _PreAllGather(unit, gi, wi)
                 ref().fsdp_post_all_gather = post
                 covered += 1
         for layer in layers:

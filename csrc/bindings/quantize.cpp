@@ -147,12 +147,26 @@ nb::object amax_stacked_py(const std::vector<Array>& parts_, uintptr_t stream) {
   return amax.tensor;
 }
 
-// (q, scale) of x with its scale from a given amax (fp32 [1]): quantize_per_tensor_amax's codes
-// and scale when amax is the one it would find.
-nb::tuple quantize_per_tensor_from_amax_py(const Array& x_, const Array& amax_, int fmt_, uintptr_t stream) {
-  const View x = view_of(x_, "x"), amax = view_of(amax_, "amax");
-  PerTensorFp8 r = quantize_amax(x, fp8_format(fmt_), false, stream_of(stream), &amax);
-  return nb::make_tuple(r.q.tensor, r.scale.tensor);
+// (q [R, cols], scale) of the stacked parts with the scale of a given amax (fp32 [1]): the codes
+// and scale quantize_stacked computes when amax is the one it would find.
+nb::tuple quantize_stacked_from_amax_py(const std::vector<Array>& parts_, const Array& amax_, int fmt_,
+                                        uintptr_t stream) {
+  const std::vector<View> parts = views_of_parts(parts_);
+  const StackedRows x = stacked_of(parts, false);
+  const View amax = view_of(amax_, "amax");
+  expect_numel(amax, 1, "one fp32 amax");
+  expect_kind(amax, Kind::kFloat32);
+  const bool cuda = same_device({&parts[0], &amax});
+  Created q = new_tensor({total_rows(x), x.cols}, NewDtype::kUInt8, parts[0], "q");
+  Created scale = new_tensor({1}, NewDtype::kFloat32, parts[0], "scale");
+  auto* qd = static_cast<uint8_t*>(q.view.data);
+  const auto* a = static_cast<const float*>(amax.data);
+  auto* s = static_cast<float*>(scale.view.data);
+  if (cuda)
+    COAT_GPU_CALL(quantize_stacked_from_amax(x, fp8_format(fmt_), a, s, qd, nullptr, stream_of(stream)));
+  else
+    ref::quantize_stacked_from_amax(x, fp8_format(fmt_), a, s, qd, nullptr);
+  return nb::make_tuple(q.tensor, scale.tensor);
 }
 
 void check_group(const View& x, int group) {
@@ -302,7 +316,7 @@ void register_quantize(nb::module_& m) {
   m.def("quantize_stacked", &quantize_stacked_py, restore_device(), arg("parts"), arg("scale").none(), arg("fmt"), arg("rowmajor"),
         arg("transpose"), arg("stream"));
   m.def("amax_stacked", &amax_stacked_py, restore_device(), arg("parts"), arg("stream"));
-  m.def("quantize_per_tensor_from_amax", &quantize_per_tensor_from_amax_py, restore_device(), arg("x"), arg("amax"),
+  m.def("quantize_stacked_from_amax", &quantize_stacked_from_amax_py, restore_device(), arg("parts"), arg("amax"),
         arg("fmt"), arg("stream"));
   m.def("transpose_stacked_codes", &transpose_stacked_codes_py, restore_device(), arg("parts"), arg("stream"));
   m.def("dequantize_per_tensor", &dequantize_per_tensor_py, restore_device(), arg("q"), arg("scale"), arg("fmt"), arg("dtype"),

@@ -50,12 +50,17 @@ def test_amax_stacked_is_the_finite_max_of_the_parts(dtype, dev):
 @pytest.mark.parametrize("dev", DEVS)
 def test_codes_from_a_given_amax_match_on_every_device(dev):
     g = torch.Generator().manual_seed(2)
-    x = (torch.randn(333, 259, generator=g) * 5).to(torch.bfloat16)
-    x[7, 9] = float("nan")
+    parts = [(torch.randn(r, 259, generator=g) * 5).to(torch.bfloat16) for r in (333, 64, 1)]
+    parts[0][7, 9] = float("nan")
     amax = torch.tensor([41.0])
-    q, s = qops.quantize_per_tensor_from_amax(x, amax, F)
-    qd, sd = qops.quantize_per_tensor_from_amax(x.to(dev), amax.to(dev), F)
+    q, s = qops.quantize_stacked_from_amax(parts, amax, F)
+    qd, sd = qops.quantize_stacked_from_amax([p.to(dev) for p in parts], amax.to(dev), F)
     assert torch.equal(q, qd.cpu()) and torch.equal(s, sd.cpu())
+    # The stacked parts with their own amax: the codes and scale of the stacked quantizer.
+    own = qops.amax_stacked(parts)
+    q, s = qops.quantize_stacked_from_amax(parts, own, F)
+    rq, _, rs = qops.quantize_stacked_amax(parts, F, True, False)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
 
 
 @pytest.mark.parametrize("scale_of", ["own", "larger", "zero", "tiny"])
@@ -65,7 +70,7 @@ def test_codes_from_a_given_amax_are_the_quantizers(scale_of):
     x[0, 0] = float("inf")  # ignored by the amax, saturates in the codes
     own = qops.amax_stacked([x])
     amax = {"own": own, "larger": own * 4, "zero": torch.zeros(1), "tiny": torch.full((1,), 1e-40)}[scale_of]
-    q, scale = qops.quantize_per_tensor_from_amax(x, amax, F)
+    q, scale = qops.quantize_stacked_from_amax([x], amax, F)
     if scale_of in ("own", "larger"):
         # The reference: the whole-tensor quantizer on x and one more row holding `amax`.
         ref_in = torch.cat([x, torch.zeros(1, 40, dtype=x.dtype)])
@@ -80,7 +85,7 @@ def test_codes_from_a_given_amax_are_the_quantizers(scale_of):
 
 def _gathered(w: torch.Tensor, amax=None) -> Fp8Gathered:
     amax = qops.amax_stacked([w]) if amax is None else amax
-    q, s = qops.quantize_per_tensor_from_amax(w, amax, F)
+    q, s = qops.quantize_stacked_from_amax([w], amax, F)
     return Fp8Gathered(q, s, w.dtype, E4M3)
 
 
