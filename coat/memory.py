@@ -38,8 +38,8 @@ from coat.memory_side import side_params, side_plan_parts
 
 __all__ = ["GiB", "MiB", "MODEL_TYPES", "NotModeled", "ModelShape", "PRESETS", "load_shape", "COAT_STATE_BYTES", "Recipe",
            "LORA_RANK", "RECIPES", "recipe", "ACTIVATION_TABLES", "layer_saved", "saved_constants", "outside_saved",
-           "fused_loss_transient", "fp8_gathered", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan", "max_batch",
-           "GPU_RATES", "OPTIMIZER_BYTES", "flops_base", "model_flops", "step_time_floor", "rates_for", "UNIT_FLOPS",
+           "fused_loss_transient", "fp8_gathered", "CUDA_WORKSPACE", "CUDA_CONTEXT", "FRAGMENTATION", "Plan", "plan",
+           "max_batch", "GPU_RATES", "OPTIMIZER_BYTES", "flops_base", "model_flops", "step_time_floor", "rates_for", "UNIT_FLOPS",
            "auto_fsdp_unit", "fsdp_unit_value"]
 
 
@@ -93,16 +93,16 @@ _COMPUTE_BYTES = 2
 
 
 def fp8_gathered(rec: Recipe) -> bool:
-    """Whether FSDP2 gathers this recipe's decoder-layer weights as FP8 codes by default
-    (coat.integrations.fsdp.shard: FP8 layers with per-tensor scaling)."""
+    """Whether FSDP2 can gather this recipe's decoder-layer weights as FP8 codes
+    (coat.integrations.fsdp.shard(fp8_all_gather=True): FP8 layers with per-tensor scaling)."""
     return rec.fp8_weights and rec.fp8_granularity == "tensor" and not rec.lora and not rec.side
 
 
 def plan(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, gpus: int = 1, device: str = "cuda",
-         fsdp_unit: int = 1, fp8_all_gather: bool = True) -> Plan:
+         fsdp_unit: int = 1, fp8_all_gather: bool = False) -> Plan:
     """The memory plan of one full step at ``batch`` sequences of ``seq`` tokens (per GPU under FSDP2,
     with ``fsdp_unit`` decoder layers per ``fully_shard`` unit: coat.integrations.fsdp.shard;
-    ``fp8_all_gather=False``: the FP8 layers' weights gathered in bf16, not as FP8 codes)."""
+    ``fp8_all_gather``: the FP8 layers' weights gathered as FP8 codes, not in bf16)."""
     rec = recipe(rec) if isinstance(rec, str) else rec
     _check_step(batch, seq, gpus, device)
     if not isinstance(fsdp_unit, int) or not 1 <= fsdp_unit <= shape.layers:
@@ -251,7 +251,7 @@ def _layer_transients(s: ModelShape, rec: Recipe, table: str, t: int) -> tuple[f
     return layer_tr, weight_tr
 
 
-def _fsdp_transients(s: ModelShape, rec: Recipe, unit: int = 1, fp8_all_gather: bool = True) -> tuple[float, float]:
+def _fsdp_transients(s: ModelShape, rec: Recipe, unit: int = 1, fp8_all_gather: bool = False) -> tuple[float, float]:
     """FSDP2's gathered weights at the start of backward: the root module's (embedding, head, final
     norm) for the whole step, and two units of ``unit`` layers (the running one and the prefetched
     one: at most every layer, when a unit holds more than half of them), their linear weights as
@@ -323,7 +323,7 @@ def fsdp_unit_value(text: str) -> int | str:
 
 
 def auto_fsdp_unit(shape: ModelShape, rec: Recipe | str | None, batch: int, seq: int, gpus: int,
-                   memory_gib: float | None, fp8_all_gather: bool = True) -> int:
+                   memory_gib: float | None, fp8_all_gather: bool = False) -> int:
     """Decoder layers per FSDP2 unit for ``--fsdp-unit auto``: the fewest (a power of two, at most
     the model's layers; the largest such when none reaches it) whose GEMMs reach ``UNIT_FLOPS`` per
     GPU and step, halved while the plan's

@@ -116,8 +116,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     batches = [2 ** k for k in range(0, 1 + int(math.log2(max_batch)))] if args.batches in (None, ["auto"]) \
         else _positive_ints("--batches", args.batches)
     batches = sorted(set(batches) | {b for bs in per_setup.values() for b in bs})
-    for flag, given in (("--fsdp-unit", args.fsdp_unit not in (1, "auto")), ("--no-fp8-all-gather",
-                                                                             args.fp8_all_gather is False)):
+    for flag, given in (("--fsdp-unit", args.fsdp_unit not in (1, "auto")), ("--fp8-all-gather", args.fp8_all_gather)):
         if given and not args.fsdp:
             raise BenchError(f"argument {flag}: applies to --fsdp runs only")
     too_deep = [n for n, s in shapes.items() if args.fsdp_unit != "auto" and args.fsdp_unit > s.layers]
@@ -187,12 +186,12 @@ def launch(cfg: dict[str, Any], world: int, timeout: float, fsdp: bool) -> dict[
 
 
 def estimate(shape: memory.ModelShape, setup_recipe: str | None, batch: int, seq: int, world: int,
-             device: str, fsdp_unit: int = 1, fp8_all_gather: bool | None = None) -> float | None:
+             device: str, fsdp_unit: int = 1, fp8_all_gather: bool = False) -> float | None:
     if setup_recipe is None:
         return None
     try:
         return memory.plan(shape, setup_recipe, batch, seq, world, "cuda" if device != "cpu" else "cpu",
-                           fsdp_unit, fp8_all_gather is not False).peak_gib
+                           fsdp_unit, fp8_all_gather).peak_gib
     except memory.NotModeled:  # measured all the same, without an estimate beside it
         return None
 
@@ -208,7 +207,7 @@ def fsdp_unit(args: argparse.Namespace, shape: memory.ModelShape, setup_recipe: 
         gib = gpu_info()["memory_gib"]
         cap = os.environ.get("COAT_BENCH_GPU_GIB")
         gib = min(gib, float(cap)) if cap else gib
-    return memory.auto_fsdp_unit(shape, setup_recipe, batch, seq, world, gib, args.fp8_all_gather is not False)
+    return memory.auto_fsdp_unit(shape, setup_recipe, batch, seq, world, gib, args.fp8_all_gather)
 
 
 def sweep(opts: dict[str, Any], args: argparse.Namespace, log=print) -> list[dict[str, Any]]:
@@ -338,7 +337,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
     order = {s: i for i, s in enumerate(dict.fromkeys(r["setup"] for r in records))}
     for r in sorted(records, key=lambda r: (r["model"], r.get("world", 1), order[r["setup"]], r["batch"])):
         unit = (f", {r['fsdp_unit']} layers per unit" if r.get("fsdp_unit", 1) != 1 else "") + \
-            (", bf16 gathers" if r.get("fp8_all_gather") is False else "")
+            (", FP8 all-gather" if r.get("fp8_all_gather") else "")
         model = r["model"] + (f" (FSDP2 x{r['world']}{unit}, per GPU)" if r.get("world", 1) > 1 else "")
         est, peak, res = (r.get(x) for x in ("estimate_gib", "peak_gib", "resident_gib"))
         if r["status"] != "ok":
@@ -365,7 +364,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def record_key(r: dict[str, Any]) -> str:
     return (f"{r.get('device', '?')}|{r['model']}|{recipes.canonical(r['setup'])}|batch{r['batch']}|seq{r['seq']}|"
             f"world{r.get('world', 1)}" + (f"|unit{r['fsdp_unit']}" if r.get("fsdp_unit", 1) != 1 else "")
-            + ("|bf16gather" if r.get("fp8_all_gather") is False else ""))
+            + ("|fp8gather" if r.get("fp8_all_gather") else ""))
 
 
 def merge_json(path: Path, records: list[dict[str, Any]]) -> None:
@@ -491,8 +490,8 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
                    "decoder layers per fully_shard unit (fewer, larger collectives; K layers' weights gathered at a "
                    "time); auto: per configuration, the fewest layers whose GEMMs hide FSDP2's host work per unit, as "
                    "many as fit the GPU (coat estimate --fsdp-unit)")
-    g.add_argument("--no-fp8-all-gather", dest="fp8_all_gather", action="store_false", default=None,
-                   help="with --fsdp: gather the FP8 layers' weights in bf16 (default: as FP8 codes)")
+    g.add_argument("--fp8-all-gather", action="store_true", help="with --fsdp: gather the FP8 layers' weights as "
+                   "FP8 codes (half the bytes; coat.integrations.fsdp.shard(fp8_all_gather=True))")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     g = p.add_argument_group("how long")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first")

@@ -57,7 +57,7 @@ class Context:
     mesh: Any  # a DeviceMesh under --fsdp, else None
     lr: float = 1e-5
     layers_per_unit: int = 1  # decoder layers per fully_shard unit (--fsdp-unit)
-    fp8_all_gather: bool | None = None  # converted layers' weights gathered as FP8 (None: where they allow it)
+    fp8_all_gather: bool = False  # the FP8 layers' weights gathered as FP8 codes (--fp8-all-gather)
 
 
 @dataclass(frozen=True)
@@ -535,7 +535,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         # Under FSDP the matrices wait on the meta device until _shard: a rank holds its shards only.
         with coat_fsdp.matrices_on_meta() if fsdp and setup.build is None else nullcontext():
             model = (setup.build or build_model)(shape, setup.param_dtype, dev)
-        ctx = Context(dev, mesh, layers_per_unit=cfg.get("fsdp_unit", 1), fp8_all_gather=cfg.get("fp8_all_gather"))
+        ctx = Context(dev, mesh, Context.lr, cfg.get("fsdp_unit", 1), cfg.get("fp8_all_gather", False))
         step = setup.prepare(model, ctx)
         ag = fp8_gather.state(coat_fsdp.decoder_layers(model)) if fsdp else None
         res |= {"fp8_all_gather": ag} if ag is not None else {}

@@ -183,14 +183,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard(model: nn.Module, mesh: Any, device: torch.device | str, mp_policy: Any = None,
-          layers_per_unit: int = 1, fp8_all_gather: bool | None = None) -> nn.Module:
+          layers_per_unit: int = 1, fp8_all_gather: bool = False) -> nn.Module:
     """``fully_shard`` every ``layers_per_unit`` consecutive decoder layers as one unit (one
     all-gather and one reduce-scatter each), then the root (embeddings, final norm, LM head); a
     model built under ``matrices_on_meta`` is then materialized on ``device``. More layers per unit
     mean fewer, larger collectives and fewer hooks on the host, and that many more layers' weights
     unsharded at a time. ``fp8_all_gather``: gather the converted layers' weights as FP8 codes
-    (``fp8_gather``): None where every decoder layer is converted with per-tensor FP8 scaling, True
-    always (else ``ValueError``), False never."""
+    (``fp8_gather``; every decoder layer converted with per-tensor FP8 scaling, else ``ValueError``).
+    Off by default: it halves the gathered bytes but adds host work per weight and gather (RESULTS.md
+    section 46)."""
     from torch.distributed.fsdp import fully_shard
 
     from . import fp8_gather
@@ -199,8 +200,7 @@ def shard(model: nn.Module, mesh: Any, device: torch.device | str, mp_policy: An
     if not isinstance(layers_per_unit, int) or not 1 <= layers_per_unit <= len(layers):
         raise ValueError(f"layers_per_unit must be an integer from 1 to the model's {len(layers)} decoder layers, "
                          f"got {layers_per_unit!r}")
-    eligible = all(fp8_gather.weight_groups(layer) is not None for layer in layers)
-    if fp8_all_gather and not eligible:
+    if fp8_all_gather and any(fp8_gather.weight_groups(layer) is None for layer in layers):
         raise ValueError("fp8_all_gather=True needs every decoder layer converted with per-tensor FP8 scaling "
                          "(coat.convert with a recipe of granularity 'tensor'); shard with fp8_all_gather=False")
     kw = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
@@ -210,6 +210,6 @@ def shard(model: nn.Module, mesh: Any, device: torch.device | str, mp_policy: An
     fully_shard(model, **kw)
     if has_meta(model):
         materialize(model, device)
-    if eligible if fp8_all_gather is None else fp8_all_gather:
+    if fp8_all_gather:
         fp8_gather.install(units)
     return model

@@ -383,10 +383,10 @@ def test_auto_fsdp_unit():
     assert [M.auto_fsdp_unit(seven, "coat-lean", b, 2048, 2, 139.8) for b in (1, 2, 4, 8)] == [8, 4, 2, 1]
     per_layer = M.model_flops(seven, 1, 2048)[0] / seven.layers
     assert 4 * per_layer < M.UNIT_FLOPS <= 8 * per_layer
-    # 70B's layer alone nearly reaches it; two layers per unit fit an H200 with FP8 all-gather (the
-    # gathered layers in FP8), not with bf16 gathers (issue 30's run is K = 1)
-    assert M.auto_fsdp_unit(big, "coat4bit-lean+release", 1, 2048, 2, 139.8) == 2
-    assert M.auto_fsdp_unit(big, "coat4bit-lean+release", 1, 2048, 2, 139.8, fp8_all_gather=False) == 1
+    # 70B's layer alone nearly reaches it; two layers per unit do not fit an H200 with bf16 gathers
+    # (issue 30's run is K = 1), they do with FP8 all-gather (the gathered layers in FP8)
+    assert M.auto_fsdp_unit(big, "coat4bit-lean+release", 1, 2048, 2, 139.8) == 1
+    assert M.auto_fsdp_unit(big, "coat4bit-lean+release", 1, 2048, 2, 139.8, fp8_all_gather=True) == 2
     assert M.auto_fsdp_unit(big, None, 1, 2048, 2, 139.8) == 2  # no recipe: no memory check
     assert M.auto_fsdp_unit(big, "coat+nonsense", 1, 2048, 2, 139.8) == 2  # a name the plan does not know
     assert M.auto_fsdp_unit(seven, "coat+lora", 1, 2048, 2, 1.0) == 16  # plan refuses LoRA under FSDP2; frozen GEMMs
