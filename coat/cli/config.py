@@ -44,7 +44,7 @@ MAX_SEED = 2**32 - 1
 #: repeat the run's value). A new --steps of a cosine or linear schedule continues the decay from
 #: the lr at the resume point (coat.cli.train's ``_continue_schedule``).
 RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "threads", "cache_dir", "fp8_stats",
-                    "fsdp_unit")
+                    "fsdp_unit", "fp8_all_gather")
 #: What a checkpoint's state belongs to, beyond its run id and model (coat.cli.checkpoint.run_identity):
 #: these flags, and the later ones only where away from their default (older checkpoints lack them).
 IDENTITY_FLAGS = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
@@ -151,6 +151,8 @@ class TrainConfig:
     # under torchrun: decoder layers per fully_shard unit (coat.integrations.fsdp.shard); "auto":
     # coat.memory.auto_fsdp_unit for the model, batch and GPU (distributed_train.shard resolves it)
     fsdp_unit: int | str = "auto"
+    # under torchrun: the FP8 layers' weights gathered as FP8 codes (bit for bit the same training)
+    fp8_all_gather: bool = False
     lora: int = 0  # LoRA rank; 0: full fine-tuning
     lora_alpha: int = 8
     lora_dropout: float = 0.0

@@ -107,7 +107,8 @@ def shutdown(d: Dist, clean: bool = True) -> None:
         d.initialized = False
 
 
-def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], device: torch.device) -> int:
+def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], device: torch.device,
+              fp8_all_gather: bool = False) -> int:
     """``--fsdp-unit auto`` for this model, setup (coat.cli.config.setup_name) and (batch, seq) per
     process: coat.memory.auto_fsdp_unit sized for this process's GPU (1 without one), the smallest
     over the ranks (every rank must shard alike; GPUs of different sizes would choose apart)."""
@@ -120,7 +121,7 @@ def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], devic
     except (AttributeError, ValueError):  # not a model family the plan knows: one layer per unit
         return 1
     gib = torch.cuda.get_device_properties(device).total_memory / memory.GiB
-    k = memory.auto_fsdp_unit(shape, setup, tokens[0], tokens[1], dist.get_world_size(), gib)
+    k = memory.auto_fsdp_unit(shape, setup, tokens[0], tokens[1], dist.get_world_size(), gib, fp8_all_gather)
     if dist.is_initialized():
         t = torch.tensor([k], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -128,15 +129,22 @@ def auto_unit(model: torch.nn.Module, setup: str, tokens: tuple[int, int], devic
     return k
 
 
-def shard(model: torch.nn.Module, d: Dist, device: torch.device, layers_per_unit: int = 1) -> torch.nn.Module:
+def shard(model: torch.nn.Module, d: Dist, device: torch.device, layers_per_unit: int = 1,
+          fp8_all_gather: bool = False) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` per ``layers_per_unit`` decoder layers, then the root (embeddings, final
-    norm, LM head). ``ConfigError`` naming --fsdp-unit for more layers per unit than the model has."""
+    norm, LM head); ``fp8_all_gather``: the FP8 layers' weights gathered as FP8 codes (a model without
+    FP8 layers, the comparison's bf16 run, gathers bf16). ``ConfigError`` naming --fsdp-unit for more
+    layers per unit than the model has."""
+    from coat.integrations import fp8_gather
+
     from torch.distributed.device_mesh import init_device_mesh
 
     n = len(fsdp.decoder_layers(model))
     if layers_per_unit > n:  # an --init model's layers are known only here
         raise ConfigError("--fsdp-unit", f"{layers_per_unit} is more than the model's {n} decoder layers")
-    return fsdp.shard(model, init_device_mesh(device.type, (d.world,)), device, layers_per_unit=layers_per_unit)
+    fp8 = fp8_all_gather and fp8_gather.state(fsdp.decoder_layers(model)) is not None
+    return fsdp.shard(model, init_device_mesh(device.type, (d.world,)), device, layers_per_unit=layers_per_unit,
+                      fp8_all_gather=fp8)
 
 
 def full_state_dict(model: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor] | None:

@@ -29,6 +29,7 @@ from coat.cli.model import (add_lora, add_side, build_model, build_optimizer, de
 from coat.cli.export import export
 from coat.cli.plan import RunPlan
 from coat.cli.plot import plot_loss
+from coat.integrations import fp8_gather
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
@@ -148,7 +149,7 @@ def log_start(t: "_Training") -> None:
           f"corpus: {chat_data.n_tokens(corpus.train):,} train / {chat_data.n_tokens(corpus.val):,} val tokens; "
           f"{cfg.steps} steps of {t.tokens_per_step:,} tokens"
           + (f"; FSDP2 with {t.fsdp_unit} decoder layer{'s' if t.fsdp_unit != 1 else ''} per unit"
-             if t.d.enabled else "")
+             + (", FP8 all-gather" if fp8_gather.installed_units(t.model) else "") if t.d.enabled else "")
           + (f"; resuming at step {t.state['step']}" if t.resumed else ""))
     t.log(f"[{cfg.recipe}] FP8: " + ("; ".join(t.precision["fp8"]) or "nothing"))
     t.log(f"[{cfg.recipe}] not FP8: " + "; ".join(t.precision["not_fp8"]))
@@ -213,8 +214,8 @@ class _Training:
                 raise ConfigError("--optim", "snsm does not support FSDP2 (a shard's rows or columns are not the "
                                   "matrix's: its subset norms and SVD would be the shard's); use --optim coat there")
             self.fsdp_unit = cfg.fsdp_unit if cfg.fsdp_unit != "auto" else \
-                dt.auto_unit(model, setup_name(cfg), (cfg.batch_size, cfg.seq_len), device)
-            dt.shard(model, self.d, device, self.fsdp_unit)
+                dt.auto_unit(model, setup_name(cfg), (cfg.batch_size, cfg.seq_len), device, cfg.fp8_all_gather)
+            dt.shard(model, self.d, device, self.fsdp_unit, cfg.fp8_all_gather)
         self.model = model
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))

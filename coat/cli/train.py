@@ -180,6 +180,11 @@ def _check_settings(cfg: TrainConfig, d: dt.Dist) -> tuple[TrainConfig, Any]:
     if cfg.fsdp_unit not in (1, "auto") and not d.enabled:
         raise ConfigError("--fsdp-unit", "applies to FSDP2 runs: start coat train under torchrun "
                                          "(torchrun --nproc_per_node N -m coat train ...)")
+    if cfg.fp8_all_gather and (cfg.compile or cfg.fp8_granularity != "tensor"):
+        raise ConfigError("--fp8-all-gather", "gives per-tensor weight codes to eager layers: not with --compile or "
+                          f"--fp8-granularity {cfg.fp8_granularity}")
+    if cfg.fp8_all_gather and not d.enabled and cfg.resume is None:  # a resume of a torchrun run is refused below
+        raise ConfigError("--fp8-all-gather", "applies to FSDP2 runs: start coat train under torchrun")
     if cfg.lora and d.enabled:
         raise ConfigError("--lora", "LoRA under torchrun (FSDP2 of a PEFT model) is not supported yet; "
                                     "run it in one process")

@@ -159,6 +159,9 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    "layers' weights gathered at a time; auto: the fewest layers whose GEMMs hide FSDP2's host work "
                    "per unit, as many as fit the GPU (coat estimate --fsdp-unit; may change on --resume)"
                    + _default("fsdp_unit"))
+    g.add_argument("--fp8-all-gather", action="store_true", help="under torchrun: FSDP2 gathers the FP8 layers' "
+                   "weights as FP8 codes, quantized on each rank's shard (half the bytes of a bf16 gather, the same "
+                   "training bit for bit; per-tensor FP8 scaling; may change on --resume)")
     g.add_argument("--threads", **_N, help="CPU threads (default: torch's, capped at the CPUs this process may use)")
     g.add_argument("--seed", **_N, help="seeds model init and batch sampling" + _default("seed"))
     g.add_argument("--seeds", **_N, help="with the comparison: N paired comparisons, seeds --seed .. --seed + N - 1, "

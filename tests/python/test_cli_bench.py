@@ -106,6 +106,7 @@ def test_merge_json_replaces_by_key_and_refuses_bad_files(tmp_path):
     (["--batches", "one"], "--batches"), (["--setup-batches", "bf16"], "--setup-batches"),
     (["--setups", "bf16", "--setup-batches", "coat=1"], "--setup-batches"), (["--steps", "0"], "--steps"),
     (["--fsdp-unit", "2"], "--fsdp-unit: applies to --fsdp runs only"),
+    (["--fp8-all-gather"], "--fp8-all-gather: applies to --fsdp runs only"),
     (["--fsdp", "2", "--fsdp-unit", "3", "--model", "tiny"], "--fsdp-unit: 3 is more than the decoder layers of tiny"),
     # found by review: 0 was taken for the default, a negative --max-batch crashed, and a negative
     # --skip-predicted-oom recorded every configuration as out of memory

@@ -394,6 +394,10 @@ def bad_data(tmp_path: Path) -> dict[str, str]:
         (["--fsdp-unit", "0"], "argument --fsdp-unit: must be auto or a positive integer"),
         (["--model", "tiny", "--fsdp-unit", "3"], "argument --fsdp-unit: 3 is more than the model's 2 decoder layers"),
         (["--fsdp-unit", "2"], "argument --fsdp-unit: applies to FSDP2 runs: start coat train under torchrun"),
+        (["--fp8-all-gather"], "argument --fp8-all-gather: applies to FSDP2 runs: start coat train under torchrun"),
+        (["--fp8-all-gather", "--recipe", "coat", "--fp8-granularity", "row"],
+         "argument --fp8-all-gather: gives per-tensor weight codes to eager layers: not with --compile or "
+         "--fp8-granularity row"),
         (["--cuda-graph"], "argument --cuda-graph: needs a CUDA device"),
         (["--cuda-graph", "--recipe", "coat", "--release-grads"],
          "argument --cuda-graph: cannot be combined with --release-grads"),

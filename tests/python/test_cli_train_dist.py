@@ -114,8 +114,9 @@ def test_fsdp2_two_ranks_train_checkpoint_and_resume_exactly(tmp_path: Path, rec
     final = dcp_state(found[1][1], tmp_path)["model"]
     assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in saved)
 
-    # The run as it was at step 3, resumed on two ranks: the same steps, bit for bit.
-    half = resumed_from_step_3(straight, tmp_path, *(["--fsdp-unit", "1"] if unit else []))
+    # The run as it was at step 3, resumed on two ranks: the same steps, bit for bit (coat: at one layer
+    # per unit and with FP8 all-gather, flags a resume may change).
+    half = resumed_from_step_3(straight, tmp_path, *(["--fsdp-unit", "1", "--fp8-all-gather"] if unit else []))
 
     # One rank cannot resume a two-rank checkpoint.
     one = subprocess.run([sys.executable, "-m", "coat", "train", "--resume", str(half), "--steps", "9"],
