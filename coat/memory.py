@@ -355,14 +355,16 @@ MAX_BATCH_SEARCHED = 1 << 16
 
 
 def max_batch(shape: ModelShape, rec: Recipe | str, seq: int, memory_gib: float, gpus: int = 1,
-              device: str = "cuda", limit: int = MAX_BATCH_SEARCHED, fsdp_unit: int | str = 1) -> int:
+              device: str = "cuda", limit: int = MAX_BATCH_SEARCHED, fsdp_unit: int | str = 1,
+              fp8_all_gather: bool = False) -> int:
     """The largest batch (sequences per GPU) whose peak plus reserve fits in ``memory_gib``; 0 if none.
     ``fsdp_unit="auto"``: each batch at its own ``auto_fsdp_unit``."""
     cap = memory_gib * GiB
 
     def fits(b: int) -> bool:
-        unit = auto_fsdp_unit(shape, rec, b, seq, gpus, memory_gib) if fsdp_unit == "auto" else fsdp_unit
-        p = plan(shape, rec, b, seq, gpus, device, unit)
+        unit = auto_fsdp_unit(shape, rec, b, seq, gpus, memory_gib, fp8_all_gather) if fsdp_unit == "auto" \
+            else fsdp_unit
+        p = plan(shape, rec, b, seq, gpus, device, unit, fp8_all_gather)
         return p.peak + p.reserve <= cap
 
     if not fits(1):

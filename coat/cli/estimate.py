@@ -177,9 +177,13 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--fsdp-unit applies to FSDP2 plans: give --gpus 2 or more")
     if args.fsdp_unit != "auto" and args.fsdp_unit > shape.layers:
         raise ValueError(f"--fsdp-unit: {args.fsdp_unit} is more than {shape.name}'s {shape.layers} decoder layers")
-    unit = memory.auto_fsdp_unit(shape, rec, args.batch, args.seq, args.gpus, mem) if args.fsdp_unit == "auto" \
+    if args.fp8_all_gather and (args.gpus == 1 or not memory.fp8_gathered(rec)):
+        raise ValueError("--fp8-all-gather applies to FSDP2 plans of FP8 layers with per-tensor scaling: give --gpus "
+                         "2 or more and an FP8 recipe (not LoRA, side tuning or row/block granularity)")
+    ag = args.fp8_all_gather
+    unit = memory.auto_fsdp_unit(shape, rec, args.batch, args.seq, args.gpus, mem, ag) if args.fsdp_unit == "auto" \
         else args.fsdp_unit
-    p = memory.plan(shape, rec, args.batch, args.seq, args.gpus, fsdp_unit=unit)
+    p = memory.plan(shape, rec, args.batch, args.seq, args.gpus, fsdp_unit=unit, fp8_all_gather=ag)
     out = p.to_json()
     # The plan always models a CUDA GPU: a "device" key read as where the estimate ran ("cuda" on
     # a machine without one). "gpu" names the GPU instead, when there is one to name.
@@ -188,8 +192,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     # LoRA: the plan's own summary says what it models (rank, targets)
     modes = [recipes.MODES[m] for m in recipes.parse(rec.name).modes if m != "lora"]
     out.update(recipe_summary="; ".join([rec.summary, *modes]), gpu_memory_gib=mem, gpu_memory_source=mem_src,
-               max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus, fsdp_unit=args.fsdp_unit),
-               fsdp_unit=unit, fsdp_unit_auto=args.fsdp_unit == "auto")
+               max_batch=memory.max_batch(shape, rec, args.seq, mem, args.gpus, fsdp_unit=args.fsdp_unit,
+                                          fp8_all_gather=ag),
+               fsdp_unit=unit, fsdp_unit_auto=args.fsdp_unit == "auto", fp8_all_gather=ag)
     rates = None
     if args.measure_rates:
         if not here:
@@ -207,7 +212,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 
 def text(r: dict[str, Any], shape: memory.ModelShape) -> str:
     unit = f", {r['fsdp_unit']} layer{'s' if r['fsdp_unit'] > 1 else ''} per unit" + \
-        (", chosen by --fsdp-unit auto" if r.get("fsdp_unit_auto") else "")
+        (", chosen by --fsdp-unit auto" if r.get("fsdp_unit_auto") else "") + \
+        (", FP8 all-gather" if r.get("fp8_all_gather") else "")
     per = f" per GPU (FSDP2 over {r['gpus']} GPUs{unit})" if r["gpus"] > 1 else ""
     lines = [f"{r['model']}: {_count(r['n_params'])} parameters, {shape.layers} layers, hidden {shape.hidden}, "
              f"vocabulary {shape.vocab}",
@@ -265,6 +271,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "layers per fully_shard unit, as coat train and coat bench take it (K layers' weights gathered at a "
                    "time); auto: the fewest layers whose GEMMs hide FSDP2's host work per unit, as many as fit "
                    "(default: auto)")
+    p.add_argument("--fp8-all-gather", action="store_true", help="with --gpus N > 1: the FP8 layers' weights gathered "
+                   "as FP8 codes, as coat train --fp8-all-gather (each gathered layer's linear weights at 1 byte)")
     p.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help="size the fit (and, for h100/h200, the roofline) for "
                    "this GPU")
     p.add_argument("--gpu-memory", type=float, metavar="GiB",

@@ -170,3 +170,22 @@ def test_json_claims_no_device_without_a_gpu(capsys):
 def test_a_largest_batch_at_the_search_limit_says_so(capsys):
     out = _run(capsys, "--model", "tiny", "--seq", "1", "--gpu-memory", "1000")
     assert "65536 x 1 tokens (the search's limit: larger ones fit too)" in out
+
+
+def test_fp8_all_gather_plans_the_gathered_layers_in_fp8(capsys):
+    s = M.PRESETS["llama2-70b"]
+    args = ["--model", "llama2-70b", "--recipe", "coat4bit-lean+release", "--gpus", "2", "--gpu", "h200", "--json"]
+    bf16 = json.loads(_run(capsys, *args, "--fsdp-unit", "1"))
+    fp8 = json.loads(_run(capsys, *args, "--fsdp-unit", "1", "--fp8-all-gather"))
+    # two gathered layers (the running one and the prefetched one), their linear weights at 1 byte, not 2
+    assert (bf16["peak"] - fp8["peak"]) == pytest.approx(2 * s.layer_linear_params, rel=1e-9)
+    assert fp8["fp8_all_gather"] and not bf16["fp8_all_gather"]
+    # auto: two layers per unit fit an H200 with FP8 gathers, one without (issue 30's 70B run)
+    assert json.loads(_run(capsys, *args))["fsdp_unit"] == 1
+    assert json.loads(_run(capsys, *args, "--fp8-all-gather"))["fsdp_unit"] == 2
+    assert "FP8 all-gather" in _run(capsys, *args[:-1], "--fp8-all-gather")
+    for bad in (["--model", "llama2-7b", "--fp8-all-gather"],
+                ["--model", "llama2-7b", "--gpus", "2", "--recipe", "amp", "--fp8-all-gather"]):
+        with pytest.raises(SystemExit):
+            _run(capsys, *bad)
+        assert "--fp8-all-gather applies to FSDP2 plans of FP8 layers" in capsys.readouterr().err
