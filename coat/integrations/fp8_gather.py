@@ -30,6 +30,8 @@ from ..nn.gathered import Fp8Gathered
 
 __all__ = ["weight_groups", "install", "installed_units", "state"]
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def weight_groups(layer: nn.Module) -> Optional[list[list[nn.Parameter]]]:
     """The weight groups of a converted decoder layer, each quantized with one scale by its block
@@ -61,21 +63,44 @@ class _Unit:
     per group, one all-reduce for the unit, one quantize pass per group) and each weight takes its
     rows of its group's codes. Nothing is kept once every weight has taken its codes."""
 
-    def __init__(self, groups: list[list[weakref.ref]], fmt: torch.dtype):
-        self.groups, self.fmt = groups, fmt
-        self.pending: list[list] = [[None] * len(g) for g in groups]  # per weight: (codes, scale) not yet taken
+    def __init__(self, layers: list[nn.Module], fmt: torch.dtype):
+        self.layers, self.fmt = layers, fmt
+        self.groups: list[list[weakref.ref]] = []
+        self.pending: list[list] = []  # per weight: (codes, scale) not yet taken
         self.gathers = 0  # quantizations so far (tests, diagnostics)
+        self.bind()
+
+    def bind(self) -> int:
+        """Sets the hooks on the current local shards of the unit's weights: at install, and again
+        after ``load_state_dict`` (FSDP2 then swaps in new local tensors, which lack them: its next
+        gather would copy bf16 into the FP8 buffers and fail). Returns the number of weights."""
+        groups = [g for layer in self.layers for g in _gathered_groups(layer)]
+        self.groups = [[weakref.ref(p._local_tensor) for p in g] for g in groups]
+        self.pending = [[None] * len(g) for g in groups]
+        post = _PostAllGather(self.fmt)
+        for gi, g in enumerate(self.groups):
+            for wi, ref in enumerate(g):
+                ref().fsdp_pre_all_gather = _PreAllGather(self, gi, wi)
+                ref().fsdp_post_all_gather = post
+        return sum(len(g) for g in groups)
+
+    def rebind(self, module: nn.Module, incompatible_keys) -> None:
+        """``load_state_dict``'s post-hook on each of the unit's layers."""
+        self.bind()
 
     def refresh(self, mesh, dtype: Optional[torch.dtype]) -> None:
+        self.pending = [[None] * len(g) for g in self.groups]  # nothing of an earlier gather survives a failure
         shards = [[_shard(r, dtype) for r in g] for g in self.groups]
         amax = torch.cat([qops.amax_stacked(parts) for parts in shards])
         if mesh.size() > 1:
             import torch.distributed as dist
 
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        pending = []
         for gi, parts in enumerate(shards):
             q, scale = qops.quantize_stacked_from_amax(parts, amax[gi:gi + 1], fmt_id(self.fmt))
-            self.pending[gi] = [(rows, scale) for rows in torch.split(q, [p.shape[0] for p in parts])]
+            pending.append([(rows, scale) for rows in torch.split(q, [p.shape[0] for p in parts])])
+        self.pending = pending
         self.gathers += 1
 
     def take(self, gi: int, wi: int, mesh, dtype: Optional[torch.dtype], rows: int):
@@ -124,11 +149,41 @@ class _PostAllGather:
         return Fp8Gathered(codes, scale, param_dtype, self.fmt), (codes,)
 
 
+def _gathered_groups(layer: nn.Module) -> list[list[nn.Parameter]]:
+    """The layer's weight groups gathered as FP8 codes: all but FP8-frozen ones (``frozen.py``), whose
+    codes FSDP2 already gathers as they are (one byte each) and whose scale is their own."""
+    return [g for g in weight_groups(layer) or [] if not any(p.dtype in _FP8 for p in g)]
+
+
+def _fsdp_params(layers: list[nn.Module]) -> list:
+    """The FSDP2 parameters of the unit that shards ``layers`` (one ``fully_shard`` over them), or
+    ``ValueError`` naming what FP8 all-gather cannot gather right."""
+    states = {id(s): s for s in (getattr(layer, "_get_fsdp_state", lambda: None)() for layer in layers)}
+    if len(states) != 1 or None in states.values():
+        raise ValueError("FP8 all-gather: each unit of decoder layers must be one FSDP2 unit (fully_shard over "
+                         "exactly those layers, as coat.integrations.fsdp.shard does)")
+    state = next(iter(states.values()))
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per state
+        groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+    params = [fp for g in groups for fp in g.fsdp_params]
+    for fp in params:
+        if getattr(fp, "offload_to_cpu", False):
+            raise ValueError("FP8 all-gather does not work with FSDP2's CPUOffloadPolicy (FSDP2 copies the shard to "
+                             "the GPU without the gather hooks); shard without offloading, or with fp8_all_gather=False")
+        pf = getattr(fp, "post_forward_mesh_info", None)
+        if pf is not None and pf is not fp.mesh_info and pf != fp.mesh_info:
+            raise ValueError("FP8 all-gather does not work with reshard_after_forward given as a group size (FSDP2 "
+                             "cannot reshard FP8 codes to a smaller mesh); use reshard_after_forward=True or False")
+    return params
+
+
 def install(units: list[list[nn.Module]]) -> int:
     """Gathers the converted decoder layers' weights of each FSDP2 unit (its list of layers) as FP8
     codes from the next forward on; call after ``fully_shard`` and materialization, before the first
     forward. Returns the number of weights it covers (0: no layer converted with per-tensor FP8).
-    ``ValueError`` if a unit mixes converted and unconverted layers or a weight is not sharded."""
+    ``ValueError`` if a unit mixes converted and unconverted layers, is not one FSDP2 unit, a weight
+    is not sharded by it, or the unit offloads to the CPU or reshards to a smaller mesh."""
     covered = 0
     for layers in units:
         per_layer = [weight_groups(layer) for layer in layers]
@@ -137,22 +192,25 @@ def install(units: list[list[nn.Module]]) -> int:
         if any(g is None for g in per_layer):
             raise ValueError("FP8 all-gather: an FSDP2 unit holds converted and unconverted decoder layers; "
                              "convert every layer with one per-tensor FP8 recipe, or shard with fp8_all_gather=False")
-        groups = [g for gs in per_layer for g in gs]
+        groups = [g for layer in layers for g in _gathered_groups(layer)]
+        if not groups:  # every weight FP8-frozen: FSDP2 gathers their codes already
+            continue
         for g in groups:
             for p in g:
                 if not hasattr(p, "_local_tensor"):
                     raise ValueError("FP8 all-gather: a decoder-layer weight is not an FSDP2-sharded parameter; "
                                      "call it after fully_shard (coat.integrations.fsdp.shard does)")
-        refs = [[weakref.ref(p._local_tensor) for p in g] for g in groups]
-        unit = _Unit(refs, layers[0].self_attn.coat_recipe.act_dtype)
-        post = _PostAllGather(unit.fmt)
-        for gi, g in enumerate(refs):
-            for wi, ref in enumerate(g):
-                ref().fsdp_pre_all_gather = _PreAllGather(unit, gi, wi)
-                ref().fsdp_post_all_gather = post
-                covered += 1
+        sharded = {id(fp.sharded_param) for fp in _fsdp_params(layers)}
+        if any(id(p) not in sharded for g in groups for p in g):
+            raise ValueError("FP8 all-gather: a decoder-layer weight is sharded by another FSDP2 unit than its "
+                             "layer's; shard each unit of layers with one fully_shard")
+        unit = _Unit(layers, layers[0].self_attn.coat_recipe.act_dtype)
+        covered += sum(len(g) for g in unit.groups)
         for layer in layers:
             layer.coat_fp8_gather = unit
+            # After FSDP2's own post-hooks on the projections (children load first) have swapped
+            # in the new local tensors: set the hooks on those.
+            layer.register_load_state_dict_post_hook(unit.rebind)
     return covered
 
 

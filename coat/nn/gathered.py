@@ -31,6 +31,14 @@ aten = torch.ops.aten
 # nn.Parameter (detach), autograd saves and aliases it.
 _VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
           aten.as_strided.default}
+# Views that only move elements (no dtype or value change): a gathered view of the codes too, so that
+# a write through one (w[0].zero_(), w.t().mul_(2)) is refused rather than lost in a dequantized copy.
+_VIEWS |= {getattr(getattr(aten, op), ov) for op, ov in (
+    ("t", "default"), ("transpose", "int"), ("permute", "default"), ("select", "int"), ("slice", "Tensor"),
+    ("narrow", "default"), ("expand", "default"), ("unsqueeze", "default"), ("squeeze", "default"),
+    ("squeeze", "dim"), ("squeeze", "dims"), ("unbind", "int"), ("split", "Tensor"), ("split_with_sizes", "default"),
+    ("diagonal", "default"), ("unfold", "default"), ("_reshape_alias", "default"))
+    if hasattr(getattr(aten, op, None), ov)}
 # Ops that only take the dtype and device of their first argument: no value is needed.
 _NEW = {aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default, aten.new_ones.default,
         aten.new_full.default}
@@ -78,7 +86,10 @@ class Fp8Gathered(torch.Tensor):
         kwargs = kwargs or {}
         if func in _VIEWS:
             src = args[0]
-            return Fp8Gathered(func(src._codes, *args[1:], **kwargs), src._scale, src.dtype, src._fmt)
+            out = func(src._codes, *args[1:], **kwargs)
+            if isinstance(out, torch.Tensor):
+                return Fp8Gathered(out, src._scale, src.dtype, src._fmt)
+            return type(out)(Fp8Gathered(c, src._scale, src.dtype, src._fmt) for c in out)  # unbind, split
         if func in _NEW:
             src = args[0]
             return func(torch.empty((), dtype=src.dtype, device=src.device), *args[1:], **kwargs)
@@ -88,7 +99,9 @@ class Fp8Gathered(torch.Tensor):
                 "which holds no bf16 copy to write to: change the sharded parameter instead (outside forward "
                 "and backward), or shard with fp8_all_gather=False")
 
-        def plain(t):
+        def plain(t):  # lists too (cat, stack, foreach ops): else the op comes back here forever
+            if isinstance(t, (list, tuple)):
+                return type(t)(plain(u) for u in t)
             return t.dequantize() if isinstance(t, Fp8Gathered) else t
 
         return func(*[plain(a) for a in args], **{k: plain(v) for k, v in kwargs.items()})
