@@ -189,9 +189,10 @@ def shard(model: nn.Module, mesh: Any, device: torch.device | str, mp_policy: An
     model built under ``matrices_on_meta`` is then materialized on ``device``. More layers per unit
     mean fewer, larger collectives and fewer hooks on the host, and that many more layers' weights
     unsharded at a time. ``fp8_all_gather``: gather the converted layers' weights as FP8 codes
-    (``fp8_gather``; every decoder layer converted with per-tensor FP8 scaling, else ``ValueError``).
-    Off by default: it halves the gathered bytes but adds host work per weight and gather (RESULTS.md
-    section 46)."""
+    (``fp8_gather``; every decoder layer converted with per-tensor FP8 scaling, else ``ValueError``;
+    FP8-frozen groups keep FSDP2's own gather of their codes; refused with CPU offloading or
+    ``reshard_after_forward`` as a group size). Off by default: it halves the gathered bytes but
+    adds host work per weight and gather (RESULTS.md section 46)."""
     from torch.distributed.fsdp import fully_shard
 
     from . import fp8_gather
