@@ -166,6 +166,25 @@ def _(parts):
     return _new(1, torch.float32, parts[0])
 
 
+# FP8 all-gather's refresh of an FSDP2 unit runs eagerly inside FSDP2's hooks: these two take all
+# of the unit's weight groups in one call each (no op per group; a list of lists is no op schema).
+
+
+def amax_groups(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """amax_stacked of each group of parts: fp32 [len(groups)]. Eager only."""
+    x = _first(_first(groups))
+    with dev_ctx(x):
+        return _C.amax_groups(groups, stream(x))
+
+
+def quantize_groups_from_amax(groups: list[list[torch.Tensor]], amax: torch.Tensor,
+                              fmt: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """quantize_stacked_from_amax of each group with amax[i]: [(q_i, scale_i)]. Eager only."""
+    x = _first(_first(groups))
+    with dev_ctx(x):
+        return _C.quantize_groups_from_amax(groups, amax, fmt, stream(x))
+
+
 @custom_op("coat::quantize_stacked_from_amax", mutates_args=())
 def quantize_stacked_from_amax(parts: list[torch.Tensor], amax: torch.Tensor,
                                fmt: int) -> tuple[torch.Tensor, torch.Tensor]:

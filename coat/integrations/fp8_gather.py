@@ -91,16 +91,14 @@ class _Unit:
     def refresh(self, mesh, dtype: Optional[torch.dtype]) -> None:
         self.pending = [[None] * len(g) for g in self.groups]  # nothing of an earlier gather survives a failure
         shards = [[_shard(r, dtype) for r in g] for g in self.groups]
-        amax = torch.cat([qops.amax_stacked(parts) for parts in shards])
+        amax = qops.amax_groups(shards)  # one call for the unit's groups
         if mesh.size() > 1:
             import torch.distributed as dist
 
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        pending = []
-        for gi, parts in enumerate(shards):
-            q, scale = qops.quantize_stacked_from_amax(parts, amax[gi:gi + 1], fmt_id(self.fmt))
-            pending.append([(rows, scale) for rows in torch.split(q, [p.shape[0] for p in parts])])
-        self.pending = pending
+        codes = qops.quantize_groups_from_amax(shards, amax, fmt_id(self.fmt))
+        self.pending = [[(rows, scale) for rows in torch.split(q, [p.shape[0] for p in parts])]
+                        for parts, (q, scale) in zip(shards, codes)]
         self.gathers += 1
 
     def take(self, gi: int, wi: int, mesh, dtype: Optional[torch.dtype], rows: int):

@@ -147,6 +147,51 @@ nb::object amax_stacked_py(const std::vector<Array>& parts_, uintptr_t stream) {
   return amax.tensor;
 }
 
+// amax [G] (fp32): amax_stacked of each group of stacked parts, in one call (FP8 all-gather's
+// refresh of an FSDP2 unit: one binding call for all its weight groups, not one op per group).
+nb::object amax_groups_py(const std::vector<std::vector<Array>>& groups, uintptr_t stream) {
+  COAT_CHECK_ARG(!groups.empty(), "groups must hold at least one group");
+  std::vector<std::vector<View>> views;
+  for (const auto& g : groups) views.push_back(views_of_parts(g));
+  Created amax = new_tensor({static_cast<int64_t>(groups.size())}, NewDtype::kFloat32, views[0][0], "amax");
+  auto* a = static_cast<float*>(amax.view.data);
+  for (size_t i = 0; i < views.size(); ++i) {
+    same_device({&views[0][0], &views[i][0]});
+    const StackedRows x = stacked_of(views[i], false);
+    if (views[0][0].cuda)
+      COAT_GPU_CALL(amax_stacked(x, a + i, stream_of(stream)));
+    else
+      ref::amax_stacked(x, a + i);
+  }
+  return amax.tensor;
+}
+
+// [(q_i [R_i, cols_i], scale_i)]: quantize_stacked_from_amax of each group with amax[i], in one call.
+nb::list quantize_groups_from_amax_py(const std::vector<std::vector<Array>>& groups, const Array& amax_, int fmt_,
+                                      uintptr_t stream) {
+  const View amax = view_of(amax_, "amax");
+  expect_kind(amax, Kind::kFloat32);
+  expect_numel(amax, static_cast<int64_t>(groups.size()), "one fp32 amax per group");
+  const Fp8Format fmt = fp8_format(fmt_);
+  nb::list out;
+  for (const auto& g : groups) {
+    const std::vector<View> parts = views_of_parts(g);
+    const StackedRows x = stacked_of(parts, false);
+    const bool cuda = same_device({&parts[0], &amax});
+    Created q = new_tensor({total_rows(x), x.cols}, NewDtype::kUInt8, parts[0], "q");
+    Created scale = new_tensor({1}, NewDtype::kFloat32, parts[0], "scale");
+    const float* a = static_cast<const float*>(amax.data) + out.size();
+    auto* qd = static_cast<uint8_t*>(q.view.data);
+    auto* s = static_cast<float*>(scale.view.data);
+    if (cuda)
+      COAT_GPU_CALL(quantize_stacked_from_amax(x, fmt, a, s, qd, nullptr, stream_of(stream)));
+    else
+      ref::quantize_stacked_from_amax(x, fmt, a, s, qd, nullptr);
+    out.append(nb::make_tuple(q.tensor, scale.tensor));
+  }
+  return out;
+}
+
 // (q [R, cols], scale) of the stacked parts with the scale of a given amax (fp32 [1]): the codes
 // and scale quantize_stacked computes when amax is the one it would find.
 nb::tuple quantize_stacked_from_amax_py(const std::vector<Array>& parts_, const Array& amax_, int fmt_,
@@ -316,6 +361,9 @@ void register_quantize(nb::module_& m) {
   m.def("quantize_stacked", &quantize_stacked_py, restore_device(), arg("parts"), arg("scale").none(), arg("fmt"), arg("rowmajor"),
         arg("transpose"), arg("stream"));
   m.def("amax_stacked", &amax_stacked_py, restore_device(), arg("parts"), arg("stream"));
+  m.def("amax_groups", &amax_groups_py, restore_device(), arg("groups"), arg("stream"));
+  m.def("quantize_groups_from_amax", &quantize_groups_from_amax_py, restore_device(), arg("groups"), arg("amax"),
+        arg("fmt"), arg("stream"));
   m.def("quantize_stacked_from_amax", &quantize_stacked_from_amax_py, restore_device(), arg("parts"), arg("amax"),
         arg("fmt"), arg("stream"));
   m.def("transpose_stacked_codes", &transpose_stacked_codes_py, restore_device(), arg("parts"), arg("stream"));

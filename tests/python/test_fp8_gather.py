@@ -231,3 +231,19 @@ def test_fp8_gather_refuses_unconverted_or_row_scaled_layers():
         assert fp8_gather.weight_groups(model.model.layers[0]) is None
         with pytest.raises(ValueError, match="fp8_all_gather=True needs every decoder layer converted"):
             fsdp.shard(model, None, "cpu", fp8_all_gather=True)  # refused before any sharding
+
+
+@pytest.mark.parametrize("dev", DEVS)
+def test_group_calls_are_the_per_group_ops(dev):
+    """amax_groups / quantize_groups_from_amax (a unit's refresh in one call each) against
+    amax_stacked / quantize_stacked_from_amax group by group."""
+    g = torch.Generator().manual_seed(4)
+    groups = [[(torch.randn(r, k, generator=g) * 2.0 ** e).to(torch.bfloat16).to(dev) for r in rows]
+              for rows, k, e in (((24, 8, 8), 40, 0), ((40,), 24, -12), ((33, 31), 40, 9), ((0, 5), 16, 3))]
+    groups[0][1][3, 4] = float("nan")
+    amax = qops.amax_groups(groups)
+    assert torch.equal(amax, torch.cat([qops.amax_stacked(parts) for parts in groups]))
+    amax[1] = 0.0  # the rule's end: scale 1
+    for parts, (q, s), a in zip(groups, qops.quantize_groups_from_amax(groups, amax, F), amax):
+        rq, rs = qops.quantize_stacked_from_amax(parts, a.reshape(1), F)
+        assert torch.equal(q, rq) and torch.equal(s, rs)
