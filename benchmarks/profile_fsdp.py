@@ -4,7 +4,7 @@ the wall time per step, how much of it some kernel ran (GPU busy) and some non-N
 (compute busy: the rest is the compute stream waiting for a collective, or the host), kernel time
 by class (streams summed: NCCL runs beside compute), and torch's tables by GPU and by host time.
 
-    torchrun --nproc-per-node 2 benchmarks/profile_fsdp.py MODEL SETUP BATCH LAYERS_PER_UNIT
+    torchrun --nproc-per-node 2 benchmarks/profile_fsdp.py MODEL SETUP BATCH LAYERS_PER_UNIT [fp8-all-gather]
     torchrun --nproc-per-node 2 benchmarks/profile_fsdp.py llama2-70b coat4bit-lean+release 1 1
 """
 import collections
@@ -20,16 +20,17 @@ from coat import memory
 from coat.cli import bench_worker as bw
 from coat.integrations import fsdp
 
-if len(sys.argv) != 5:
+if len(sys.argv) not in (5, 6) or sys.argv[5:] not in ([], ["fp8-all-gather"]):
     sys.exit(__doc__)
 model_name, setup, batch, unit = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+fp8_all_gather = sys.argv[5:] == ["fp8-all-gather"]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(rank); dev = torch.device("cuda", rank)
 dist.init_process_group("nccl"); mesh = init_device_mesh("cuda", (world,))
 shape = memory.load_shape(model_name); s = bw.SETUPS[setup]
 with fsdp.matrices_on_meta():
     model = bw.build_model(shape, s.param_dtype, dev)
-step = s.prepare(model, bw.Context(dev, mesh, layers_per_unit=unit))
+step = s.prepare(model, bw.Context(dev, mesh, layers_per_unit=unit, fp8_all_gather=fp8_all_gather))
 ids = torch.randint(0, shape.vocab, (batch, 2048), device=dev)
 for _ in range(3): step(ids)
 torch.cuda.synchronize(); dist.barrier()
@@ -62,7 +63,7 @@ if rank == 0:
                 cs, ce = a, b
             else: ce = max(ce, b)
         return tot + (ce - cs if cs is not None else 0)
-    print(f"{model_name} {setup} batch {batch} unit {unit}: wall {wall:.1f} ms/step; GPU busy (any kernel) "
+    print(f"{model_name} {setup} batch {batch} unit {unit}{' fp8-all-gather' if fp8_all_gather else ''}: wall {wall:.1f} ms/step; GPU busy (any kernel) "
           f"{union(busy)/2e3:.1f} ms/step; compute (non-NCCL) busy {union(comp)/2e3:.1f} ms/step")
     for k, v in by.most_common(): print(f"  {k:10s} {v/2e3:9.1f} ms/step (kernel time, streams summed)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)[:6000])
