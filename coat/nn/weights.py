@@ -1,7 +1,8 @@
 """The one FP8 weight path of coat's layers: E4M3 codes of a weight, or of the separate weights of a
 fused projection ([W_q; W_k; W_v], [W_gate; W_up]) read where they lie, with one per-tensor scale.
 A layer block (``block.py``) takes its weight from a *source* (``source``): the live parameters,
-the cache below, or FP8-frozen codes.
+the cache below, FP8-frozen codes, or the codes FSDP2 gathered under FP8 all-gather
+(``gathered.py``).
 
 Lifetime, by default (``Fp8Recipe(weight_cache=False)``, the live source): no FP8 copy of a weight
 outlives the op that needs it. The block op (csrc/bindings/block.cpp) makes the codes itself:
