@@ -85,6 +85,19 @@ def test_time_budget_skips_what_would_not_fit(monkeypatch):
     assert [r["status"] for r in records] == ["ok", "skipped"] and "time budget" in records[1]["reason"]
 
 
+def test_fp8_all_gather_records_are_kept_apart_and_labelled(tmp_path):
+    path = tmp_path / "r.json"
+    rec = dict(device="NVIDIA H200", model="llama2-7b", setup="coat-lean", batch=2, seq=2048, world=2, status="ok",
+               peak_gib=30.0, tokens_per_s=14000.0, step_ms=290.0, spread=0.02, host_ms=180.0, fsdp_unit=4,
+               fp8_all_gather=False)
+    bench.merge_json(path, [rec, dict(rec, fp8_all_gather=True, peak_gib=29.0)])
+    bench.merge_json(path, [dict(rec, peak_gib=30.5)])  # the same configuration again replaces its record
+    got = json.loads(path.read_text())["records"]
+    assert sorted((r["fp8_all_gather"], r["peak_gib"]) for r in got) == [(False, 30.5), (True, 29.0)]
+    table = bench.markdown(got)
+    assert table.count("FP8 all-gather") == 1 and "FSDP2 x2, 4 layers per unit, FP8 all-gather, per GPU" in table
+
+
 def test_merge_json_replaces_by_key_and_refuses_bad_files(tmp_path):
     path = tmp_path / "r.json"
     rec = dict(device="NVIDIA H100", model="llama2-7b", setup="bf16", batch=1, seq=2048, world=1, status="ok",
