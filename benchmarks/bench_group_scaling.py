@@ -1,8 +1,11 @@
 """Group scaling (issue 28, item 2) on one Llama-2-7B decoder layer: forward + backward of the
-converted layer (per-tensor FP8, coat's default) with the norm and SwiGLU kernels writing their
-outputs' amax (``coat._ops.block.PRODUCER_AMAX = True``, the default) against the same layer
-running an amax pass per operand (False): the same codes and results bit for bit
-(tests/python/test_group_amax.py), so only the time differs.
+converted layer (per-tensor FP8, coat's default) in three settings, the same codes and results bit
+for bit (tests/python/test_group_amax.py, test_weight_amax.py), so only the time differs:
+- "off": an amax pass per operand (``coat._ops.block.PRODUCER_AMAX = False``, no weight amax);
+- "on": the norm and SwiGLU kernels write their outputs' amax (PRODUCER_AMAX, the default), the
+  weights still take an amax pass each;
+- "on+weights" (coat's default with its optimizers): also each weight's amax as coat.optim.AdamW's
+  step wrote it (``coat.nn.weight_amax``; one step with lr 0 before timing, so the weights stay put).
 
 Per batch, alternating the two in ``--rounds`` rounds (each round a median of ``--reps`` steps):
 - kernel time: the step captured in a CUDA graph and replayed (no host launch overhead), CUDA events;
@@ -28,7 +31,9 @@ from bench_layer import build  # noqa: E402
 from common import _median_events, environment  # noqa: E402
 
 import coat  # noqa: E402
+import coat.optim  # noqa: E402
 from coat._ops import block as blk  # noqa: E402
+from coat.nn import weight_amax  # noqa: E402
 
 
 def amax_launches(step, n: int = 5) -> tuple[float, float]:
@@ -56,10 +61,17 @@ def measure(batch: int, rounds: int, reps: int) -> dict:
         xi = x.detach().requires_grad_()
         layer(xi, position_embeddings=pe, position_ids=pos).backward(dy)
 
-    res = {True: {"graph": [], "eager": []}, False: {"graph": [], "eager": []}}
+    # the weights' amax slots, written once: with lr 0 and no weight decay the step leaves them as they are
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = coat.optim.AdamW(params, lr=0.0, weight_decay=0.0, master_weights="bf16_sr")
+    opt.step()
+    assert all(weight_amax.current([p]) is not None for p in params if weight_amax.wants_slot(p))
+
+    res = {name: {"graph": [], "eager": []} for name, *_ in SETTINGS}
     graphs = {}
-    for flag in (True, False):
-        blk.PRODUCER_AMAX = flag
+    for name, producer, weights in SETTINGS:
+        set_flags(producer, weights)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -69,25 +81,35 @@ def measure(batch: int, rounds: int, reps: int) -> dict:
         with torch.cuda.stream(s):
             step()  # warm the side stream's allocator pool
         torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g), weight_amax.readable_in_capture():  # the weights never change here
             step()
-        graphs[flag] = g
-        res[flag]["amax_kernels"], res[flag]["amax_us"] = amax_launches(step)
+        graphs[name] = g
+        res[name]["amax_kernels"], res[name]["amax_us"] = amax_launches(step)
     for _ in range(rounds):
-        for flag in (True, False):
-            blk.PRODUCER_AMAX = flag
-            res[flag]["graph"].append(_median_events(graphs[flag].replay, reps))
-            res[flag]["eager"].append(_median_events(step, reps))
-    blk.PRODUCER_AMAX = True
+        for name, producer, weights in SETTINGS:
+            set_flags(producer, weights)
+            res[name]["graph"].append(_median_events(graphs[name].replay, reps))
+            res[name]["eager"].append(_median_events(step, reps))
+    set_flags(True, True)
     out = {"batch": batch}
-    for flag, name in ((True, "on"), (False, "off")):
-        r = res[flag]
+    for name, *_ in SETTINGS:
+        r = res[name]
         out[name] = dict(graph_ms=statistics.median(r["graph"]), eager_ms=statistics.median(r["eager"]),
                          graph_rounds=r["graph"], eager_rounds=r["eager"], amax_kernels=r["amax_kernels"],
                          amax_us=r["amax_us"])
-    out["graph_speedup"] = out["off"]["graph_ms"] / out["on"]["graph_ms"]
-    out["eager_speedup"] = out["off"]["eager_ms"] / out["on"]["eager_ms"]
+    for name in ("on", "on+weights"):
+        out[f"graph_speedup_{name}"] = out["off"]["graph_ms"] / out[name]["graph_ms"]
+        out[f"eager_speedup_{name}"] = out["off"]["eager_ms"] / out[name]["eager_ms"]
     return out
+
+
+#: (name, producer amax, the optimizer's weight amax)
+SETTINGS = (("off", False, False), ("on", True, False), ("on+weights", True, True))
+
+
+def set_flags(producer: bool, weights: bool) -> None:
+    blk.PRODUCER_AMAX = producer
+    weight_amax.ENABLED = weights
 
 
 def main() -> None:
@@ -108,12 +130,15 @@ def main() -> None:
           "per-tensor FP8\n")
     print("| tokens | group scaling | kernel ms (graph) | eager ms | amax passes / step | their us |")
     print("|---|---|---:|---:|---:|---:|")
+    labels = {"off": "off (amax pass per operand)", "on": "producers only", "on+weights": "+ weights (default)"}
     for r in rows:
-        for name, label in (("off", "off (amax pass per operand)"), ("on", "on (default)")):
+        for name, *_ in SETTINGS:
             o = r[name]
-            print(f"| {r['batch']}x2048 | {label} | {o['graph_ms']:.3f} | {o['eager_ms']:.3f} | "
+            print(f"| {r['batch']}x2048 | {labels[name]} | {o['graph_ms']:.3f} | {o['eager_ms']:.3f} | "
                   f"{o['amax_kernels']:.0f} | {o['amax_us']:.0f} |")
-        print(f"| {r['batch']}x2048 | speed-up | {r['graph_speedup']:.3f}x | {r['eager_speedup']:.3f}x | | |")
+        for name in ("on", "on+weights"):
+            print(f"| {r['batch']}x2048 | speed-up, {labels[name]} | {r[f'graph_speedup_{name}']:.3f}x | "
+                  f"{r[f'eager_speedup_{name}']:.3f}x | | |")
 
 
 if __name__ == "__main__":

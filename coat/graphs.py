@@ -34,8 +34,9 @@ What the replay cannot see, and what is done about it (a stale graph would train
   (``optimizer.load_state_dict``) or parameters: the step is captured again.
 - Changed float hyperparameters (an LR scheduler writing ``group["lr"]``): the optimizer graph is
   captured again (cheap). An ``lr`` tensor changed in place needs no capture.
-- In-place edits of parameters (``load_state_dict``, ``with torch.no_grad(): p.mul_(...)``) are
-  read by the replay as by an eager step.
+- In-place edits of parameters (``load_state_dict``, ``with torch.no_grad(): p.mul_(...)``) move
+  their version counters: the step is captured again (the captured forward reads each weight's amax
+  as coat's optimizer step wrote it, ``coat.nn.weight_amax``, which such an edit leaves stale).
 
 Refused: coat's gradient release (its optimizer runs in Python hooks inside backward), FSDP2
 (DTensor) parameters, and torch optimizers built without ``capturable=True``. Gradient
@@ -52,6 +53,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .nn import weight_amax
 from .optim._compat import bump_versions
 
 __all__ = ["CudaGraphStep"]
@@ -184,6 +186,7 @@ class CudaGraphStep:
         self._grads: list = []
         self._model_key: Any = None
         self._opt_objects: tuple = (None, [])  # the optimizer's state dict and parameters at capture
+        self._versions: list[int] = []  # their version counters after the last step
         self._hyper_key: Any = None
         self._side: Optional[torch.cuda.Stream] = None
 
@@ -262,7 +265,9 @@ class CudaGraphStep:
         torch.cuda.empty_cache()  # the eager steps' cached blocks go back, for the graphs' own pool
         fwd = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(fwd):
+            # The forward may read each weight's amax slot (coat.nn.weight_amax): every replay comes
+            # after the captured optimizer step that rewrites them, and an edit outside it re-captures.
+            with torch.cuda.graph(fwd), weight_amax.readable_in_capture():
                 loss, norm = self._forward_backward(self._static)
         except Exception as e:
             self.optimizer.zero_grad(set_to_none=True)
@@ -277,6 +282,7 @@ class CudaGraphStep:
         self._capture_optimizer()
         self._model_key = self._model_state()
         self._opt_objects = (self.optimizer.state, self._params())
+        self._versions = self._param_versions()
         self.captures += 1
         self.grad_norm = None if norm is None else norm.clone()
         return loss.clone()
@@ -294,8 +300,15 @@ class CudaGraphStep:
         self._opt = graph
         self._hyper_key = self._hyper_state()
 
+    def _param_versions(self) -> list[int]:
+        return [p._version for p in self._opt_objects[1]]
+
     def _replay(self, batch: dict[str, Any]) -> torch.Tensor:
         if self._fwd is None or self._model_state() != self._model_key or not self._same_optimizer():
+            return self._capture(batch)
+        if self._param_versions() != self._versions:
+            # A parameter changed in place since the last step (load_state_dict, p.mul_()): the captured
+            # forward would quantize it with the amax the step wrote before the edit.
             return self._capture(batch)
         if self._hyper_state() != self._hyper_key:
             self._capture_optimizer()
@@ -307,6 +320,7 @@ class CudaGraphStep:
         # The replayed step wrote the parameters behind autograd's back; a forward saved before this
         # call must not backward through them silently (as after an eager step).
         bump_versions(self._opt_objects[1])
+        self._versions = self._param_versions()
         mark_synced = getattr(self.optimizer, "mark_synced", None)  # coat's optimizers: not edits
         if mark_synced is not None:
             mark_synced(self._opt_objects[1])

@@ -17,6 +17,7 @@ from ._util import stream as _stream
 from .enums import DTYPE_IDS, FP8_FORMATS, MASTER_KINDS
 
 DESC_WORDS: int = _C.ADAMW_DESC_WORDS
+AMAX_WORD: int = _C.ADAMW_AMAX_WORD  # the descriptor word of param_amax (coat.nn.weight_amax)
 
 
 def adamw_step(

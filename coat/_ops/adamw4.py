@@ -17,6 +17,7 @@ from .enums import DTYPE_IDS, MASTER_KINDS
 
 #: int64 words of one descriptor row (coat::Adamw4Tensor).
 DESC_WORDS: int = _C.ADAMW4_DESC_WORDS
+AMAX_WORD: int = _C.ADAMW4_AMAX_WORD  # the descriptor word of param_amax (coat.nn.weight_amax)
 #: Elements per absmax block and per work group.
 BLOCK: int = _C.ADAMW4_BLOCK
 #: Tensors with fewer elements keep fp32 states.

@@ -71,23 +71,25 @@ def _group_scales(shape, e8m0: bool, like: torch.Tensor) -> torch.Tensor:
 def block_fwd(x: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps: float, e8m0: bool,
               weights: list[torch.Tensor], w_codes: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
               save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool, norm_kind: int, act: int,
-              want_stats: bool, act_fmt: int, granularity: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor]:
-    """(out, w_scale or empty, s0, s1, s2, stat_in, stat_scale), block.cpp's block_fwd."""
+              want_stats: bool, act_fmt: int, granularity: int,
+              w_amax: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]:
+    """(out, w_scale or empty, s0, s1, s2, stat_in, stat_scale), block.cpp's block_fwd; ``w_amax``
+    empty: none given (an amax pass)."""
     r = _fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
-             act, want_stats, act_fmt, granularity)
+             act, want_stats, act_fmt, granularity, w_amax)
     return tuple(_or_empty(t, x) for t in r)
 
 
 def _fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
-         act, want_stats, act_fmt, granularity=0):
+         act, want_stats, act_fmt, granularity=0, w_amax=()):
     """The binding's call: None where block_fwd returns an empty tensor."""
     with dev_ctx(x):
         st = _stream(x)
         return _C.block_fwd(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t,
                             _dtype_id(out_dtype, "out_dtype"), fast_accum, _ws(x, st), _gemm.forced_bf16(), st,
-                            norm_kind, act, want_stats, act_fmt, granularity, PRODUCER_AMAX)
+                            norm_kind, act, want_stats, act_fmt, granularity, PRODUCER_AMAX, list(w_amax) or None)
 
 
 def _pad(n: int, t: torch.Tensor) -> int:
@@ -97,7 +99,7 @@ def _pad(n: int, t: torch.Tensor) -> int:
 
 @block_fwd.register_fake
 def _(x, pre, norm_weight, eps, e8m0, weights, w_codes, w_scale, save_input_t, out_dtype, fast_accum, norm_kind,
-      act, want_stats, act_fmt, granularity=0):
+      act, want_stats, act_fmt, granularity, w_amax):
     m, k = x.shape
     gk = k // 2 if pre == SWIGLU else k  # the GEMM's K
     n = w_codes.shape[0] if w_codes is not None else sum(w.shape[0] for w in weights)
@@ -194,14 +196,17 @@ class Fwd(NamedTuple):
 def forward(x2: torch.Tensor, pre: int, norm_weight: Optional[torch.Tensor], eps: float, e8m0: bool,
             weights: Sequence[torch.Tensor], w_codes: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
             save_input_t: bool, out_dtype: torch.dtype, fast_accum: bool, unit_offset: bool = False,
-            act: int = SILU, want_stats: bool = False, act_dtype: torch.dtype = _E4M3, granularity: int = 0) -> Fwd:
+            act: int = SILU, want_stats: bool = False, act_dtype: torch.dtype = _E4M3, granularity: int = 0,
+            w_amax: Optional[Sequence[torch.Tensor]] = None) -> Fwd:
     """The forward of a block; ``act_dtype``: the FP8 format of its activations and weight;
-    ``granularity``: ``GRANULARITY_IDS``' id of the recipe's scaling."""
+    ``granularity``: ``GRANULARITY_IDS``' id of the recipe's scaling; ``w_amax``: one fp32 [1]
+    per weight, its amax from the optimizer step that wrote it (``coat.nn.weight_amax``), or None
+    (an amax pass)."""
     kind = NORM_KINDS["unit_offset" if unit_offset else "scaled"]
     op = _fwd if _plain(x2, weights) else block_fwd  # eager: no dispatcher, no empty placeholders
     out, ws, s0, s1, s2, st_in, st_scale = op(x2, pre, norm_weight, eps, e8m0, list(weights), w_codes, w_scale,
                                               save_input_t, out_dtype, fast_accum, kind, act, want_stats,
-                                              _FMT[act_dtype], granularity)
+                                              _FMT[act_dtype], granularity, list(w_amax or ()))
     stats = want_stats and pre != NONE
     if pre == NONE:  # the transposed input codes come as bytes: saved as what they are
         s0 = s0.view(act_dtype) if save_input_t else None

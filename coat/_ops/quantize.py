@@ -201,6 +201,17 @@ def _(parts, amax, fmt):
     return _new(_stacked_shapes(parts, True, False)[0], _U8, parts[0]), _new(1, torch.float32, parts[0])
 
 
+def quantize_stacked_from_part_amax(parts: list[torch.Tensor], part_amax: list[torch.Tensor],
+                                    fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [R, K], scale) of X = cat(parts, 0) with the scale of the max of ``part_amax`` (one fp32 [1]
+    per part, its amax as the optimizer recorded it): the layer block's weight path with the
+    optimizer's amax (``coat.nn.weight_amax``). A finite value above the largest given amax
+    encodes as NaN. Eager only (tests and diagnostics)."""
+    x = _first(parts)
+    with dev_ctx(x):
+        return _C.quantize_stacked_from_part_amax(parts, part_amax, fmt, stream(x))
+
+
 @custom_op("coat::dequantize_per_tensor", mutates_args=())
 def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor, fmt: int, dtype: torch.dtype) -> torch.Tensor:
     with dev_ctx(q):

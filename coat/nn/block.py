@@ -145,13 +145,14 @@ class _BlockFn(torch.autograd.Function):
         pre = spec.pre if fp8_pre else NONE
         gemm_in = x2 if fp8_pre or spec.pre == NONE else _torch_pre(spec, x2, norm_w).contiguous()
         codes = W.forward_codes(spec.source, weights, spec.frozen_scales, spec.recipe.act_dtype)
+        w_amax = W.optimizer_amax(spec.source, weights, spec.recipe.granularity)
         stats = _want_stats()
         # A recomputed torch pre-op hands its output to the backward: nothing is saved for dW.
         save_t = spec.pre == NONE and any(w.requires_grad for w in weights)
         f = blk.forward(gemm_in, pre, norm_w if pre == NORM else None, spec.eps, spec.recipe.e8m0,
                         weights if codes is None else [], *(codes or (None, None)), save_t, spec.cdt,
                         spec.recipe.fast_accum_fwd, spec.unit_offset, ACT_IDS[spec.act], stats, spec.recipe.act_dtype,
-                        blk.GRANULARITY_IDS[spec.recipe.granularity])
+                        blk.GRANULARITY_IDS[spec.recipe.granularity], w_amax)
         w_scale = f.w_scale if codes is None else codes[1]
         if stats:
             fmt, gran = spec.recipe.act_dtype, spec.recipe.granularity

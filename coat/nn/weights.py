@@ -16,7 +16,9 @@ outlives the op that needs it. The block op (csrc/bindings/block.cpp) makes the 
 
 So between steps a converted model holds exactly what the unconverted model holds, and inside a
 step at most the FP8 weight of the op running is alive. The price is that the bf16 weights are read
-three times per step (amax, forward codes, backward codes: 6 B/param read, 2 B/param written).
+three times per step (amax, forward codes, backward codes: 6 B/param read, 2 B/param written), twice
+where the optimizer step that wrote them also wrote their amax (``weight_amax``: coat's fused
+optimizers do; the forward then needs no amax pass).
 
 ``Fp8Recipe(weight_cache=True)`` trades memory for those passes under gradient accumulation: the
 codes and the transposed codes are made together, once per optimizer step, and kept until the next
@@ -42,15 +44,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._ops import quantize as qops
 from . import frozen
 from . import gathered
+from . import weight_amax
 from .._ops._util import fmt_id
 from .recipe import DEFAULT
 
 __all__ = ["Fp8Weight", "source", "forward_codes", "backward_codes", "use_cache", "invalidate_weight_cache",
            "cached_bytes", "stats"]
 
-#: Quantization passes over weights (tests and diagnostics): "forward" (amax + codes),
-#: "backward" (transposed codes), "cached" (both at once, weight_cache=True), "hits".
-stats = {"forward": 0, "backward": 0, "cached": 0, "hits": 0}
+#: Quantization passes over weights (tests and diagnostics): "forward" (amax + codes, or codes alone
+#: with the optimizer's amax: counted in "optimizer_amax" too), "backward" (transposed codes),
+#: "cached" (both at once, weight_cache=True), "hits".
+stats = {"forward": 0, "backward": 0, "cached": 0, "hits": 0, "optimizer_amax": 0}
 
 
 class Fp8Weight(NamedTuple):
@@ -167,6 +171,18 @@ def forward_codes(src: str, weights: Sequence[torch.Tensor], frozen_scales: Opti
         return w.data, w.scale
     count("forward")
     return None
+
+
+def optimizer_amax(src: str, weights: Sequence[torch.Tensor], granularity: str) -> Optional[list[torch.Tensor]]:
+    """The amax of each weight from the optimizer step that wrote it (``weight_amax``), for a live
+    forward at per-tensor granularity whose weights all hold a current one; else None (the block op
+    runs the amax pass)."""
+    if src != LIVE or granularity != "tensor":
+        return None
+    amax = weight_amax.current(weights)
+    if amax is not None:
+        count("optimizer_amax")
+    return amax
 
 
 def backward_codes(src: str, weights: Sequence[torch.Tensor], scale: torch.Tensor,

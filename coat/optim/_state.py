@@ -180,6 +180,7 @@ def tensor_ptrs(state: dict[str, Any]) -> list[int]:
 
 #: int64 words of one descriptor row (coat::AdamwTensor).
 DESC_WORDS = _adamw_ops.DESC_WORDS
+AMAX_WORD = _adamw_ops.AMAX_WORD
 
 
 def descriptor_row(local: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], begin: int, shard: int) -> list[int]:

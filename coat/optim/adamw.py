@@ -88,6 +88,7 @@ class AdamW(FusedOptimizer):
 
     display_name = "coat.optim.AdamW"
     _desc_words = _state.DESC_WORDS
+    _amax_word = _state.AMAX_WORD
     _settings = ("master_weights", "nonfinite", "seed")
 
     def __init__(

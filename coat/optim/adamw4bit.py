@@ -49,6 +49,7 @@ class AdamW4bit(FusedOptimizer):
 
     display_name = "coat.optim.AdamW4bit"
     _desc_words = _ops.DESC_WORDS
+    _amax_word = _ops.AMAX_WORD
     _settings = ("master_weights", "nonfinite", "seed")
 
     def __init__(

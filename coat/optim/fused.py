@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol
 
 import torch
 
+from ..nn import weight_amax
 from . import _compat, _state
 from ._state import _local
 
@@ -31,6 +32,7 @@ class Launch(NamedTuple):
     items: list
     table: torch.Tensor
     n_groups: int
+    amax: list  # (parameter, its weight_amax slot) for each parameter whose amax the launch writes
     positions: list[int]
 
     @property
@@ -123,6 +125,10 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
 
     - ``display_name`` (class attribute): the name error messages use.
     - ``_desc_words`` (class attribute): int64 words of one descriptor row.
+    - ``_amax_word`` (class attribute, optional): the word of a row that points at the parameter's
+      amax slot, which the kernel folds the largest finite |value| it writes into
+      (``coat.nn.weight_amax``: the next forward then quantizes the weight without an amax pass);
+      None (the default): the optimizer writes no amax.
     - ``_settings`` (class attribute): instance attributes that pickling keeps (``nonfinite`` at least).
     - ``_check_group(group)``: check (and normalise in place) a parameter group's hyperparameters;
       called for the defaults, on ``add_param_group``, at every step and on ``load_state_dict``.
@@ -152,6 +158,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     display_name = "coat.optim.FusedOptimizer"
     _desc_words = 1
+    _amax_word: int | None = None
     _settings: tuple[str, ...] = ("nonfinite",)
     #: "propagate": non-finite gradients flow into the update; "raise": checked before any write.
     nonfinite = "propagate"
@@ -397,8 +404,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         on_device: dict[tuple, torch.Tensor] = {}
         launches = list(launches)
         for launch in launches:
-            self._launch(launch.key, launch.items, launch.table, launch.n_groups, clip_scale, amp_scale, found_inf,
-                         on_device)
+            self._launch(launch, clip_scale, amp_scale, found_inf, on_device)
         # in sync once all have run: a launch's writes also move the versions of views of one buffer
         # that other launches stepped (else each step would take those for edits)
         self.mark_synced(p for launch in launches for p, *_ in launch.items)
@@ -408,23 +414,28 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         that wrote them, also one replayed from a CUDA graph): their versions as they are now."""
         self._synced.update((id(p), _versions(p)) for p in params if "master" in self.state.get(p, ()))
 
-    def _descriptors(self, key: tuple, items: list) -> tuple[torch.Tensor, int]:
-        """The descriptor table of one launch. Built in full (every state checked) when a parameter
+    def _descriptors(self, key: tuple, items: list) -> tuple[torch.Tensor, int, list]:
+        """The descriptor table of one launch, its group count and the (parameter, amax slot) pairs
+        whose slots it writes (``coat.nn.weight_amax``; subclasses with ``_amax_word``, the word of
+        the descriptor that points at the slot). Built in full (every state checked) when a parameter
         or state pointer changed (a moved model, loaded states: load_state_dict and add_param_group
         clear the cache); when only gradients moved, as they do from step to step under
         ``zero_grad(set_to_none=True)``, only their column is rewritten."""
+        slots = [weight_amax.slot(p) if self._amax_word is not None and weight_amax.wants_slot(p) else None
+                 for p, *_ in items]
         # Every pointer the table holds: a state tensor replaced in place (opt.state[p][k] = ...) must
         # not leave the kernel writing to the old one.
         # and every shape: a parameter shrunk in place at the same address must be checked again
-        static = tuple((local.data_ptr(), tuple(local.shape), id(state), *_state.tensor_ptrs(state))
-                       for _, local, _, state in items)
+        static = tuple((local.data_ptr(), tuple(local.shape), id(state), 0 if s is None else s.data_ptr(),
+                        *_state.tensor_ptrs(state)) for (_, local, _, state), s in zip(items, slots))
         grads = [grad.data_ptr() for _, _, grad, _ in items]
         hit = self._desc_cache.get(key)
         if hit is not None and hit[0] == static:
             _, kept, rows, begin, old_grads, table, host = hit
+            amax = [(items[i][0], slots[i]) for i in kept if slots[i] is not None]
             if old_grads == grads:
                 self._keep_if_captured(key[0], table, host)
-                return table, begin
+                return table, begin, amax
             rows = rows.clone()
             rows[:, 1] = torch.tensor([grads[i] for i in kept], dtype=torch.int64)
         else:
@@ -439,9 +450,13 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
                                      "pass each parameter once")
                 seen.add(local.data_ptr())
                 kept.append(i)
-                lists.append(self._descriptor_row(p, local, grad, state, begin))
+                row = self._descriptor_row(p, local, grad, state, begin)
+                if slots[i] is not None:
+                    row[self._amax_word] = slots[i].data_ptr()
+                lists.append(row)
                 begin += self._row_groups(local)
             rows = torch.tensor(lists, dtype=torch.int64).reshape(-1, self._desc_words)
+            amax = [(items[i][0], slots[i]) for i in kept if slots[i] is not None]
         device = key[0]
         if device.type == "cuda":
             host = rows.pin_memory()  # a fresh pinned buffer: an earlier copy from the old one may be in flight
@@ -451,7 +466,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         # The pinned host copy stays referenced: a CUDA graph that captured the copy replays it.
         self._desc_cache[key] = (static, kept, rows, begin, grads, table, host)
         self._keep_if_captured(device, table, host)
-        return table, begin
+        return table, begin, amax
 
     def _keep_if_captured(self, device: torch.device, table: torch.Tensor, host: torch.Tensor) -> None:
         """A CUDA graph captured now reads this table (and copies from its pinned host rows, when the
@@ -462,11 +477,12 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         if _capturing(device):
             self._graph_tables[id(table)] = (table, host)
 
-    def _launch(self, key: tuple, items: list, table: torch.Tensor, n_groups: int, clip_scale: Any, amp_scale: Any,
-                found_inf: Any, on_device: dict[tuple, torch.Tensor]) -> None:
+    def _launch(self, launch: Launch, clip_scale: Any, amp_scale: Any, found_inf: Any,
+                on_device: dict[tuple, torch.Tensor]) -> None:
         """Count the step of every tensor of one launch and run the kernel over its table, on the
         current stream. ``clip_scale`` / ``amp_scale`` / ``found_inf``: tensors (any device) or None;
         copies on the launch's device are kept in ``on_device`` for the other launches of the step."""
+        key, items, table, n_groups = launch.key, launch.items, launch.table, launch.n_groups
         device, gi = key[0], key[1]
         group = self.param_groups[gi]
 
@@ -484,16 +500,25 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         fi = to_dev(found_inf, "found_inf")
         grads = GradTransforms(to_dev(amp_scale, "amp_scale"), to_dev(clip_scale, "clip_scale"),
                                bool(group.get("maximize", False)))
+        # The kernel folds each weight's amax into its zeroed slot (coat.nn.weight_amax). Not where
+        # GradScaler may skip the step; zeroed in a capture too, where the graph's replays write the
+        # slots, but recorded as current only by an eager step.
+        amax = launch.amax if fi is None else []
         if n_groups > 0:  # else only empty shards: their steps count, nothing to compute
             try:  # the kernel reads the counted step; a call refused before it launched takes it back
+                if amax:
+                    torch._foreach_zero_([s for _, s in amax])
                 self._run_kernel(key, items, table, n_groups, group, lr_t, grads, fi)
             except Exception:
                 torch._foreach_sub_(steps, 1)
+                weight_amax.forget(p for p, _ in launch.amax)
                 raise
         if fi is not None:  # a skipped step does not count; found_inf is a flag, though GradScaler passes
             # the sum of its devices' flags (torch's fused AdamW subtracts that sum: two devices, two steps)
             torch._foreach_sub_(steps, [(fi.reshape(()) != 0).float()] * len(steps))
         _compat.bump_versions([p for p, _, _, _ in items] + [st["master"] for *_, st in items if "master" in st])
+        if amax and n_groups > 0 and not _capturing(device):
+            weight_amax.written(p for p, _ in amax)
 
     # ---- step ----------------------------------------------------------------------------------
 

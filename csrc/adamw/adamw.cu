@@ -454,7 +454,7 @@ __device__ __forceinline__ void encode_pair(float (&m)[kE], float (&v)[kE], cons
 // aligned tensor (vector stores); else element-wise, guarded.
 template <typename P, typename Src, typename Gr, MasterKind M, Fp8Format MF, Fp8Format VF, bool kFull>
 __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LanePos& at, const LaneIn<Src, Gr>& in,
-                                          const TensorStep& ts, const AdamwConfig& c, const float* lut) {
+                                          const TensorStep& ts, const AdamwConfig& c, const float* lut, float& pmax) {
   const bool upper = (threadIdx.x & 31) >= 16;
   // Split groups (dre.h) are rare: the warp takes the split-aware decoding only when one of its
   // four states holds one (a negative gmax word), and the plain one otherwise.
@@ -491,6 +491,11 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
     }
   } else {
     pack<P>(p, pw);
+  }
+  if (d.param_amax != nullptr) {  // the written values' max |.| (AdamwTensor::param_amax); warp-uniform
+#pragma unroll
+    for (int j = 0; j < kE; ++j)
+      if (kFull || (at.ok && at.i0 + elem_offset(j) < d.numel)) pmax = fmaxf(pmax, finite_abs(unpack<P>(pw, j)));
   }
   if constexpr (kFull) {
     if constexpr (M == MasterKind::kFp32) {
@@ -672,6 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int64_t full = aligned ? d.numel / G : 0;
     full = full < (ng & ~int64_t{3}) ? full : (ng & ~int64_t{3});
     full = full < le ? full : le;
+    float pmax = 0.0f;  // this lane's largest finite |parameter| written (param_amax)
     const int64_t in_lo = (lb + 1) / 2;
     const int64_t in_hi = full / 2 > in_lo ? full / 2 : in_lo;
 
@@ -710,7 +716,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (kn < n_mine)
         issue_stage<P, Src, Gr, M>(d, pair_of(kn), stage0 + static_cast<uint32_t>(kn % kDepth) * kStageBytes, lane);
       cp_async_commit();
-      const GroupMeta g = step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c, lut);
+      const GroupMeta g = step_pair<P, Src, Gr, M, MF, VF, true>(d, at, in, ts, c, lut, pmax);
       if (k < n_body) {
         gather_meta(run, static_cast<int>(k % kRun), g);
         if (k % kRun == kRun - 1) flush_meta(d, run, 2 * (j - (kRun - 1)), lane);
@@ -722,10 +728,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       const LanePos at = lane_pos<false>(jj, lane, lb, le);
       LaneIn<Src, Gr> in;
       load_any<P, Src, Gr, M>(d, at, in);
-      store_meta(d, at, step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c, lut));
+      store_meta(d, at, step_pair<P, Src, Gr, M, MF, VF, false>(d, at, in, ts, c, lut, pmax));
     };
     if (lb % 2 == 1 && warp == kWarps - 1) edge(lb / 2);
     for (int64_t jj = in_hi + warp; jj < (le + 1) / 2; jj += kWarps) edge(jj);
+    if (d.param_amax != nullptr) {  // one atomic per warp and tensor (the warp is converged here)
+      const uint32_t mx = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(pmax));
+      if (lane == 0 && mx != 0u) atomicMax(reinterpret_cast<unsigned int*>(d.param_amax), mx);
+    }
   }
 }
 

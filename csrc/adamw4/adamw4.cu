@@ -343,36 +343,55 @@ __device__ __forceinline__ void store_codes(const Adamw4Tensor& d, int64_t lg, i
 }
 
 // A lane's new parameters (and master) written; n: how many of its 4 elements exist.
+// pmax: folds in the largest finite |value| written (as stored) when d.param_amax is set.
 template <typename P, MasterKind M>
 __device__ __forceinline__ void store_params(const Adamw4Tensor& d, int64_t e0, int n, const float (&p)[kPer],
-                                             uint64_t t, bool vec) {
+                                             uint64_t t, bool vec, float& pmax) {
   auto* param = static_cast<P*>(d.param);
   if constexpr (M == MasterKind::kBf16Sr) {
     const uint64_t r = adamw::sr_bits(d.seed, t, static_cast<uint64_t>(e0 / 4));
     uint16_t b[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) b[k] = adamw::bf16_sr(p[k], static_cast<uint32_t>(r >> (16 * k)));
+    if (d.param_amax != nullptr)
+#pragma unroll
+      for (int k = 0; k < kPer; ++k)
+        if (k < n) pmax = fmaxf(pmax, finite_abs(__uint_as_float(static_cast<uint32_t>(b[k]) << 16)));
     auto* out = reinterpret_cast<uint16_t*>(param) + e0;
     if (vec) {
       *reinterpret_cast<uint2*>(out) = make_uint2(b[0] | (uint32_t{b[1]} << 16), b[2] | (uint32_t{b[3]} << 16));
     } else {
       for (int k = 0; k < n; ++k) out[k] = b[k];
     }
-  } else if (vec) {
-    if constexpr (M == MasterKind::kFp32) store4(d.master + e0, p);
-    store4(param + e0, p);
   } else {
-    for (int k = 0; k < n; ++k) {
-      if constexpr (M == MasterKind::kFp32) d.master[e0 + k] = p[k];
-      param[e0 + k] = Elem<P>::store(p[k]);
+    if (vec) {
+      if constexpr (M == MasterKind::kFp32) store4(d.master + e0, p);
+      store4(param + e0, p);
+    } else {
+      for (int k = 0; k < n; ++k) {
+        if constexpr (M == MasterKind::kFp32) d.master[e0 + k] = p[k];
+        param[e0 + k] = Elem<P>::store(p[k]);
+      }
     }
+    if (d.param_amax != nullptr)
+#pragma unroll
+      for (int k = 0; k < kPer; ++k)
+        if (k < n) pmax = fmaxf(pmax, finite_abs(Elem<P>::load(Elem<P>::store(p[k]))));
   }
+}
+
+// A warp's largest |parameter| written into its tensor's param_amax: one atomic per warp and
+// tensor (warp-wide: every lane calls it).
+__device__ __forceinline__ void flush_pmax(const Current& cur, float pmax) {
+  if (cur.end < 0 || cur.d.param_amax == nullptr) return;
+  const uint32_t mx = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(pmax));
+  if ((threadIdx.x & 31) == 0 && mx != 0u) atomicMax(reinterpret_cast<unsigned int*>(cur.d.param_amax), mx);
 }
 
 // The element-wise path: any group (a tensor's last, misaligned views, rank-1 with cols % 4 != 0).
 template <typename P, typename Gr, MasterKind M>
 __device__ __noinline__ void step_group(const Adamw4Tensor& d, int64_t lg, uint64_t t, const adamw::Scalars& s,
-                                        float inv_gs, const Tables& tb) {
+                                        float inv_gs, const Tables& tb, float& pmax) {
   const int64_t e0 = lg * G + (threadIdx.x & 31) * kPer;
   const auto* param = static_cast<const P*>(d.param);
   float p[kPer] = {}, m[kPer] = {}, v[kPer] = {};
@@ -396,12 +415,13 @@ __device__ __noinline__ void step_group(const Adamw4Tensor& d, int64_t lg, uint6
   } else {
     store_codes(d, lg, e0, m, v, t, tb);  // warp-wide: every lane takes part
   }
-  if (n > 0) store_params<P, M>(d, e0, n, p, t, false);
+  if (n > 0) store_params<P, M>(d, e0, n, p, t, false, pmax);
 }
 
 // The vector path: a whole group of a vectorizable tensor.
 template <typename P, typename Gr, MasterKind M>
-__device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, float inv_gs, const Tables& tb) {
+__device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, float inv_gs, const Tables& tb,
+                                               float& pmax) {
   const Adamw4Tensor& d = cur.d;
   const uint64_t t = cur.t;
   const adamw::Scalars& s = cur.s;
@@ -477,7 +497,7 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
     *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.m) + e0 / 2) = static_cast<uint16_t>(mc);
     *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.v) + e0 / 2) = static_cast<uint16_t>(vc);
   }
-  store_params<P, M>(d, e0, kPer, p, t, true);
+  store_params<P, M>(d, e0, kPer, p, t, true, pmax);
 }
 
 // Pass two: a warp per group decodes the old moments, applies the update, encodes the new moments
@@ -495,12 +515,18 @@ __global__ void __launch_bounds__(kThreads, 4) step_kernel(const Adamw4Tensor* _
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarps;
   Current& cur = slots[threadIdx.x >> 5];
   init(cur);
+  float pmax = 0.0f;  // this lane's largest |parameter| written in the current tensor (param_amax)
   for (int64_t g = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); g < n_groups; g += n_warps) {
+    if (g < cur.d.group_begin || g >= cur.end) {  // warp-uniform: a new tensor
+      flush_pmax(cur, pmax);
+      pmax = 0.0f;
+    }
     seek<P, Gr, M>(cur, tensors, n_tensors, g, lr, c);
     const int64_t lg = g - cur.d.group_begin;
-    if (cur.vec && g < cur.full_end) step_group_vec<P, Gr, M>(cur, lg, inv_gs, tb);
-    else step_group<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb);
+    if (cur.vec && g < cur.full_end) step_group_vec<P, Gr, M>(cur, lg, inv_gs, tb, pmax);
+    else step_group<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb, pmax);
   }
+  flush_pmax(cur, pmax);
 }
 
 template <typename P, typename Gr, MasterKind M>

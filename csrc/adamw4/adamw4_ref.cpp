@@ -11,6 +11,7 @@
 #include "adamw4_math.h"
 #include "coat/adamw4.h"
 #include "common/fp8.h"
+#include "common/host_dispatch.h"
 
 namespace coat {
 namespace ref {
@@ -85,8 +86,9 @@ void store_states(const Adamw4Tensor& d, int64_t lg, int64_t begin, int n, const
   }
 }
 
+// One group's step; returns the largest finite |parameter| it wrote (as stored).
 template <typename P, typename Gr, MasterKind M>
-void step_group(const Adamw4Tensor& d, int64_t lg, const adamw::Scalars& s, float inv_gs, uint64_t t) {
+float step_group(const Adamw4Tensor& d, int64_t lg, const adamw::Scalars& s, float inv_gs, uint64_t t) {
   const int64_t begin = lg * G;
   const int n = static_cast<int>(std::min<int64_t>(G, d.numel - begin));
   auto* param = static_cast<P*>(d.param) + begin;
@@ -113,6 +115,9 @@ void step_group(const Adamw4Tensor& d, int64_t lg, const adamw::Scalars& s, floa
       param[i] = Elem<P>::store(p[i]);
     }
   }
+  float pmax = 0.0f;
+  for (int i = 0; i < n; ++i) pmax = std::max(pmax, finite_abs(Elem<P>::load(param[i])));
+  return pmax;
 }
 
 template <typename P, typename Gr, MasterKind M>
@@ -127,7 +132,9 @@ void step_range(const Adamw4Tensor* tensors, int64_t n_tensors, int64_t g0, int6
     if (b >= g1) break;
     const uint64_t t = adamw::step_count(*d.step);
     const adamw::Scalars s = adamw::make_scalars(lr, c, t);
-    for (int64_t g = b; g < e; ++g) step_group<P, Gr, M>(d, g - d.group_begin, s, inv_gs, t);
+    float pmax = 0.0f;
+    for (int64_t g = b; g < e; ++g) pmax = std::max(pmax, step_group<P, Gr, M>(d, g - d.group_begin, s, inv_gs, t));
+    if (d.param_amax != nullptr && b < e) max_into(d.param_amax, pmax);
   }
 }
 

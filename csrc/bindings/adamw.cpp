@@ -1,6 +1,8 @@
 // nanobind registration of the adamw family. The descriptor table (int64 [n, 16], one row per
 // parameter tensor, layout of coat::AdamwTensor) carries raw pointers that coat.optim built from
 // tensors it validated itself; here the table, the scalar tensors and the configuration are checked.
+#include <cstddef>
+
 #include "coat/adamw.h"
 #include "optim_args.h"
 #include "registry.h"
@@ -36,6 +38,7 @@ void adamw_step_py(MutArray descs_, int64_t n_groups, double lr, std::optional<A
 
 void register_adamw(nb::module_& m) {
   m.attr("ADAMW_DESC_WORDS") = 16;
+  m.attr("ADAMW_AMAX_WORD") = offsetof(AdamwTensor, param_amax) / 8;  // the word of param_amax
   m.def("adamw_step", &adamw_step_py, restore_device(), arg("descs"), arg("n_groups"), arg("lr"), arg("lr_tensor").none(),
         arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("amp_scale").none(),
         arg("clip_scale").none(), arg("maximize"), arg("found_inf").none(), arg("param_dtype"), arg("grad_dtype"), arg("master"), arg("m_fmt"),

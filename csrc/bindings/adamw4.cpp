@@ -1,6 +1,8 @@
 // nanobind registration of the adamw4 family (4-bit AdamW states). As for adamw: the descriptor
 // table (int64 [n, 16], layout of coat::Adamw4Tensor) carries raw pointers that coat.optim built
 // from tensors it validated; here the table, the scalar tensors and the configuration are checked.
+#include <cstddef>
+
 #include "coat/adamw4.h"
 #include "enums.h"
 #include "optim_args.h"
@@ -32,6 +34,7 @@ void adamw4_step_py(MutArray descs_, int64_t n_groups, double lr, std::optional<
 
 void register_adamw4(nb::module_& m) {
   m.attr("ADAMW4_DESC_WORDS") = 16;
+  m.attr("ADAMW4_AMAX_WORD") = offsetof(Adamw4Tensor, param_amax) / 8;  // the word of param_amax
   m.attr("ADAMW4_BLOCK") = kAdamw4Block;
   m.attr("ADAMW4_KINDS") = enum_dict<Adamw4Kind>(
       {{"full", Adamw4Kind::kFull}, {"block", Adamw4Kind::kBlock}, {"rank1", Adamw4Kind::kRank1}});

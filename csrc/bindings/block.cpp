@@ -37,6 +37,9 @@
 // from the caller (`dout_amax`: the SwiGLU backward of the block downstream wrote it) and returns
 // dX's when its pre-op wrote it. Off, every per-tensor operand takes its own amax pass: the same
 // codes and scales bit for bit (tests/python/test_block.py), kept to measure the difference.
+// w_amax: one fp32 [1] per weight part, each part's max |.| as the optimizer step that wrote it
+// recorded (coat/nn/weights.py): the weight's per-tensor codes are then made with no amax pass; a
+// stale amax makes NaN codes (quantize.h quantize_stacked_from_part_amax), never clipped ones.
 // want_stats: also return what coat.Fp8Stats reads that the block would otherwise free (the GEMM
 // inputs made here and, per tensor, their scales; Fp8Stats quantizes row and block operands anew);
 // it changes no result.
@@ -125,9 +128,13 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
                        const std::vector<Array>& weights_, std::optional<Array> w_codes_,
                        std::optional<Array> w_scale_, bool save_input_t, int out_dtype, bool fast_accum,
                        std::optional<Array> workspace_, bool force_bf16, uintptr_t stream_, int norm_kind_, int act_,
-                       bool want_stats, int act_fmt, int granularity, bool producer_amax) {
+                       bool want_stats, int act_fmt, int granularity, bool producer_amax,
+                       std::optional<std::vector<Array>> w_amax_) {
   const Pre pre = pre_arg(pre_);
   const Modes md = modes_of(granularity, w_codes_.has_value());
+  COAT_CHECK_ARG(!w_amax_ || (!w_codes_ && !md.scaled()),
+                 "w_amax (the weights' amax from the optimizer) is for weights quantized here per tensor: not "
+                 "with w_codes, nor with row or block granularity");
   const bool emit_amax = producer_amax && !md.scaled();
   const NormKind norm_kind = norm_kind_arg(norm_kind_);
   const GatedAct act = gated_act_arg(act_);
@@ -178,7 +185,12 @@ nb::tuple block_fwd_py(const Array& x_, int pre_, std::optional<Array> norm_w_, 
   Created stat_in = want_stats ? std::move(y) : Created();
   y = Created();
   if (pre == Pre::kNone) s0 = std::move(q.q_t), s1 = q.scale;
-  if (!w_codes_) {
+  if (w_amax_) {
+    std::vector<View> amax;
+    for (const Array& a : *w_amax_) amax.push_back(view_of(a, "w_amax"));
+    w.made = quantize_stacked_part_amax(w.parts, amax, fa, stream);
+    w.codes = w.made.q.view, w.scale = w.made.scale.view;
+  } else if (!w_codes_) {
     w.made = quantize_stacked(w.parts, nullptr, fa, true, false, stream);
     w.codes = w.made.q.view, w.scale = w.made.scale.view;
   }
@@ -356,7 +368,7 @@ void register_block(nb::module_& m) {
         arg("e8m0"), arg("weights"), arg("w_codes").none(), arg("w_scale").none(), arg("save_input_t"),
         arg("out_dtype"), arg("fast_accum"), arg("workspace").none(), arg("force_bf16"), arg("stream"),
         arg("norm_kind") = scaled, arg("act") = silu, arg("want_stats") = false, arg("act_fmt") = e4m3,
-        arg("granularity") = 0, arg("producer_amax") = true);
+        arg("granularity") = 0, arg("producer_amax") = true, arg("w_amax").none() = nb::none());
   m.def("block_bwd", &block_bwd_py, restore_device(), arg("dout"), arg("pre"), arg("need_w"), arg("weights"),
         arg("w_scale"), arg("w_codes_t").none(), arg("s0").none(), arg("s1").none(), arg("s2").none(),
         arg("norm_weight").none(), arg("wgrad_input").none(), arg("y_dtype"), arg("wgrad_dtype"),

@@ -38,6 +38,10 @@ struct StackedFp8 {
 std::vector<View> views_of_parts(const std::vector<Array>& parts);
 StackedFp8 quantize_stacked(const std::vector<View>& parts, const View* scale, Fp8Format fmt, bool rowmajor,
                             bool transpose, cudaStream_t stream);
+// Row-major codes and scale of the stacked parts with the scale of the max of part_amax (one fp32
+// [1] per part, the optimizer's; quantize.h quantize_stacked_from_part_amax): no amax pass.
+StackedFp8 quantize_stacked_part_amax(const std::vector<View>& parts, const std::vector<View>& part_amax,
+                                      Fp8Format fmt, cudaStream_t stream);
 
 // Scaled (row / block) FP8 of the stacked row blocks `parts` (float dtypes) as a GEMM operand
 // [rows_pad, cols_pad] in `mode` and/or its transpose in `mode_t` (quantize.h quantize_scaled):

@@ -147,6 +147,17 @@ nb::object amax_stacked_py(const std::vector<Array>& parts_, uintptr_t stream) {
   return amax.tensor;
 }
 
+// (q [R, cols], scale) of the stacked parts with the scale of the max of part_amax (quantize.h
+// quantize_stacked_from_part_amax): the optimizer's amax of each part, as coat's layer block takes it.
+nb::tuple quantize_stacked_from_part_amax_py(const std::vector<Array>& parts_, const std::vector<Array>& amax_,
+                                             int fmt_, uintptr_t stream) {
+  const std::vector<View> parts = views_of_parts(parts_);
+  std::vector<View> amax;
+  for (size_t i = 0; i < amax_.size(); ++i) amax.push_back(view_of(amax_[i], "part_amax"));
+  StackedFp8 r = quantize_stacked_part_amax(parts, amax, fp8_format(fmt_), stream_of(stream));
+  return nb::make_tuple(r.q.tensor, r.scale.tensor);
+}
+
 // amax [G] (fp32): amax_stacked of each group of stacked parts, in one call (FP8 all-gather's
 // refresh of an FSDP2 unit: one binding call for all its weight groups, not one op per group).
 nb::object amax_groups_py(const std::vector<std::vector<Array>>& groups, uintptr_t stream) {
@@ -366,6 +377,8 @@ void register_quantize(nb::module_& m) {
         arg("fmt"), arg("stream"));
   m.def("quantize_stacked_from_amax", &quantize_stacked_from_amax_py, restore_device(), arg("parts"), arg("amax"),
         arg("fmt"), arg("stream"));
+  m.def("quantize_stacked_from_part_amax", &quantize_stacked_from_part_amax_py, restore_device(), arg("parts"),
+        arg("part_amax"), arg("fmt"), arg("stream"));
   m.def("transpose_stacked_codes", &transpose_stacked_codes_py, restore_device(), arg("parts"), arg("stream"));
   m.def("dequantize_per_tensor", &dequantize_per_tensor_py, restore_device(), arg("q"), arg("scale"), arg("fmt"), arg("dtype"),
         arg("stream"));
@@ -447,6 +460,33 @@ StackedFp8 quantize_stacked(const std::vector<View>& parts, const View* scale, F
     COAT_GPU_CALL(::coat::quantize_stacked(x, fmt, sc, am, so, qd, qtd, stream));
   else
     ref::quantize_stacked(x, fmt, sc, am, so, qd, qtd);
+  return r;
+}
+
+StackedFp8 quantize_stacked_part_amax(const std::vector<View>& parts, const std::vector<View>& part_amax,
+                                      Fp8Format fmt, cudaStream_t stream) {
+  const StackedRows x = stacked_of(parts, false);
+  COAT_CHECK_ARG(part_amax.size() == parts.size(), "w_amax must hold one amax per weight: " +
+                                                        std::to_string(parts.size()) + " weights, " +
+                                                        std::to_string(part_amax.size()) + " amax tensors");
+  const float* amax[kMaxStackParts] = {};
+  for (size_t i = 0; i < part_amax.size(); ++i) {
+    const View& a = part_amax[i];
+    expect_numel(a, 1, "one fp32 amax");
+    expect_kind(a, Kind::kFloat32);
+    same_device({&parts[0], &a});
+    amax[i] = static_cast<const float*>(a.data);
+  }
+  const View& p0 = parts[0];
+  StackedFp8 r;
+  r.q = new_tensor({total_rows(x), x.cols}, NewDtype::kUInt8, p0, "q");
+  r.scale = new_tensor({1}, NewDtype::kFloat32, p0, "scale");
+  auto* qd = static_cast<uint8_t*>(r.q.view.data);
+  auto* so = static_cast<float*>(r.scale.view.data);
+  if (p0.cuda)
+    COAT_GPU_CALL(::coat::quantize_stacked_from_part_amax(x, fmt, amax, so, qd, nullptr, stream));
+  else
+    ref::quantize_stacked_from_part_amax(x, fmt, amax, so, qd, nullptr);
   return r;
 }
 

@@ -1,6 +1,9 @@
 // Host-side counterparts of cuda::dispatch_dtype / cuda::round_to for the CPU references.
 #pragma once
 
+#include <algorithm>
+#include <mutex>
+
 #include "fp8.h"
 
 namespace coat {
@@ -21,6 +24,14 @@ void dispatch_dtype(DType t, F&& f) {
 template <typename T>
 float round_to(float v) {
   return Elem<T>::load(Elem<T>::store(v));
+}
+
+// *at = max(*at, v), safe across the reference's worker threads (a step's param_amax, coat/adamw.h):
+// one call per thread and tensor, so a lock costs nothing that matters.
+inline void max_into(float* at, float v) {
+  static std::mutex lock;
+  const std::lock_guard<std::mutex> hold(lock);
+  *at = std::max(*at, v);
 }
 
 }  // namespace ref

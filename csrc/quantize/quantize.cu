@@ -18,14 +18,41 @@ constexpr int kThreads = 256;
 
 using cuda::dispatch_dtype;
 
-// The scale a per-tensor kernel applies: given, or derived from an amax computed by an earlier
-// launch on the same stream (block 0 publishes it).
-__device__ __forceinline__ float tensor_scale(const float* scale, const float* amax, float* scale_out,
+// The amax a per-tensor kernel derives its scale from: none (count 0: the scale is given), the
+// amax pass's or a producer's (count 1), or the optimizer's, one per part (their max). `limit`: a
+// finite |value| above it encodes as NaN (infinity but for the optimizer's amax, which comes from
+// outside the call and may be stale: quantize.h quantize_stacked_from_part_amax).
+struct GivenAmax {
+  const float* p[kMaxStackParts];
+  int count;
+  bool check;
+};
+
+GivenAmax no_amax() { return GivenAmax{{}, 0, false}; }
+GivenAmax one_amax(const float* a) { return GivenAmax{{a}, 1, false}; }
+
+__device__ __forceinline__ float given_max(const GivenAmax& a) {
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMaxStackParts; ++i)  // constant indices: no local-memory copy of the parameter
+    if (i < a.count) m = fmaxf(m, *a.p[i]);
+  return m;
+}
+
+// The scale a per-tensor kernel applies: given, or derived from the amax (block 0 publishes it).
+__device__ __forceinline__ float tensor_scale(const float* scale, const GivenAmax& amax, float* scale_out,
                                               Fp8Format fmt) {
-  if (amax == nullptr) return *scale;
-  const float s = scale_for(*amax, fmt);
+  if (amax.count == 0) return *scale;
+  const float s = scale_for(given_max(amax), fmt);
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = s;
   return s;
+}
+
+__device__ __forceinline__ float limit_of(const GivenAmax& amax) { return amax.check ? given_max(amax) : INFINITY; }
+
+// x / scale, or NaN where a finite |x| exceeds the amax the scale came from (never with limit inf).
+__device__ __forceinline__ float scaled(float x, float inv, float limit) {
+  return finite_abs(x) > limit ? __int_as_float(0x7FC00000) : x * inv;
 }
 
 // amax: thread t reads 8-element chunks t, t + stride, ... walking from the END of the tensor, so
@@ -61,9 +88,10 @@ __global__ void amax_kernel(Stack<T> x, int64_t n, bool vec, float* amax) {
 // n * sizeof(T) read + n written.
 template <typename T>
 __global__ void quantize_tensor_kernel(Stack<T> x, int64_t n, bool vec, Fp8Format fmt,
-                                       const float* scale, const float* amax, float* scale_out,
+                                       const float* scale, GivenAmax amax, float* scale_out,
                                        uint8_t* __restrict__ q) {
   const float inv = 1.0f / tensor_scale(scale, amax, scale_out, fmt);
+  const float limit = limit_of(amax);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t chunks = vec ? n / 8 : 0;
@@ -74,8 +102,8 @@ __global__ void quantize_tensor_kernel(Stack<T> x, int64_t n, bool vec, Fp8Forma
     cuda::load8(x.elem((c + stride) * 8), w);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      v[i] *= inv;
-      w[i] *= inv;
+      v[i] = scaled(v[i], inv, limit);
+      w[i] = scaled(w[i], inv, limit);
     }
     reinterpret_cast<uint2*>(q)[c] = cuda::encode8(v, fmt);
     reinterpret_cast<uint2*>(q)[c + stride] = cuda::encode8(w, fmt);
@@ -84,10 +112,11 @@ __global__ void quantize_tensor_kernel(Stack<T> x, int64_t n, bool vec, Fp8Forma
     float v[8];
     cuda::load8(x.elem(c * 8), v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] *= inv;
+    for (int i = 0; i < 8; ++i) v[i] = scaled(v[i], inv, limit);
     reinterpret_cast<uint2*>(q)[c] = cuda::encode8(v, fmt);
   }
-  for (int64_t i = chunks * 8 + tid; i < n; i += stride) q[i] = encode_fp8(Elem<T>::load(*x.elem(i)) * inv, fmt);
+  for (int64_t i = chunks * 8 + tid; i < n; i += stride)
+    q[i] = encode_fp8(scaled(Elem<T>::load(*x.elem(i)), inv, limit), fmt);
 }
 
 // Tiles of the transposing kernels: 64 x 64 bytes of codes in shared memory (rows padded by 16).
@@ -124,9 +153,10 @@ __device__ __forceinline__ void store_tile_t_partial(const uint8_t (&tile)[kTile
 template <typename T>
 __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
     Stack<T> x, int64_t rows, int64_t cols, bool vec, Fp8Format fmt, const float* scale,
-    const float* amax, float* scale_out, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t) {
+    GivenAmax amax, float* scale_out, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t) {
   __shared__ __align__(16) uint8_t tile[kTile][kTile + 16];
   const float inv = 1.0f / tensor_scale(scale, amax, scale_out, fmt);
+  const float limit = limit_of(amax);
   const int64_t tiles_c = ceil_div(cols, kTile);
   const int64_t tiles = ceil_div(rows, kTile) * tiles_c;
   const int tid = threadIdx.x;
@@ -144,7 +174,7 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
       for (int i = 0; i < 2; ++i) {
         const int id = tid + 256 * i, rr = id >> 3, cc = (id & 7) * 8;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[i][j] *= inv;
+        for (int j = 0; j < 8; ++j) v[i][j] = scaled(v[i][j], inv, limit);
         const uint2 codes = cuda::encode8(v[i], fmt);
         if (q != nullptr) *reinterpret_cast<uint2*>(q + (r0 + rr) * cols + c0 + cc) = codes;
         *reinterpret_cast<uint2*>(&tile[rr][cc]) = codes;
@@ -156,7 +186,7 @@ __global__ void __launch_bounds__(256) quantize_tensor_t_kernel(
         const int rr = i / kTile, cc = i % kTile;
         const int64_t r = r0 + rr, c = c0 + cc;
         if (r < rows && c < cols) {
-          const uint8_t code = encode_fp8(Elem<T>::load(x.row(r)[c]) * inv, fmt);
+          const uint8_t code = encode_fp8(scaled(Elem<T>::load(x.row(r)[c]), inv, limit), fmt);
           if (q != nullptr) q[r * cols + c] = code;
           tile[rr][cc] = code;
         }
@@ -402,17 +432,18 @@ __global__ void dre_dequantize_kernel(const uint8_t* __restrict__ q, const float
   }
 }
 
+// amax_out: where the amax pass writes (null: none runs); given: the amax the scale comes from.
 template <typename T>
 void launch_quantize_stacked(const StackedRows& x, int64_t rows, Fp8Format fmt, const float* scale,
-                             float* amax, bool amax_given, float* scale_out, uint8_t* q, uint8_t* q_t,
+                             float* amax_out, const GivenAmax& given, float* scale_out, uint8_t* q, uint8_t* q_t,
                              cudaStream_t stream) {
   bool vec = false;
   const Stack<T> s = stack_of<T>(x, &vec);
   const int64_t cols = x.cols, n = rows * cols;
-  if (amax != nullptr && !amax_given) {
-    COAT_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (amax_out != nullptr) {
+    COAT_CUDA_CHECK(cudaMemsetAsync(amax_out, 0, sizeof(float), stream));
     // Runs for n == 0 too: the quantize launch then publishes amax = 0 and scale = 1.
-    amax_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(s, n, vec, amax);
+    amax_kernel<T><<<grid_for(vec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(s, n, vec, amax_out);
     COAT_CHECK_LAUNCH();
   }
   if (q_t != nullptr) {
@@ -420,11 +451,11 @@ void launch_quantize_stacked(const StackedRows& x, int64_t rows, Fp8Format fmt, 
     const bool tvec = vec && (q == nullptr || cuda::aligned(q, 8)) && cuda::aligned(q_t, 16) &&
                       cols % 8 == 0 && rows % 16 == 0;
     quantize_tensor_t_kernel<T><<<grid_for(tiles, 1, 8), kThreads, 0, stream>>>(
-        s, rows, cols, tvec, fmt, scale, amax, scale_out, q, q_t);
+        s, rows, cols, tvec, fmt, scale, given, scale_out, q, q_t);
   } else {
     const bool qvec = vec && cuda::aligned(q, 8);
     quantize_tensor_kernel<T><<<grid_for(qvec ? n / 8 + 1 : n, kThreads), kThreads, 0, stream>>>(
-        s, n, qvec, fmt, scale, amax, scale_out, q);
+        s, n, qvec, fmt, scale, given, scale_out, q);
   }
   COAT_CHECK_LAUNCH();
 }
@@ -437,7 +468,8 @@ void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, f
   if (rows * x.cols == 0 && amax == nullptr) return;
   dispatch_dtype(x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    launch_quantize_stacked<T>(x, rows, fmt, scale, amax, false, scale_out, q, q_t, stream);
+    launch_quantize_stacked<T>(x, rows, fmt, scale, amax, amax ? one_amax(amax) : no_amax(), scale_out, q, q_t,
+                               stream);
   });
 }
 
@@ -448,7 +480,22 @@ void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float
   dispatch_dtype(x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     // The kernels only read amax (to publish the scale, for n == 0 too).
-    launch_quantize_stacked<T>(x, rows, fmt, nullptr, const_cast<float*>(amax), true, scale_out, q, q_t, stream);
+    launch_quantize_stacked<T>(x, rows, fmt, nullptr, nullptr, one_amax(amax), scale_out, q, q_t, stream);
+  });
+}
+
+void quantize_stacked_from_part_amax(const StackedRows& x, Fp8Format fmt, const float* const* part_amax,
+                                     float* scale_out, uint8_t* q, uint8_t* q_t, cudaStream_t stream) {
+  COAT_CHECK_ARG(part_amax != nullptr, "part_amax must not be null");
+  GivenAmax given{{}, x.count, true};
+  for (int p = 0; p < x.count && p < kMaxStackParts; ++p) {
+    COAT_CHECK_ARG(part_amax[p] != nullptr, "part_amax[" + std::to_string(p) + "] must not be null");
+    given.p[p] = part_amax[p];
+  }
+  const int64_t rows = detail::check_stacked(x, part_amax[0], part_amax[0], scale_out, q, q_t);
+  dispatch_dtype(x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launch_quantize_stacked<T>(x, rows, fmt, nullptr, nullptr, given, scale_out, q, q_t, stream);
   });
 }
 

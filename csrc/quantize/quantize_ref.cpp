@@ -22,15 +22,17 @@ float amax_of(const T* x, int64_t n) {
 }
 
 template <typename T>
+// limit: a finite |value| above it encodes as NaN (quantize.h quantize_stacked_from_part_amax).
 void quantize_stacked_impl(const StackedRows& x, int64_t rows, Fp8Format fmt, float inv, uint8_t* q,
-                           uint8_t* q_t) {
+                           uint8_t* q_t, float limit = INFINITY) {
   const int64_t cols = x.cols;
   int64_t r0 = 0;
   for (int p = 0; p < x.count; ++p) {
     const T* xp = static_cast<const T*>(x.data[p]);
     for (int64_t r = 0; r < x.rows[p]; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
-        const uint8_t code = encode_fp8(Elem<T>::load(xp[r * cols + c]) * inv, fmt);
+        const float v = Elem<T>::load(xp[r * cols + c]);
+        const uint8_t code = finite_abs(v) > limit ? kFp8NaN : encode_fp8(v * inv, fmt);
         if (q) q[(r0 + r) * cols + c] = code;
         if (q_t) q_t[c * rows + r0 + r] = code;
       }
@@ -74,6 +76,23 @@ void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float
   dispatch_dtype(x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     quantize_stacked_impl<T>(x, rows, fmt, 1.0f / s, q, q_t);
+  });
+}
+
+void quantize_stacked_from_part_amax(const StackedRows& x, Fp8Format fmt, const float* const* part_amax,
+                                     float* scale_out, uint8_t* q, uint8_t* q_t) {
+  COAT_CHECK_ARG(part_amax != nullptr, "part_amax must not be null");
+  float m = 0.0f;
+  for (int p = 0; p < x.count && p < kMaxStackParts; ++p) {
+    COAT_CHECK_ARG(part_amax[p] != nullptr, "part_amax[" + std::to_string(p) + "] must not be null");
+    m = std::max(m, part_amax[p][0]);
+  }
+  const int64_t rows = detail::check_stacked(x, part_amax[0], part_amax[0], scale_out, q, q_t);
+  const float s = scale_out[0] = scale_for(m, fmt);
+  if (rows * x.cols == 0) return;
+  dispatch_dtype(x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    quantize_stacked_impl<T>(x, rows, fmt, 1.0f / s, q, q_t, m);
   });
 }
 

@@ -302,8 +302,10 @@ def test_block_ops_pass_opcheck(gen):
     """Schemas, fake implementations and the eager path agree (torch.library.opcheck)."""
     x, nw, ws = _inputs(gen, blk.NORM, m=9)
     kinds = (NORM_KINDS["scaled"], sops.SILU)
-    args = (x, blk.NORM, nw, 1e-5, False, ws, None, None, True, torch.bfloat16, False, *kinds, True, 0)
+    args = (x, blk.NORM, nw, 1e-5, False, ws, None, None, True, torch.bfloat16, False, *kinds, True, 0, 0, [])
     torch.library.opcheck(torch.ops.coat.block_fwd.default, args, test_utils=OPCHECK)
+    amax = [w.float().abs().amax().reshape(1) for w in ws]  # the optimizer's amax of each part
+    torch.library.opcheck(torch.ops.coat.block_fwd.default, args[:-1] + (amax,), test_utils=OPCHECK)
     f = blk.forward(x, blk.NORM, nw, 1e-5, False, ws, None, None, True, torch.float32, False)
     d = torch.randn(9, 32, generator=gen).bfloat16()
     bargs = (d, blk.NORM, True, ws, f.w_scale, None, *f.saved, nw, None, x.dtype, torch.float32, *kinds, True, 0, 1)

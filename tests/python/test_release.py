@@ -310,9 +310,9 @@ def test_running_estimate_clips_a_spike_in_its_own_bucket():
         release = co.step_in_backward(opt, model, max_grad_norm=1.0, first_iteration="unclipped", norm_estimate=est)
         seen = []
         launch = opt._launch
-        # _launch(key, items, table, n_groups, clip_scale, amp_scale, found_inf, on_device)
-        opt._launch = lambda key, items, *rest: (seen.append((rest[2], [g.norm() for _, _, g, _ in items])),
-                                                 launch(key, items, *rest))[1]
+        # _launch(launch, clip_scale, amp_scale, found_inf, on_device)
+        opt._launch = lambda lnc, clip, *rest: (seen.append((clip, [g.norm() for _, _, g, _ in lnc.items])),
+                                                launch(lnc, clip, *rest))[1]
         for t, ids in enumerate(batches):
             seen.clear()
             (_loss(model, ids) * (1000.0 if t else 1.0)).backward()
@@ -681,8 +681,8 @@ def _fsdp_running(rank, world, batches, dev):
     handle = co.step_in_backward(opt, model, max_grad_norm=0.5)
     scales, last, norms = [], [], []
     launch = opt._launch
-    opt._launch = lambda key, items, *rest: (scales.append(rest[2].detach().float().cpu().reshape(())),
-                                             launch(key, items, *rest))[1]
+    opt._launch = lambda lnc, clip, *rest: (scales.append(clip.detach().float().cpu().reshape(())),
+                                            launch(lnc, clip, *rest))[1]
     for ids in batches:
         n = len(scales)
         backward(model, ids)

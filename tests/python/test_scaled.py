@@ -295,7 +295,7 @@ def test_fake_implementations_match_the_ops(gen, granularity, pre):
     d = torch.randn(m, 24, generator=gen).to(torch.bfloat16)
     for save_t, need_w, stats in ((True, True, False), (False, False, False), (True, True, True)):
         fwd_args = (x, pre, nw if pre == blk.NORM else None, 1e-5, False, ws, None, None, save_t, torch.bfloat16,
-                    False, 0, 0, stats, 0, granularity)
+                    False, 0, 0, stats, 0, granularity, [])
         real = blk.block_fwd(*fwd_args)
         s0, s1, s2 = real[2:5]
         bwd_args = (d, pre, need_w, ws, real[1], None, s0 if s0.numel() else None, s1 if s1.numel() else None,

@@ -63,7 +63,11 @@ struct AdamwTensor {
   int64_t numel;        // > 0
   int64_t group_begin;  // index of this tensor's first group in the launch (prefix sum)
   uint64_t seed;        // stochastic-rounding seed (kBf16Sr)
-  int64_t reserved[3];  // zero
+  // Null, or one fp32 the caller zeroed: the step max-folds into it the largest finite |value| of
+  // the parameter it writes (as stored, after rounding), so that the next FP8 quantization of the
+  // weight needs no amax pass (coat/nn/weights.py, quantize.h quantize_stacked_from_part_amax).
+  float* param_amax;
+  int64_t reserved[2];  // zero
 };
 static_assert(sizeof(AdamwTensor) == 16 * 8, "AdamwTensor is 16 words: Python builds it");
 

@@ -74,7 +74,8 @@ struct Adamw4Tensor {
   uint64_t seed;        // stochastic-rounding seed (kBf16Sr)
   Adamw4Kind kind;
   int64_t rows, cols;   // kRank1: rows * cols == numel; else 0
-  int64_t reserved[2];  // zero
+  float* param_amax;    // null, or as AdamwTensor::param_amax (coat/adamw.h)
+  int64_t reserved;     // zero
 };
 static_assert(sizeof(Adamw4Tensor) == 16 * 8, "Adamw4Tensor is 16 words: Python builds it");
 

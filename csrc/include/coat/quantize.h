@@ -72,6 +72,16 @@ void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, f
 void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float* amax, float* scale_out,
                                 uint8_t* q, uint8_t* q_t, cudaStream_t stream);
 
+// quantize_stacked_from_amax with one amax per part: part_amax[p][0] = max |part p| over its
+// finite values, as the optimizer step that wrote the weight recorded it (coat.nn.weights); the
+// scale is that of their max, and the codes and scale are quantize_stacked's bit for bit when each
+// is the part's true amax. Such an amax comes from outside this call and can be stale (a weight
+// edited in place where no version counter saw it): a finite value above it encodes as NaN, so a
+// stale amax shows as NaN outputs, never as silently saturated codes. A value below it is not
+// detected (the codes are then those of a coarser scale, still within range).
+void quantize_stacked_from_part_amax(const StackedRows& x, Fp8Format fmt, const float* const* part_amax,
+                                     float* scale_out, uint8_t* q, uint8_t* q_t, cudaStream_t stream);
+
 // amax[0] = max |X| over the finite values of the stacked X: quantize_stacked's amax pass alone.
 // A sharded weight's local maximum, reduced over the ranks and handed to quantize_stacked_from_amax
 // for each shard (FP8 all-gather under FSDP2: every rank's codes take the whole weight's scale).
@@ -160,6 +170,8 @@ void quantize_stacked(const StackedRows& x, Fp8Format fmt, const float* scale, f
                       float* scale_out, uint8_t* q, uint8_t* q_t);
 void quantize_stacked_from_amax(const StackedRows& x, Fp8Format fmt, const float* amax, float* scale_out,
                                 uint8_t* q, uint8_t* q_t);
+void quantize_stacked_from_part_amax(const StackedRows& x, Fp8Format fmt, const float* const* part_amax,
+                                     float* scale_out, uint8_t* q, uint8_t* q_t);
 void quantize_per_group(const void* x, DType x_dtype, int64_t rows, int64_t cols, int group,
                         Fp8Format fmt, ScaleKind scale_kind, void* scales, uint8_t* q);
 void dequantize_per_group(const uint8_t* q, Fp8Format fmt, int64_t rows, int64_t cols, int group,
