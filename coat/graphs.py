@@ -34,9 +34,10 @@ What the replay cannot see, and what is done about it (a stale graph would train
   (``optimizer.load_state_dict``) or parameters: the step is captured again.
 - Changed float hyperparameters (an LR scheduler writing ``group["lr"]``): the optimizer graph is
   captured again (cheap). An ``lr`` tensor changed in place needs no capture.
-- In-place edits of parameters (``load_state_dict``, ``with torch.no_grad(): p.mul_(...)``) move
-  their version counters: the step is captured again (the captured forward reads each weight's amax
-  as coat's optimizer step wrote it, ``coat.nn.weight_amax``, which such an edit leaves stale).
+- In-place edits of parameters (``load_state_dict``, ``with torch.no_grad(): p.mul_(...)``) are
+  read by the replay as by an eager step. They move version counters: the amax coat's optimizer step
+  wrote for each edited weight, which the captured forward reads (``coat.nn.weight_amax``), is
+  written anew before the replay (an edit through ``p.data`` moves no counter: see weight_amax).
 
 Refused: coat's gradient release (its optimizer runs in Python hooks inside backward), FSDP2
 (DTensor) parameters, and torch optimizers built without ``capturable=True``. Gradient
@@ -266,7 +267,7 @@ class CudaGraphStep:
         fwd = torch.cuda.CUDAGraph()
         try:
             # The forward may read each weight's amax slot (coat.nn.weight_amax): every replay comes
-            # after the captured optimizer step that rewrites them, and an edit outside it re-captures.
+            # after the captured optimizer step that rewrites them, or after _replay rewrote an edited one.
             with torch.cuda.graph(fwd), weight_amax.readable_in_capture():
                 loss, norm = self._forward_backward(self._static)
         except Exception as e:
@@ -306,10 +307,13 @@ class CudaGraphStep:
     def _replay(self, batch: dict[str, Any]) -> torch.Tensor:
         if self._fwd is None or self._model_state() != self._model_key or not self._same_optimizer():
             return self._capture(batch)
-        if self._param_versions() != self._versions:
-            # A parameter changed in place since the last step (load_state_dict, p.mul_()): the captured
-            # forward would quantize it with the amax the step wrote before the edit.
-            return self._capture(batch)
+        versions = self._param_versions()
+        if versions != self._versions:
+            # Parameters changed in place since the last step (load_state_dict, p.mul_()): the captured
+            # forward reads the amax the step wrote before the edit; it is written anew where it lies.
+            edited = [p for p, v, w in zip(self._opt_objects[1], versions, self._versions) if v != w]
+            if not weight_amax.refresh(edited):
+                return self._capture(batch)
         if self._hyper_state() != self._hyper_key:
             self._capture_optimizer()
         for k, v in batch.items():

@@ -20,8 +20,8 @@ the loss; PyTorch's CPU attention, though, turns all-NaN query rows into zeros).
 after such an edit. Compiled forwards and FSDP2's gathered weights (the optimizer steps their shards) always
 run the amax pass, and so do forwards captured in a CUDA graph (whose replays would read the slot
 after edits no capture sees), except inside ``readable_in_capture()``: ``coat.CudaGraphStep`` uses
-it, replays the forward only after the captured optimizer step that rewrites the slots, and captures
-again when a parameter's version counter moved outside its step.
+it, replays the forward only after the captured optimizer step that rewrites the slots, and rewrites
+the slot of a parameter whose version counter moved outside its step (``refresh``) before a replay.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ENABLED", "wants_slot", "slot", "written", "current", "forget", "readable_in_capture"]
+from .._ops import quantize as _quantize
+
+__all__ = ["ENABLED", "wants_slot", "slot", "written", "current", "refresh", "forget", "readable_in_capture"]
 
 #: False: no optimizer writes a slot and every forward runs the amax pass (the same codes and
 #: scales bit for bit), kept for A/B measurement and the tests that hold the two equal.
@@ -71,6 +73,25 @@ def written(params: Iterable[torch.Tensor]) -> None:
     the parameters with them; call after the step's version bumps."""
     for p in params:
         _written[p] = _key(p)
+
+
+def refresh(params: Iterable[torch.Tensor]) -> bool:
+    """Writes the slots of ``params`` (those that have one) with the amax of the weights as they are
+    now, in place (a CUDA graph that reads a slot keeps reading it), and records them as current.
+    False where one could not be written (the caller then cannot rely on the slot)."""
+    ok = True
+    for p in params:
+        s = _slots.get(p)
+        if s is None:
+            continue
+        if s.device != p.device or not p.is_contiguous():
+            forget([p])
+            ok = False
+            continue
+        with torch.no_grad():
+            s.copy_(_quantize.amax_stacked([p.detach()]))
+        _written[p] = _key(p)
+    return ok
 
 
 def forget(params: Optional[Iterable[torch.Tensor]] = None) -> None:
