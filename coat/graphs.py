@@ -35,9 +35,10 @@ What the replay cannot see, and what is done about it (a stale graph would train
 - Changed float hyperparameters (an LR scheduler writing ``group["lr"]``): the optimizer graph is
   captured again (cheap). An ``lr`` tensor changed in place needs no capture.
 - In-place edits of parameters (``load_state_dict``, ``with torch.no_grad(): p.mul_(...)``) are
-  read by the replay as by an eager step. They move version counters: the amax coat's optimizer step
-  wrote for each edited weight, which the captured forward reads (``coat.nn.weight_amax``), is
-  written anew before the replay (an edit through ``p.data`` moves no counter: see weight_amax).
+  read by the replay as by an eager step: they move version counters, and before the replay the
+  edited parameters' fp32 masters take the edits (coat's optimizers; the captured step reads the
+  masters) and the amax slots the captured forward reads are written anew (``coat.nn.weight_amax``).
+  An edit through ``p.data`` moves no counter and is not seen (as by autograd).
 
 Refused: coat's gradient release (its optimizer runs in Python hooks inside backward), FSDP2
 (DTensor) parameters, and torch optimizers built without ``capturable=True``. Gradient
@@ -187,6 +188,9 @@ class CudaGraphStep:
         self._grads: list = []
         self._model_key: Any = None
         self._opt_objects: tuple = (None, [])  # the optimizer's state dict and parameters at capture
+        self._amax_read: list = []  # weights whose amax slots the captured forward reads
+        self._amax_writes: list = []  # ... and those the captured optimizer step writes
+        self._watched: list = []  # the optimizer's parameters and _amax_read
         self._versions: list[int] = []  # their version counters after the last step
         self._hyper_key: Any = None
         self._side: Optional[torch.cuda.Stream] = None
@@ -268,7 +272,7 @@ class CudaGraphStep:
         try:
             # The forward may read each weight's amax slot (coat.nn.weight_amax): every replay comes
             # after the captured optimizer step that rewrites them, or after _replay rewrote an edited one.
-            with torch.cuda.graph(fwd), weight_amax.readable_in_capture():
+            with torch.cuda.graph(fwd), weight_amax.readable_in_capture() as read:
                 loss, norm = self._forward_backward(self._static)
         except Exception as e:
             self.optimizer.zero_grad(set_to_none=True)
@@ -277,12 +281,14 @@ class CudaGraphStep:
                                "eager attention builds its mask so: use attn_implementation='sdpa'), or run the "
                                "step eagerly") from e
         self._fwd, self._loss, self._norm = fwd, loss, norm
+        self._amax_read = list({id(p): p for p in read}.values())
         self._grads = [(p, p.grad) for p in self._params() if p.grad is not None]
         fwd.replay()  # this call's gradients
         self.optimizer.step()  # eagerly: every lazily made buffer of the step now exists
         self._capture_optimizer()
         self._model_key = self._model_state()
         self._opt_objects = (self.optimizer.state, self._params())
+        self._watched = list({id(p): p for p in [*self._opt_objects[1], *self._amax_read]}.values())
         self._versions = self._param_versions()
         self.captures += 1
         self.grad_norm = None if norm is None else norm.clone()
@@ -293,27 +299,38 @@ class CudaGraphStep:
         self._opt = None
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._fwd.pool()):
+            with torch.cuda.graph(graph, pool=self._fwd.pool()), weight_amax.recording_captured_writes() as writes:
                 self.optimizer.step()
         except Exception as e:
             raise RuntimeError(f"CudaGraphStep: capturing {type(self.optimizer).__name__}.step() failed ({e}); "
                                "run the step eagerly") from e
         self._opt = graph
+        self._amax_writes = list(writes)  # the weights whose amax slots each replay of the step writes
         self._hyper_key = self._hyper_state()
 
     def _param_versions(self) -> list[int]:
-        return [p._version for p in self._opt_objects[1]]
+        return [p._version for p in self._watched]
+
+    def _adopt_edits(self) -> bool:
+        """Parameters the graphs read, changed in place since the last step (load_state_dict,
+        p.mul_()): the optimizer's fp32 masters take the edits (the captured step reads the masters,
+        not the parameters), and the amax slots the captured forward reads are written anew where
+        they lie. False where a slot could not be (a capture is then needed)."""
+        versions = self._param_versions()
+        if versions == self._versions:
+            return True
+        edited = [p for p, v, w in zip(self._watched, versions, self._versions) if v != w]
+        adopt = getattr(self.optimizer, "adopt_edits", None)  # coat's optimizers
+        if adopt is not None:
+            adopt(edited)
+        self._versions = versions
+        return weight_amax.refresh(edited)
 
     def _replay(self, batch: dict[str, Any]) -> torch.Tensor:
         if self._fwd is None or self._model_state() != self._model_key or not self._same_optimizer():
             return self._capture(batch)
-        versions = self._param_versions()
-        if versions != self._versions:
-            # Parameters changed in place since the last step (load_state_dict, p.mul_()): the captured
-            # forward reads the amax the step wrote before the edit; it is written anew where it lies.
-            edited = [p for p, v, w in zip(self._opt_objects[1], versions, self._versions) if v != w]
-            if not weight_amax.refresh(edited):
-                return self._capture(batch)
+        if not self._adopt_edits():
+            return self._capture(batch)
         if self._hyper_state() != self._hyper_key:
             self._capture_optimizer()
         for k, v in batch.items():
@@ -324,10 +341,11 @@ class CudaGraphStep:
         # The replayed step wrote the parameters behind autograd's back; a forward saved before this
         # call must not backward through them silently (as after an eager step).
         bump_versions(self._opt_objects[1])
-        self._versions = self._param_versions()
         mark_synced = getattr(self.optimizer, "mark_synced", None)  # coat's optimizers: not edits
         if mark_synced is not None:
             mark_synced(self._opt_objects[1])
+        weight_amax.written(self._amax_writes)  # the replayed step wrote these slots
+        self._versions = self._param_versions()
         for p, g in self._grads:  # a zero_grad() between calls must not orphan the captured buffers
             if p.grad is not g:
                 p.grad = g

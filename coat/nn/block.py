@@ -87,6 +87,7 @@ class Spec(NamedTuple):
     source: str  # the weight's source (weights.LIVE, CACHED, FROZEN, GATHERED)
     frozen_scales: Optional[tuple]  # with the FROZEN source
     flat: bool  # return the [tokens, N] output itself
+    train: bool = False  # a training forward (grad on, a weight trains): it may take the optimizer's weight amax
 
 
 def _fp8_pre(spec: Spec, width: int) -> bool:
@@ -145,7 +146,7 @@ class _BlockFn(torch.autograd.Function):
         pre = spec.pre if fp8_pre else NONE
         gemm_in = x2 if fp8_pre or spec.pre == NONE else _torch_pre(spec, x2, norm_w).contiguous()
         codes = W.forward_codes(spec.source, weights, spec.frozen_scales, spec.recipe.act_dtype)
-        w_amax = W.optimizer_amax(spec.source, weights, spec.recipe.granularity)
+        w_amax = W.optimizer_amax(spec.source, weights, spec.recipe.granularity) if spec.train else None
         stats = _want_stats()
         # A recomputed torch pre-op hands its output to the backward: nothing is saved for dW.
         save_t = spec.pre == NONE and any(w.requires_grad for w in weights)
@@ -275,5 +276,10 @@ def make_spec(pre: int, recipe: Fp8Recipe, x: torch.Tensor, weights, *, eps: flo
     if src == W.GATHERED and recipe.granularity != "tensor":
         raise ValueError(f"FP8 all-gather gives per-tensor weight codes, but the recipe scales {recipe.granularity}-"
                          "wise: shard with fp8_all_gather=False for row or block granularity")
+    # Evaluation forwards (no grad, inference mode) run the amax pass: weights swapped in through
+    # p.data for evaluation (EMA weights) move no version counter (coat.nn.weight_amax).
+    # (Compiled forwards never take it: Dynamo cannot trace is_inference_mode_enabled.)
+    train = (src == W.LIVE and not torch.compiler.is_compiling() and torch.is_grad_enabled()
+             and not torch.is_inference_mode_enabled() and any(w.requires_grad for w in weights))
     return Spec(pre, recipe, float(eps), bool(unit_offset), act, len(weights), compute_dtype(x),
-                src, None if frozen_scales is None else tuple(frozen_scales), flat)
+                src, None if frozen_scales is None else tuple(frozen_scales), flat, train)

@@ -10,18 +10,26 @@ all hold a current amax quantizes with the max of theirs (``quantize_stacked_fro
 the same codes and scale bit for bit, without the amax pass.
 
 Current means: the parameter is the same tensor (data pointer, shape, dtype) at the same version
-counter as right after the step that wrote the slot. An in-place edit through the parameter
-(``with torch.no_grad(): p.mul_(2)``, ``load_state_dict``), ``p.data = t``, a moved model, a step
-GradScaler may skip: the amax is not current and the forward runs the amax pass. Not seen: an
-in-place edit through ``p.data`` (a tensor with a version counter of its own) between a step and
-the next forward. If that raises a value above the recorded amax, the codes of such values are NaN,
-never silently clipped ones, and so are the GEMM outputs they enter (from there NaN usually reaches
-the loss; PyTorch's CPU attention, though, turns all-NaN query rows into zeros). Call ``forget()``
-after such an edit. Compiled forwards and FSDP2's gathered weights (the optimizer steps their shards) always
-run the amax pass, and so do forwards captured in a CUDA graph (whose replays would read the slot
-after edits no capture sees), except inside ``readable_in_capture()``: ``coat.CudaGraphStep`` uses
-it, replays the forward only after the captured optimizer step that rewrites the slots, and rewrites
-the slot of a parameter whose version counter moved outside its step (``refresh``) before a replay.
+counter as right after the step that wrote the slot, and the forward trains (grad on, a weight
+requires grad). An in-place edit through the parameter (``with torch.no_grad(): p.mul_(2)``,
+``load_state_dict``), ``p.data = t``, a moved model, a step GradScaler may skip: the amax is not
+current and the forward runs the amax pass. Evaluation forwards (no grad, inference mode) always run
+it, so weights swapped in for evaluation through ``p.data`` (EMA weights) are quantized right.
+
+Not seen, as autograd does not see them either: writes that move no version counter between a step
+and the next training forward: through ``p.data`` or a NumPy view, and torch.distributed collectives
+on a parameter (``dist.all_reduce(p)``, ``dist.broadcast(p, 0)``). Call ``forget()`` after such a
+write (or set ``ENABLED = False``). Unseen, a value raised above the recorded amax encodes as NaN,
+never as a silently clipped code, and so do the GEMM outputs it enters (from there NaN usually
+reaches the loss; PyTorch's CPU attention, though, turns all-NaN query rows into zeros); values
+lowered below it quantize with the recorded, coarser scale (in range, not bit for bit the amax
+pass's codes).
+
+Compiled forwards and FSDP2's gathered weights (the optimizer steps their shards) always run the
+amax pass, and so do forwards captured in a CUDA graph (whose replays would read the slot after
+edits no capture sees), except inside ``readable_in_capture()``: ``coat.CudaGraphStep`` uses it,
+replays the forward only after the captured optimizer step that rewrites the slots, and before a
+replay rewrites the slots of parameters whose version counters moved outside its step (``refresh``).
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ops import quantize as _quantize
 
-__all__ = ["ENABLED", "wants_slot", "slot", "written", "current", "refresh", "forget", "readable_in_capture"]
+__all__ = ["ENABLED", "wants_slot", "slot", "written", "current", "refresh", "forget", "readable_in_capture",
+           "recording_captured_writes", "captured"]
 
 #: False: no optimizer writes a slot and every forward runs the amax pass (the same codes and
 #: scales bit for bit), kept for A/B measurement and the tests that hold the two equal.
@@ -108,21 +117,41 @@ _capture = threading.local()
 
 
 @contextlib.contextmanager
-def readable_in_capture() -> Iterator[None]:
+def readable_in_capture() -> Iterator[list]:
     """Within, a forward captured in a CUDA graph reads the current slots (the graph then reads them
-    at every replay: the caller must replay it only while the slots hold the weights' amax)."""
-    old = getattr(_capture, "ok", False)
-    _capture.ok = True
+    at every replay: the caller must replay it only while the slots hold the weights' amax). Yields
+    the list of the parameters whose slots were handed out, for the caller to watch."""
+    old = getattr(_capture, "read", None)
+    _capture.read = read = []
     try:
-        yield
+        yield read
     finally:
-        _capture.ok = old
+        _capture.read = old
+
+
+@contextlib.contextmanager
+def recording_captured_writes() -> Iterator[list]:
+    """Within, a captured optimizer step lists the parameters whose slots its replays write
+    (``captured``): the caller records them as current after each replay (``written``)."""
+    old = getattr(_capture, "writes", None)
+    _capture.writes = writes = []
+    try:
+        yield writes
+    finally:
+        _capture.writes = old
+
+
+def captured(params: Iterable[torch.Tensor]) -> None:
+    """A step being captured writes the slots of ``params`` at each replay (not now)."""
+    writes = getattr(_capture, "writes", None)
+    if writes is not None:
+        writes.extend(params)
 
 
 def _traced(w: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return True
-    return w.is_cuda and torch.cuda.is_current_stream_capturing() and not getattr(_capture, "ok", False)
+    return w.is_cuda and torch.cuda.is_current_stream_capturing() and getattr(_capture, "read", None) is None
 
 
 def current(weights: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:
@@ -136,4 +165,7 @@ def current(weights: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         if k is None or k != _key(w):
             return None
         out.append(_slots[w])
+    read = getattr(_capture, "read", None)
+    if read is not None and weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        read.extend(weights)
     return out

@@ -403,11 +403,28 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         maximizes; a nonzero ``found_inf`` skips the step. Tensors on any device, or None."""
         on_device: dict[tuple, torch.Tensor] = {}
         launches = list(launches)
+        amax = []
         for launch in launches:
-            self._launch(launch, clip_scale, amp_scale, found_inf, on_device)
+            amax += self._launch(launch, clip_scale, amp_scale, found_inf, on_device)
         # in sync once all have run: a launch's writes also move the versions of views of one buffer
-        # that other launches stepped (else each step would take those for edits)
+        # that other launches stepped (else each step would take those for edits); so do the amax slots
         self.mark_synced(p for launch in launches for p, *_ in launch.items)
+        if amax:
+            if launches and _capturing(launches[0].key[0]):
+                weight_amax.captured(amax)  # written at each replay, not now
+            else:
+                weight_amax.written(amax)
+
+    @torch.no_grad()
+    def adopt_edits(self, params: Iterable[torch.Tensor]) -> None:
+        """Parameters changed in place since the step last wrote them (their versions moved): their
+        fp32 masters take the edits now, in place, as an eager step would (coat.CudaGraphStep calls
+        this before a replay: the captured kernel reads the masters by address)."""
+        for p in params:
+            state = self.state.get(p)
+            if state and "master" in state and self._synced.get(id(p), _versions(p)) != _versions(p):
+                _state.adopt_edits(state["master"], _local(p))
+                self._synced[id(p)] = _versions(p)
 
     def mark_synced(self, params: Iterable[torch.Tensor]) -> None:
         """The fp32 masters of ``params`` hold what the parameters were last written from (a step
@@ -478,10 +495,11 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
             self._graph_tables[id(table)] = (table, host)
 
     def _launch(self, launch: Launch, clip_scale: Any, amp_scale: Any, found_inf: Any,
-                on_device: dict[tuple, torch.Tensor]) -> None:
+                on_device: dict[tuple, torch.Tensor]) -> list[torch.Tensor]:
         """Count the step of every tensor of one launch and run the kernel over its table, on the
         current stream. ``clip_scale`` / ``amp_scale`` / ``found_inf``: tensors (any device) or None;
-        copies on the launch's device are kept in ``on_device`` for the other launches of the step."""
+        copies on the launch's device are kept in ``on_device`` for the other launches of the step.
+        Returns the parameters whose amax slots it wrote (``coat.nn.weight_amax``)."""
         key, items, table, n_groups = launch.key, launch.items, launch.table, launch.n_groups
         device, gi = key[0], key[1]
         group = self.param_groups[gi]
@@ -501,8 +519,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         grads = GradTransforms(to_dev(amp_scale, "amp_scale"), to_dev(clip_scale, "clip_scale"),
                                bool(group.get("maximize", False)))
         # The kernel folds each weight's amax into its zeroed slot (coat.nn.weight_amax). Not where
-        # GradScaler may skip the step; zeroed in a capture too, where the graph's replays write the
-        # slots, but recorded as current only by an eager step.
+        # GradScaler may skip the step; zeroed in a capture too, where the graph's replays write them.
         amax = launch.amax if fi is None else []
         if n_groups > 0:  # else only empty shards: their steps count, nothing to compute
             try:  # the kernel reads the counted step; a call refused before it launched takes it back
@@ -517,8 +534,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
             # the sum of its devices' flags (torch's fused AdamW subtracts that sum: two devices, two steps)
             torch._foreach_sub_(steps, [(fi.reshape(()) != 0).float()] * len(steps))
         _compat.bump_versions([p for p, _, _, _ in items] + [st["master"] for *_, st in items if "master" in st])
-        if amax and n_groups > 0 and not _capturing(device):
-            weight_amax.written(p for p, _ in amax)
+        return [p for p, _ in amax] if n_groups > 0 else []
 
     # ---- step ----------------------------------------------------------------------------------
 

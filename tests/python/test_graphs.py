@@ -242,10 +242,15 @@ def test_graph_step_sees_what_makes_a_capture_stale():
     step._opt_objects = (opt.state, step._params())  # as a capture records them
     assert step._same_optimizer() and step._model_state() == key
     w = m.model.layers[0].mlp.down_proj.weight
+    step._watched = step._params()
     step._versions = step._param_versions()  # as a step records them
     with torch.no_grad():
-        w.mul_(0.5)  # in place: the replay reads it where it lies, but not the amax the step wrote
+        w.mul_(0.5)  # in place: the replay reads it where it lies; its master and amax slot are rewritten
     assert step._model_state() == key and step._param_versions() != step._versions
+    master = opt.state[w]["master"]
+    assert not torch.equal(master, w.float())
+    assert step._adopt_edits() and torch.equal(master, w.float())  # the captured step reads the edit
+    assert step._param_versions() == step._versions
     w.data = w.data.clone()
     assert step._model_state() != key
     key = step._model_state()

@@ -252,12 +252,36 @@ def test_disabled_writes_no_slot(gen):
     assert WA.current([p]) is None
 
 
+def test_evaluation_forwards_run_the_amax_pass(gen):
+    m, ids = _stepped(gen)
+    before = W.stats["optimizer_amax"]
+    with torch.no_grad():
+        m(input_ids=ids)
+    with torch.inference_mode():
+        m(input_ids=ids)
+    assert W.stats["optimizer_amax"] == before  # EMA weights swapped in through p.data: no stale amax
+    _, used = _logits_and_use(m, ids)
+    assert used == 8
+
+
+def test_views_of_one_buffer_stepped_in_two_launches_are_both_current(gen):
+    flat = torch.randn(2 * 64, generator=gen)
+    a, b = (torch.nn.Parameter(flat[i * 64:(i + 1) * 64].view(8, 8)) for i in range(2))
+    opt = coat.optim.AdamW([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.2}])  # two launches
+    for p in (a, b):
+        p.grad = torch.randn(8, 8, generator=gen)
+    opt.step()
+    for p in (a, b):
+        assert WA.current([p]) is not None and torch.equal(WA.current([p])[0], Q.amax_stacked([p.detach()]))
+
+
 @pytest.mark.gpu
-def test_cuda_graph_step_stays_bit_identical():
+@pytest.mark.parametrize("master", ["bf16_sr", "fp32"])
+def test_cuda_graph_step_stays_bit_identical(master):
     def run(on):
         with amax_enabled(on):
             m = _model(device="cuda")
-            opt = coat.optim.AdamW(m.parameters(), lr=1e-2, master_weights="bf16_sr")
+            opt = coat.optim.AdamW(m.parameters(), lr=1e-2, master_weights=master)
             step = coat.CudaGraphStep(m, opt)
             g = torch.Generator().manual_seed(1)
             losses = []
@@ -266,13 +290,22 @@ def test_cuda_graph_step_stays_bit_identical():
                 losses.append(step(input_ids=ids, labels=ids).item())
                 # an eager forward between graph steps (evaluation with grad on) reads the registry
                 losses.append(m(input_ids=ids, labels=ids).loss.item())
-                if t == 4:  # an edit the captured forward's amax would not see: its slot is written anew
+                if t == 4:  # an edit: the master takes it, the captured forward's amax slot is written anew
+                    w = m.model.layers[0].mlp.down_proj.weight
+                    before = w.detach().abs().max().item()
                     with torch.no_grad():
-                        m.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+                        w.mul_(4)
+                if t == 5:
+                    assert w.detach().abs().max().item() > 2 * before, "the replayed step dropped the edit"
+            assert len(step._amax_read) == (8 if on else 0)
+            opt.load_state_dict(opt.state_dict())  # new states: captured again, still reading the slots
+            ids = torch.randint(0, V, (2, 9), generator=g).cuda()
+            losses.append(step(input_ids=ids, labels=ids).item())
+            assert len(step._amax_read) == (8 if on else 0)
             return losses, [p.detach().clone() for p in m.parameters()], step.captures
 
     ref_losses, ref_params, ref_captures = run(False)
     losses, params, captures = run(True)
-    assert captures == ref_captures == 1
+    assert captures == ref_captures == 2
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
