@@ -55,12 +55,16 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .nn import weight_amax
+from .nn import attention, weight_amax
 from .optim._compat import bump_versions
 
 __all__ = ["CudaGraphStep"]
 
 LossFn = Callable[..., torch.Tensor]
+
+
+#: Batch keys that may make a causal LM's attention mask more than causal.
+_PADDING_KEYS = ("attention_mask", "position_ids", "past_key_values", "cache", "cache_position", "token_type_ids")
 
 
 def _hf_loss(model: nn.Module, **batch: Any) -> torch.Tensor:
@@ -272,7 +276,8 @@ class CudaGraphStep:
         try:
             # The forward may read each weight's amax slot (coat.nn.weight_amax): every replay comes
             # after the captured optimizer step that rewrites them, or after _replay rewrote an edited one.
-            with torch.cuda.graph(fwd), weight_amax.readable_in_capture() as read:
+            with torch.cuda.graph(fwd), weight_amax.readable_in_capture() as read, \
+                    attention.plain_causal(self._unpadded(batch)):
                 loss, norm = self._forward_backward(self._static)
         except Exception as e:
             self.optimizer.zero_grad(set_to_none=True)
@@ -307,6 +312,12 @@ class CudaGraphStep:
         self._opt = graph
         self._amax_writes = list(writes)  # the weights whose amax slots each replay of the step writes
         self._hyper_key = self._hyper_state()
+
+    def _unpadded(self, batch: dict[str, Any]) -> bool:
+        """Whether every batch of this step reaches the model with nothing padded or packed: the
+        default loss passes the batch as is, and its keys (fixed by _check_batch) hold no mask,
+        position ids or cache."""
+        return self.loss_fn is _hf_loss and not any(k in batch for k in _PADDING_KEYS)
 
     def _param_versions(self) -> list[int]:
         return [p._version for p in self._watched]

@@ -16,7 +16,10 @@ Parameter names are HF's (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_no
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -87,6 +90,35 @@ def _attention_fn(module: nn.Module):
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
+# Hugging Face leaves the causal mask out (SDPA's is_causal instead) only where it can see that
+# nothing is padded, which it does not try while a CUDA graph is captured: the captured step then
+# ran SDPA with a materialized causal mask, 2.7x slower on an H200 (benchmarks/RESULTS.md section
+# 48). coat.CudaGraphStep knows when no padding can exist (its batches hold no attention_mask and
+# no position_ids, and the default loss passes them straight to the model) and says so here.
+_plain = threading.local()
+
+
+@contextlib.contextmanager
+def plain_causal(on: bool) -> Iterator[None]:
+    """Within (with ``on``): the attention masks Hugging Face passes are pure causal masks (no
+    padding, no packed documents, no cache); a full-length, full-window SDPA call then drops it for
+    SDPA's ``is_causal``, the path an eager step takes."""
+    old = getattr(_plain, "on", False)
+    _plain.on = on
+    try:
+        yield
+    finally:
+        _plain.on = old
+
+
+def _plain_causal(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cache, kwargs: dict) -> bool:
+    if not getattr(_plain, "on", False) or cache is not None:
+        return False
+    n = k.shape[2]
+    window = kwargs.get("sliding_window")
+    return (q.shape[2] == n > 1 and getattr(module, "is_causal", True) and (window is None or window >= n)
+            and (getattr(module.config, "_attn_implementation", None) or "sdpa") == "sdpa")
+
 
 class Fp8AttentionMixin:
     """forward() for the attention modules of the families in ``coat.models``, same signature and
@@ -130,6 +162,8 @@ class Fp8AttentionMixin:
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             k, v = cache.update(k, v, self.layer_idx, cache_kwargs)
         kwargs.setdefault("sliding_window", getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)))
+        if attention_mask is not None and _plain_causal(self, q, k, cache, kwargs):
+            attention_mask = None
         out, attn_weights = _attention_fn(self)(
             self, q, k, v, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,

@@ -380,3 +380,44 @@ def test_replayed_step_bumps_version_counters():
     assert step.captures == 1
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         pending.backward()
+
+
+def test_plain_causal_only_for_batches_that_cannot_pad():
+    """The captured forward runs SDPA's is_causal path (as an eager step does) only where nothing can
+    be padded or packed: the default loss and no mask, position ids or cache among the batch's keys."""
+    m = _model("cpu")
+    opt = coat.optim.AdamW(m.parameters())
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    assert coat.CudaGraphStep(m, opt)._unpadded({"input_ids": ids, "labels": ids})
+    for key in ("attention_mask", "position_ids"):
+        assert not coat.CudaGraphStep(m, opt)._unpadded({"input_ids": ids, key: ids})
+    own = coat.CudaGraphStep(m, opt, loss_fn=lambda model, **b: model(**b).loss)  # may build a mask itself
+    assert not own._unpadded({"input_ids": ids, "labels": ids})
+
+
+def test_plain_causal_drops_only_a_full_causal_mask():
+    from coat.nn import attention
+
+    m = coat.convert(_model("cpu"))
+    attn = m.model.layers[0].self_attn
+    x = torch.randn(2, 8, m.config.hidden_size).bfloat16()
+    pos = torch.arange(8).unsqueeze(0).expand(2, -1)
+    pe = m.model.rotary_emb(x, pos)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8)
+    with torch.no_grad():
+        ref = attn(x, position_embeddings=pe, attention_mask=None)[0]
+        with attention.plain_causal(True):
+            dropped = attn(x, position_embeddings=pe, attention_mask=causal)[0]
+            one = attn(x[:, :1], position_embeddings=tuple(t[:, :1].contiguous() for t in pe),
+                       attention_mask=causal[..., :1, :1])[0]
+        kept = attn(x, position_embeddings=pe, attention_mask=causal)[0]
+    torch.testing.assert_close(dropped, ref, rtol=0, atol=0)  # the very call of mask None: is_causal
+    torch.testing.assert_close(kept, ref, rtol=1e-2, atol=1e-3)  # the same attention, another kernel path
+    assert one.shape == (2, 1, m.config.hidden_size)
+    mh = m.model.layers[0].self_attn
+    assert not attention._plain_causal(mh, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 8, 8), None, {})  # q != kv
+    with attention.plain_causal(True):
+        assert attention._plain_causal(mh, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), None, {})
+        assert not attention._plain_causal(mh, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), object(), {})
+        assert not attention._plain_causal(mh, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), None,
+                                           {"sliding_window": 4})  # a window shorter than the sequence
