@@ -242,9 +242,10 @@ class _Training:
 
             if self.device.type != "cuda" or self.d.enabled:
                 raise ConfigError("--cuda-graph", "runs on one CUDA device (not on the CPU, not under torchrun)")
+            # unpadded: (B, T+1) token batches; packed chat data (refused with --cuda-graph) masks across examples
             self.graph_step = coat.CudaGraphStep(model, self.optimizer,
                                                  lambda m, batch: lm_loss(m, batch, self.autocast),
-                                                 max_grad_norm=self.max_norm)
+                                                 max_grad_norm=self.max_norm, unpadded=not self.packed)
         if cfg.fp8_stats:
             import coat
 

@@ -393,6 +393,10 @@ def test_plain_causal_only_for_batches_that_cannot_pad():
         assert not coat.CudaGraphStep(m, opt)._unpadded({"input_ids": ids, key: ids})
     own = coat.CudaGraphStep(m, opt, loss_fn=lambda model, **b: model(**b).loss)  # may build a mask itself
     assert not own._unpadded({"input_ids": ids, "labels": ids})
+    vouched = coat.CudaGraphStep(m, opt, loss_fn=lambda model, **b: model(**b).loss, unpadded=True)
+    assert vouched._unpadded({"input_ids": ids, "labels": ids})
+    with pytest.raises(TypeError, match="unpadded must be"):
+        coat.CudaGraphStep(m, opt, unpadded="yes")
 
 
 def test_plain_causal_drops_only_a_full_causal_mask():
