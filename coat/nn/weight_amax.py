@@ -117,28 +117,28 @@ _capture = threading.local()
 
 
 @contextlib.contextmanager
-def readable_in_capture() -> Iterator[list]:
+def _collecting(name: str) -> Iterator[list]:
+    """A list that this thread's ``_capture.<name>`` points at while the context is open."""
+    old = getattr(_capture, name, None)
+    out: list = []
+    setattr(_capture, name, out)
+    try:
+        yield out
+    finally:
+        setattr(_capture, name, old)
+
+
+def readable_in_capture() -> contextlib.AbstractContextManager[list]:
     """Within, a forward captured in a CUDA graph reads the current slots (the graph then reads them
     at every replay: the caller must replay it only while the slots hold the weights' amax). Yields
     the list of the parameters whose slots were handed out, for the caller to watch."""
-    old = getattr(_capture, "read", None)
-    _capture.read = read = []
-    try:
-        yield read
-    finally:
-        _capture.read = old
+    return _collecting("read")
 
 
-@contextlib.contextmanager
-def recording_captured_writes() -> Iterator[list]:
+def recording_captured_writes() -> contextlib.AbstractContextManager[list]:
     """Within, a captured optimizer step lists the parameters whose slots its replays write
     (``captured``): the caller records them as current after each replay (``written``)."""
-    old = getattr(_capture, "writes", None)
-    _capture.writes = writes = []
-    try:
-        yield writes
-    finally:
-        _capture.writes = old
+    return _collecting("writes")
 
 
 def captured(params: Iterable[torch.Tensor]) -> None:
