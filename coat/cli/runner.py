@@ -245,7 +245,8 @@ class _Training:
             # unpadded: (B, T+1) token batches; packed chat data (refused with --cuda-graph) masks across examples
             self.graph_step = coat.CudaGraphStep(model, self.optimizer,
                                                  lambda m, batch: lm_loss(m, batch, self.autocast),
-                                                 max_grad_norm=self.max_norm, unpadded=not self.packed)
+                                                 max_grad_norm=self.max_norm,
+                                                 unpadded=not chat_data.is_packed(self.plan.corpus.train))
         if cfg.fp8_stats:
             import coat
 
