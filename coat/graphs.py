@@ -67,6 +67,20 @@ LossFn = Callable[..., torch.Tensor]
 _PADDING_KEYS = ("attention_mask", "position_ids", "past_key_values", "cache", "cache_position", "token_type_ids")
 
 
+def _builds_no_mask(model: nn.Module) -> bool:
+    """A model whose forward passes the batch's (absent) mask on rather than building one from its
+    inputs: a Hugging Face PreTrainedModel, a PEFT model or coat's SideTuned around one. A wrapper
+    of one's own might mask padding itself (input_ids != pad): CudaGraphStep(unpadded=True) then."""
+    from transformers import PreTrainedModel
+
+    from .side_tuning import SideTuned
+
+    base = model
+    if type(model).__module__.startswith("peft."):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return isinstance(base, (PreTrainedModel, SideTuned))
+
+
 def _hf_loss(model: nn.Module, **batch: Any) -> torch.Tensor:
     return model(**batch).loss
 
@@ -145,9 +159,10 @@ class CudaGraphStep:
         max_grad_norm: clip the gradients' total norm to this before the step (None: no clipping;
             ``math.inf``: measure the norm into ``grad_norm`` without clipping).
         unpadded: True: the caller vouches that the model never sees padded or packed sequences,
-            so the captured forward runs SDPA's ``is_causal`` path as an eager step does
-            (transformers materializes the causal mask while a graph is captured: 1.1x slower
-            steps). None (default): inferred, True only for the default ``loss_fn`` with no
+            so the captured forward runs SDPA's ``is_causal`` path as an eager step does (some
+            transformers versions materialize the causal mask while a graph is captured: 1.1x
+            slower Llama-2-7B steps with 5.17). None (default): inferred, True only for the
+            default ``loss_fn`` on a Hugging Face, PEFT or SideTuned model with no
             ``attention_mask``, ``position_ids`` or cache among the batch's keys.
     """
 
@@ -323,11 +338,18 @@ class CudaGraphStep:
 
     def _unpadded(self, batch: dict[str, Any]) -> bool:
         """Whether every batch of this step reaches the model with nothing padded or packed: the
-        default loss passes the batch as is, and its keys (fixed by _check_batch) hold no mask,
-        position ids or cache."""
-        if self.unpadded is not None:
-            return self.unpadded
-        return self.loss_fn is _hf_loss and not any(k in batch for k in _PADDING_KEYS)
+        caller says so, or the default loss passes the batch as is to a model that builds no mask
+        of its own (a Hugging Face model, a PEFT model around one, coat's SideTuned), and the
+        batch's keys (fixed by _check_batch) hold no mask, position ids or cache."""
+        padding = [k for k in _PADDING_KEYS if k in batch]
+        if self.unpadded:
+            if padding:
+                raise ValueError(f"CudaGraphStep(unpadded=True), but the batch holds {padding[0]}: drop unpadded "
+                                 "(a batch that may pad keeps the attention mask)")
+            return True
+        if self.unpadded is False or padding or self.loss_fn is not _hf_loss:
+            return False
+        return _builds_no_mask(self.model)
 
     def _param_versions(self) -> list[int]:
         return [p._version for p in self._watched]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import Iterator
 
 import torch
@@ -91,28 +90,31 @@ def _attention_fn(module: nn.Module):
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 # Hugging Face leaves the causal mask out (SDPA's is_causal instead) only where it can see that
-# nothing is padded, which it does not try while a CUDA graph is captured: the captured step then
-# ran SDPA with a materialized causal mask, 2.7x slower on an H200 (benchmarks/RESULTS.md section
-# 48). coat.CudaGraphStep knows when no padding can exist (its batches hold no attention_mask and
-# no position_ids, and the default loss passes them straight to the model) and says so here.
-_plain = threading.local()
+# nothing is padded, which some versions (5.17) do not try while a CUDA graph is captured: the
+# captured step then ran SDPA with a materialized causal mask, 2.7x slower on an H200
+# (benchmarks/RESULTS.md section 48). coat.CudaGraphStep knows when no padding can exist and says so
+# here. Process-wide, not per thread: autograd recomputes checkpointed layers on its own device
+# threads inside the same capture, and a recompute must take the forward's path.
+_plain = {"on": False}
 
 
 @contextlib.contextmanager
 def plain_causal(on: bool) -> Iterator[None]:
     """Within (with ``on``): the attention masks Hugging Face passes are pure causal masks (no
-    padding, no packed documents, no cache); a full-length, full-window SDPA call then drops it for
-    SDPA's ``is_causal``, the path an eager step takes."""
-    old = getattr(_plain, "on", False)
-    _plain.on = on
+    padding, no packed documents, no earlier tokens in a cache); a full-length, full-window SDPA
+    call then drops it for SDPA's ``is_causal``, the path an eager step takes."""
+    old = _plain["on"]
+    _plain["on"] = on
     try:
         yield
     finally:
-        _plain.on = old
+        _plain["on"] = old
 
 
-def _plain_causal(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cache, kwargs: dict) -> bool:
-    if not getattr(_plain, "on", False) or cache is not None:
+def _plain_causal(module: nn.Module, q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> bool:
+    # q_len == kv_len after the cache update: no earlier tokens (an empty DynamicCache, which a
+    # model with use_cache on makes for every training forward, holds none)
+    if not _plain["on"]:
         return False
     n = k.shape[2]
     window = kwargs.get("sliding_window")
@@ -162,7 +164,7 @@ class Fp8AttentionMixin:
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             k, v = cache.update(k, v, self.layer_idx, cache_kwargs)
         kwargs.setdefault("sliding_window", getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)))
-        if attention_mask is not None and _plain_causal(self, q, k, cache, kwargs):
+        if attention_mask is not None and _plain_causal(self, q, k, kwargs):
             attention_mask = None
         out, attn_weights = _attention_fn(self)(
             self, q, k, v, attention_mask,

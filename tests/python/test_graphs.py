@@ -395,8 +395,20 @@ def test_plain_causal_only_for_batches_that_cannot_pad():
     assert not own._unpadded({"input_ids": ids, "labels": ids})
     vouched = coat.CudaGraphStep(m, opt, loss_fn=lambda model, **b: model(**b).loss, unpadded=True)
     assert vouched._unpadded({"input_ids": ids, "labels": ids})
+    with pytest.raises(ValueError, match="unpadded=True.*attention_mask"):
+        vouched._unpadded({"input_ids": ids, "attention_mask": ids})
     with pytest.raises(TypeError, match="unpadded must be"):
         coat.CudaGraphStep(m, opt, unpadded="yes")
+
+    class Wrapper(torch.nn.Module):  # masks its padding itself: the default may not drop that mask
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids, labels):
+            return self.lm(input_ids=input_ids, attention_mask=input_ids.ne(0), labels=labels)
+
+    assert not coat.CudaGraphStep(Wrapper(m), opt)._unpadded({"input_ids": ids, "labels": ids})
 
 
 def test_plain_causal_drops_only_a_full_causal_mask():
@@ -419,9 +431,60 @@ def test_plain_causal_drops_only_a_full_causal_mask():
     torch.testing.assert_close(kept, ref, rtol=1e-2, atol=1e-3)  # the same attention, another kernel path
     assert one.shape == (2, 1, m.config.hidden_size)
     mh = m.model.layers[0].self_attn
-    assert not attention._plain_causal(mh, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 8, 8), None, {})  # q != kv
+    q8, kv8 = torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8)
+    assert not attention._plain_causal(mh, q8, kv8, {})  # off outside the context
     with attention.plain_causal(True):
-        assert attention._plain_causal(mh, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), None, {})
-        assert not attention._plain_causal(mh, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), object(), {})
-        assert not attention._plain_causal(mh, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), None,
-                                           {"sliding_window": 4})  # a window shorter than the sequence
+        assert attention._plain_causal(mh, q8, kv8, {})
+        assert not attention._plain_causal(mh, torch.zeros(1, 2, 4, 8), kv8, {})  # earlier tokens in a cache
+        assert not attention._plain_causal(mh, q8, kv8, {"sliding_window": 4})  # a window shorter than the sequence
+        assert attention._plain_causal(mh, q8, kv8, {"sliding_window": 8})
+
+
+def test_plain_causal_reaches_a_checkpointed_recompute_on_another_thread(monkeypatch):
+    """autograd recomputes checkpointed layers on its own device threads (inside the same capture):
+    the recompute must take the forward's attention path, or checkpointing refuses the mismatch."""
+    import threading
+
+    import transformers.masking_utils as mu
+
+    from coat.nn import attention
+
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # the mask a capture gets
+    m = coat.convert(_model("cpu")).train()
+    m.gradient_checkpointing_enable()
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    errors = []
+
+    def backward(loss):
+        try:
+            loss.backward()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with attention.plain_causal(True):
+        loss = m(input_ids=ids, labels=ids).loss
+        t = threading.Thread(target=backward, args=(loss,))
+        t.start()
+        t.join()
+    assert not errors, errors
+
+
+def test_plain_causal_with_the_empty_cache_a_training_forward_makes(monkeypatch):
+    """use_cache on (the config's default) makes an empty DynamicCache in every training forward:
+    no earlier tokens, so the mask is still plain causal and dropped, and the output is the eager one."""
+    import transformers.masking_utils as mu
+
+    from coat.nn import attention
+
+    m = coat.convert(_model("cpu")).train()
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m(input_ids=ids, labels=ids).loss  # HF drops the mask itself here
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # as inside a capture
+    seen = []
+    real = attention._plain_causal
+    monkeypatch.setattr(attention, "_plain_causal", lambda *a: seen.append(real(*a)) or seen[-1])
+    with torch.no_grad(), attention.plain_causal(True):
+        got = m(input_ids=ids, labels=ids).loss
+    assert seen and all(seen)  # every layer's mask dropped, the cache notwithstanding
+    assert torch.equal(got, ref)
