@@ -438,24 +438,24 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         or state pointer changed (a moved model, loaded states: load_state_dict and add_param_group
         clear the cache); when only gradients moved, as they do from step to step under
         ``zero_grad(set_to_none=True)``, only their column is rewritten."""
-        slots = [weight_amax.slot(p) if self._amax_word is not None and weight_amax.wants_slot(p) else None
-                 for p, *_ in items]
+        amax_on = self._amax_word is not None and weight_amax.ENABLED
         # Every pointer the table holds: a state tensor replaced in place (opt.state[p][k] = ...) must
         # not leave the kernel writing to the old one.
         # and every shape: a parameter shrunk in place at the same address must be checked again
-        static = tuple((local.data_ptr(), tuple(local.shape), id(state), 0 if s is None else s.data_ptr(),
-                        *_state.tensor_ptrs(state)) for (_, local, _, state), s in zip(items, slots))
+        # (an amax slot lives as long as its parameter on its device: looked up again with the table)
+        static = (amax_on, *((local.data_ptr(), tuple(local.shape), id(state), *_state.tensor_ptrs(state))
+                             for _, local, _, state in items))
         grads = [grad.data_ptr() for _, _, grad, _ in items]
         hit = self._desc_cache.get(key)
         if hit is not None and hit[0] == static:
-            _, kept, rows, begin, old_grads, table, host = hit
-            amax = [(items[i][0], slots[i]) for i in kept if slots[i] is not None]
+            _, kept, rows, begin, old_grads, table, host, amax = hit
             if old_grads == grads:
                 self._keep_if_captured(key[0], table, host)
                 return table, begin, amax
             rows = rows.clone()
             rows[:, 1] = torch.tensor([grads[i] for i in kept], dtype=torch.int64)
         else:
+            slots = [weight_amax.slot(p) if amax_on and weight_amax.wants_slot(p) else None for p, *_ in items]
             kept, lists, begin, seen = [], [], 0, set()
             for i, (p, local, grad, state) in enumerate(items):
                 self._check_state(state, local)  # a moved or re-laid-out tensor changes a pointer: checked here
@@ -481,7 +481,7 @@ class FusedOptimizer(ReleaseTarget, torch.optim.Optimizer):
         else:
             host = table = rows
         # The pinned host copy stays referenced: a CUDA graph that captured the copy replays it.
-        self._desc_cache[key] = (static, kept, rows, begin, grads, table, host)
+        self._desc_cache[key] = (static, kept, rows, begin, grads, table, host, amax)
         self._keep_if_captured(device, table, host)
         return table, begin, amax
 
