@@ -485,9 +485,7 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // element 4q + i takes bits [16 i, 16 i + 16) of quad q's hash
       const uint64_t r = adamw::sr_bits(d.seed, ts.t, static_cast<uint64_t>((at.i0 + h * kChunkStride) >> 2));
-      pw[2 * h] = adamw::bf16_sr(p[4 * h], uint32_t(r)) | uint32_t(adamw::bf16_sr(p[4 * h + 1], uint32_t(r >> 16))) << 16;
-      pw[2 * h + 1] = adamw::bf16_sr(p[4 * h + 2], uint32_t(r >> 32)) |
-                      uint32_t(adamw::bf16_sr(p[4 * h + 3], uint32_t(r >> 48))) << 16;
+      adamw::bf16_sr_quad(p + 4 * h, r, pw[2 * h], pw[2 * h + 1]);
     }
   } else {
     pack<P>(p, pw);

@@ -115,6 +115,26 @@ COAT_HD uint16_t bf16_sr(float x, uint32_t r16) {
   return static_cast<uint16_t>(b);
 }
 
+// bf16_sr of four consecutive values with quad r (value j takes r's bits [16 j, 16 j + 16)),
+// packed two to a word (value 0 in the low half). Equal to four bf16_sr: below 0x7F7F0000 (the
+// largest finite bf16 minus one step) |x| can neither carry into Inf nor be Inf or NaN, so a quad
+// of such values (nearly all) is an add and a shift each; the select chain runs only otherwise.
+COAT_HD void bf16_sr_quad(const float* x, uint64_t r, uint32_t& lo, uint32_t& hi) {
+  uint32_t u[4], big = 0;
+  for (int j = 0; j < 4; ++j) {
+    u[j] = bits_of(x[j]);
+    big |= (u[j] & 0x7FFFFFFFu) >= 0x7F7F0000u ? 1u : 0u;
+  }
+  uint32_t b[4];
+  if (big == 0) {
+    for (int j = 0; j < 4; ++j) b[j] = (u[j] + static_cast<uint32_t>((r >> (16 * j)) & 0xFFFFu)) >> 16;
+  } else {
+    for (int j = 0; j < 4; ++j) b[j] = bf16_sr(x[j], static_cast<uint32_t>(r >> (16 * j)));
+  }
+  lo = b[0] | (b[1] << 16);
+  hi = b[2] | (b[3] << 16);
+}
+
 }  // namespace adamw
 
 namespace detail {

@@ -6,9 +6,9 @@
 // Work: a warp per group of 128 elements, a lane per 4 consecutive elements (one stochastic-
 // rounding quad). The step is instruction-bound before it is memory-bound, so the common case
 // takes a lean path: a whole group of a tensor whose buffers allow vector access loads and stores
-// 4 elements at once, decodes m through a 16-entry table in shared memory, encodes m by a 4-step
-// binary search over the midpoints and v arithmetically (adamw4_math.h), and finds rows and
-// columns with 32-bit arithmetic. Groups at a tensor's end, misaligned views and rank-1 tensors
+// 4 elements at once, decodes m through a 16-entry table in shared memory, encodes m through a
+// table of buckets (one load and one comparison) and v arithmetically (adamw4_math.h), and works
+// with 32-bit offsets, rows and columns. Groups at a tensor's end, misaligned views and rank-1 tensors
 // with cols % 4 != 0 take the element-wise path. The rank-1 statistics pass walks column strips
 // (128 columns x 16 rows per warp) so that column maxima are reduced in registers and reach memory
 // once per strip.
@@ -33,19 +33,17 @@ constexpr int kBatch = 4;       // rows of a strip loaded before any is reduced
 using adamw4::groups_of;
 using cuda::aligned;
 
-// m's map and midpoints, per block (shared memory: 16 distinct words in 16 banks, so any lookup
-// pattern is conflict-free).
+// m's map and bucket table (adamw4_math.h, encode_m_table), per block in shared memory. The map's
+// 16 words sit in 16 banks (any lookup pattern is conflict-free); the buckets' loads conflict only
+// where a warp's values spread over buckets 32 apart.
 struct Tables {
   float level[16];
-  float mid[16];
+  adamw4::MBucket bucket[adamw4::kMBuckets];
 };
 
 __device__ __forceinline__ void fill_tables(Tables& tb) {
-  const int i = threadIdx.x;
-  if (i < adamw4::kCodes) {
-    tb.level[i] = adamw4::m_level(i);
-    tb.mid[i] = i + 1 < adamw4::kCodes ? adamw4::m_mid(i) : 0.0f;  // mid[15] is never read
-  }
+  for (int i = threadIdx.x; i < adamw4::kMBuckets; i += blockDim.x) tb.bucket[i] = adamw4::m_bucket(i);
+  if (threadIdx.x < adamw4::kCodes) tb.level[threadIdx.x] = adamw4::m_level(threadIdx.x);
   __syncthreads();
 }
 
@@ -330,7 +328,7 @@ __device__ __forceinline__ void store_codes(const Adamw4Tensor& d, int64_t lg, i
   for (int k = 0; k < kPer; ++k, rc.next(d.cols)) {
     if (e0 + k >= n) break;
     const float vs = d.kind == Adamw4Kind::kBlock ? vb : adamw4::v_scale_of(d, lg, rc.i, rc.j, adamw4::new_buffer(t));
-    mc[k] = adamw4::encode_m_table(m[k], ms, adamw4::recip(ms), tb.mid);
+    mc[k] = adamw4::encode_m_table(m[k], ms, adamw4::recip(ms), tb.bucket);
     vc[k] = adamw4::encode_v_fast(v[k], vs, adamw4::recip(vs));
   }
   auto* mq = static_cast<uint8_t*>(d.m);
@@ -342,25 +340,29 @@ __device__ __forceinline__ void store_codes(const Adamw4Tensor& d, int64_t lg, i
   }
 }
 
-// A lane's new parameters (and master) written; n: how many of its 4 elements exist.
+// A lane's new parameters (and master) written; n: how many of its 4 elements exist. I: the
+// index type (the vector path's 32-bit offsets save the 64-bit address arithmetic).
 // pmax: folds in the largest finite |value| written (as stored) when d.param_amax is set.
-template <typename P, MasterKind M>
-__device__ __forceinline__ void store_params(const Adamw4Tensor& d, int64_t e0, int n, const float (&p)[kPer],
+template <typename P, MasterKind M, typename I>
+__device__ __forceinline__ void store_params(const Adamw4Tensor& d, I e0, int n, const float (&p)[kPer],
                                              uint64_t t, bool vec, float& pmax) {
   auto* param = static_cast<P*>(d.param);
   if constexpr (M == MasterKind::kBf16Sr) {
-    const uint64_t r = adamw::sr_bits(d.seed, t, static_cast<uint64_t>(e0 / 4));
-    uint16_t b[kPer];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) b[k] = adamw::bf16_sr(p[k], static_cast<uint32_t>(r >> (16 * k)));
-    if (d.param_amax != nullptr)
+    uint32_t lo, hi;  // the four bf16 values, two to a word
+    adamw::bf16_sr_quad(p, adamw::sr_bits(d.seed, t, static_cast<uint64_t>(e0 / 4)), lo, hi);
+    if (d.param_amax != nullptr) {
+      const float b[kPer] = {__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), __uint_as_float(hi << 16),
+                             __uint_as_float(hi & 0xFFFF0000u)};
 #pragma unroll
       for (int k = 0; k < kPer; ++k)
-        if (k < n) pmax = fmaxf(pmax, finite_abs(__uint_as_float(static_cast<uint32_t>(b[k]) << 16)));
+        if (k < n) pmax = fmaxf(pmax, finite_abs(b[k]));
+    }
     auto* out = reinterpret_cast<uint16_t*>(param) + e0;
     if (vec) {
-      *reinterpret_cast<uint2*>(out) = make_uint2(b[0] | (uint32_t{b[1]} << 16), b[2] | (uint32_t{b[3]} << 16));
+      *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
     } else {
+      const uint16_t b[kPer] = {static_cast<uint16_t>(lo), static_cast<uint16_t>(lo >> 16), static_cast<uint16_t>(hi),
+                                static_cast<uint16_t>(hi >> 16)};
       for (int k = 0; k < n; ++k) out[k] = b[k];
     }
   } else {
@@ -425,7 +427,9 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
   const Adamw4Tensor& d = cur.d;
   const uint64_t t = cur.t;
   const adamw::Scalars& s = cur.s;
-  const int64_t e0 = lg * G + (threadIdx.x & 31) * kPer;
+  // 32-bit offsets (vectorizable: numel < 2^31): a pointer is one wide multiply-add from its base
+  const uint32_t e0 = static_cast<uint32_t>(lg) * G + (threadIdx.x & 31) * kPer;
+  const uint32_t ug = static_cast<uint32_t>(lg);
   float p[kPer], g[kPer], m[kPer], v[kPer];
   if constexpr (M == MasterKind::kFp32) load4(d.master + e0, p);
   else load4(static_cast<const P*>(d.param) + e0, p);
@@ -433,8 +437,8 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
   uint32_t i = 0, j = 0;  // rank-1: the lane's row and first column (all 4 in that row)
   if (d.kind == Adamw4Kind::kRank1) {
     const uint32_t cols = static_cast<uint32_t>(d.cols);
-    i = adamw4::div_magic(static_cast<uint32_t>(e0), cols, cur.cols_magic, cur.cols_shift);
-    j = static_cast<uint32_t>(e0) - i * cols;
+    i = adamw4::div_magic(e0, cols, cur.cols_magic, cur.cols_shift);
+    j = e0 - i * cols;
   }
   if (d.kind == Adamw4Kind::kFull) {
     load4(static_cast<const float*>(d.m) + e0, m);
@@ -442,14 +446,14 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
   } else {
     const uint32_t mw = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(d.m) + e0 / 2);
     const uint32_t vw = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(d.v) + e0 / 2);
-    const float ms = d.m_scale[lg];
+    const float ms = d.m_scale[ug];
     float vs[kPer];
     if (d.kind == Adamw4Kind::kBlock) {
-      vs[0] = vs[1] = vs[2] = vs[3] = d.v_scale[lg];
+      vs[0] = vs[1] = vs[2] = vs[3] = d.v_scale[ug];
     } else {
-      const float* old_r = d.v_scale + adamw4::old_buffer(t) * (d.rows + d.cols);
+      const float* old_r = d.v_scale + (adamw4::old_buffer(t) ? static_cast<uint32_t>(d.rows + d.cols) : 0u);
       const float r = old_r[i];
-      const float4 cs = *reinterpret_cast<const float4*>(old_r + d.rows + j);
+      const float4 cs = *reinterpret_cast<const float4*>(old_r + (static_cast<uint32_t>(d.rows) + j));
       vs[0] = adamw4::rank1_scale(r, cs.x), vs[1] = adamw4::rank1_scale(r, cs.y);
       vs[2] = adamw4::rank1_scale(r, cs.z), vs[3] = adamw4::rank1_scale(r, cs.w);
     }
@@ -476,22 +480,22 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
     if (d.kind == Adamw4Kind::kBlock) {
       vs[0] = vs[1] = vs[2] = vs[3] = float_of(__reduce_max_sync(0xFFFFFFFFu, vk));
       rv[0] = rv[1] = rv[2] = rv[3] = adamw4::recip(vs[0]);
-      if ((threadIdx.x & 31) == 0) d.v_scale[lg] = vs[0];
+      if ((threadIdx.x & 31) == 0) d.v_scale[ug] = vs[0];
     } else {
-      const float* new_r = d.v_scale + adamw4::new_buffer(t) * (d.rows + d.cols);
+      const float* new_r = d.v_scale + (adamw4::new_buffer(t) ? static_cast<uint32_t>(d.rows + d.cols) : 0u);
       const float r = new_r[i];
-      const float4 cs = *reinterpret_cast<const float4*>(new_r + d.rows + j);
+      const float4 cs = *reinterpret_cast<const float4*>(new_r + (static_cast<uint32_t>(d.rows) + j));
       vs[0] = adamw4::rank1_scale(r, cs.x), vs[1] = adamw4::rank1_scale(r, cs.y);
       vs[2] = adamw4::rank1_scale(r, cs.z), vs[3] = adamw4::rank1_scale(r, cs.w);
 #pragma unroll
       for (int k = 0; k < kPer; ++k) rv[k] = adamw4::recip(vs[k]);
     }
-    if ((threadIdx.x & 31) == 0) d.m_scale[lg] = ms;
+    if ((threadIdx.x & 31) == 0) d.m_scale[ug] = ms;
     const float rm = adamw4::recip(ms);
     uint32_t mc = 0, vc = 0;
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
-      mc |= static_cast<uint32_t>(adamw4::encode_m_table(m[k], ms, rm, tb.mid)) << (4 * k);
+      mc |= static_cast<uint32_t>(adamw4::encode_m_table(m[k], ms, rm, tb.bucket)) << (4 * k);
       vc |= static_cast<uint32_t>(adamw4::encode_v_fast(v[k], vs[k], rv[k])) << (4 * k);
     }
     *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.m) + e0 / 2) = static_cast<uint16_t>(mc);

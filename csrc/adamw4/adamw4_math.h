@@ -88,25 +88,52 @@ COAT_HD int encode_v(float v, float s) {
 // The encoders the step runs (CPU reference and kernel alike), equal to encode_m / encode_v above
 // for every input (tests/cpp/test_adamw4_ref.cpp checks them against each other); r = 1 / s,
 // computed once per block (m, v of kBlock) or per element (v of kRank1):
-// - m: a binary search over the 15 sorted midpoints in `mids` (m_mid(0..14); the kernel keeps
-//   them in shared memory): the count of midpoints <= x, in 4 comparisons instead of 15.
-// - v: the midpoints (2k + 3) / 32 are found arithmetically: with y = 32 x (exact), x >= v_mid(k)
-//   iff y >= 2k + 3, so the code is floor((y - 3) / 2) + 1 clamped to [0, 15]; y - 3 is exact for
-//   y in [3, 31) (both operands are multiples of y's ulp and the result has fewer bits than y).
+// - m: by a table of buckets. x = m r is clamped to [-1, 1] (NaN to -1, code 0 as encode_m gives;
+//   no midpoint lies outside, so the code does not change), y = x + 2 in [1, 3] and the bucket is
+//   y's bits >> kMShift: 2^-7 wide below x = 0, 2^-6 above. Each bucket holds at most one midpoint,
+//   and none lies within y's rounding error (2^-23) of a bucket edge, so the rounding of x + 2 moves
+//   no value across a midpoint and code = the bucket's base (midpoints below it) + (x >= its
+//   midpoint): one table load and one comparison (the kernel keeps the 193 buckets in shared
+//   memory), where a binary search over the midpoints took four.
+// - v: the midpoints (2k + 3) / 32 are found arithmetically (encode_v_fast).
 // Both are written as selects, not branches (every element runs them).
-COAT_HD int encode_m_table(float m, float s, float r, const float* mids) {
-  const float x = m * r;
-  int c = x >= mids[7] ? 8 : 0;  // NaN compares false everywhere: code 0, as encode_m gives
-  c += x >= mids[c + 3] ? 4 : 0;
-  c += x >= mids[c + 1] ? 2 : 0;
-  c += x >= mids[c] ? 1 : 0;
+struct MBucket {
+  float mid;  // the midpoint inside the bucket, +Inf where none
+  int base;   // midpoints below the bucket
+};
+constexpr int kMShift = 16;
+constexpr uint32_t kMFirst = 0x3F800000u >> kMShift;  // y = 1: x = -1
+constexpr int kMBuckets = static_cast<int>((0x40400000u >> kMShift) - kMFirst) + 1;  // through y = 3: x = 1
+
+// The lowest x of bucket i (exact: a bucket edge minus 2).
+COAT_HD float m_bucket_x(int i) { return float_of((kMFirst + static_cast<uint32_t>(i)) << kMShift) - 2.0f; }
+
+COAT_HD MBucket m_bucket(int i) {
+  const float lo = m_bucket_x(i), hi = i + 1 < kMBuckets ? m_bucket_x(i + 1) : FLT_MAX;
+  MBucket b{INFINITY, 0};
+  for (int k = 0; k < kCodes - 1; ++k) {
+    const float mid = m_mid(k);
+    if (mid < lo) ++b.base;
+    else if (mid < hi) b.mid = mid;
+  }
+  return b;
+}
+
+COAT_HD int m_bucket_of(float x) { return static_cast<int>((bits_of(x + 2.0f) >> kMShift) - kMFirst); }
+
+COAT_HD int encode_m_table(float m, float s, float r, const MBucket* table) {
+  const float x = fminf(fmaxf(m * r, -1.0f), 1.0f);
+  const MBucket b = table[m_bucket_of(x)];
+  const int c = b.base + (x >= b.mid ? 1 : 0);
   return usable_scale(s) ? c : kZeroCodeM;
 }
 
 COAT_HD int encode_v_fast(float v, float s, float r) {
-  const float y = (v * r) * 32.0f;
-  // y >= 31 (or +Inf) clamps to 14 + 1; below the first midpoint, or NaN, is code 0.
-  const int c = y >= 3.0f ? static_cast<int>(fminf((y - 3.0f) * 0.5f, 14.0f)) + 1 : 0;
+  // floor((y - 3) / 2) + 1 = floor(z) with z = (y - 1) / 2 = 16 x - 0.5, exact for y >= 1 (as y - 3
+  // above); below that z < 0 and the code is 0. fmaxf takes NaN to 0 and fminf +Inf to 15 (the
+  // device's FMNMX does the same), so the clamp is two min / max and a truncation.
+  const float z = (v * r) * 16.0f - 0.5f;
+  const int c = static_cast<int>(fminf(fmaxf(z, 0.0f), 15.0f));
   return usable_scale(s) ? c : 0;
 }
 
@@ -124,10 +151,17 @@ COAT_HD uint32_t max_key(float x) {
 
 COAT_HD uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-// min(row max, column max), NaN if either is NaN.
+// min(row max, column max), NaN if either is NaN (both are >= +0 or the canonical NaN). On the
+// device one min.NaN instead of two comparisons and two selects (the step takes eight per lane).
 COAT_HD float rank1_scale(float r, float c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float s;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(s) : "f"(r), "f"(c));
+  return s;
+#else
   if (r != r || c != c) return float_of(kNanBits);
   return r < c ? r : c;
+#endif
 }
 
 // Nibble c of element e in packed codes (element 2i low, 2i + 1 high).

@@ -44,11 +44,11 @@ void rank1_stats(const Adamw4Tensor& d, const AdamwConfig& c, double lr, float i
   }
 }
 
-// m's 15 midpoints, the table encode_m_table searches.
-const float* m_mids() {
-  static const std::array<float, 16> table = [] {
-    std::array<float, 16> t{};
-    for (int k = 0; k + 1 < adamw4::kCodes; ++k) t[k] = adamw4::m_mid(k);
+// m's bucket table (encode_m_table).
+const adamw4::MBucket* m_buckets() {
+  static const std::array<adamw4::MBucket, adamw4::kMBuckets> table = [] {
+    std::array<adamw4::MBucket, adamw4::kMBuckets> t{};
+    for (int i = 0; i < adamw4::kMBuckets; ++i) t[i] = adamw4::m_bucket(i);
     return t;
   }();
   return table.data();
@@ -78,7 +78,7 @@ void store_states(const Adamw4Tensor& d, int64_t lg, int64_t begin, int n, const
       const int64_t e = begin + i + h;
       const int64_t cols = d.kind == Adamw4Kind::kRank1 ? d.cols : 1;
       const float vs = adamw4::v_scale_of(d, lg, e / cols, e % cols, adamw4::new_buffer(t));
-      mc[h] = adamw4::encode_m_table(m[i + h], ms, rm, m_mids());
+      mc[h] = adamw4::encode_m_table(m[i + h], ms, rm, m_buckets());
       vc[h] = adamw4::encode_v_fast(v[i + h], vs, adamw4::recip(vs));
     }
     mq[i / 2] = static_cast<uint8_t>(mc[0] | (mc[1] << 4));

@@ -79,12 +79,30 @@ TEST(Adamw4Maps, EncodeIsNearestAndMonotone) {
   EXPECT_EQ(adamw4::encode_v(0.0f, 1.0f), 0);    // v = 0 under a non-zero scale: 1/16 of it
 }
 
-// The encoders the step runs (a binary search for m, arithmetic for v) against the definitions:
+// The encoders the step runs (a bucket table for m, arithmetic for v) against the definitions:
 // every midpoint and its neighbouring floats, every code's value, random values, scales of all
 // magnitudes, unusable scales and NaN.
+// m's bucket table: every bucket holds at most one midpoint, and none lies within 2^-22 of a bucket
+// edge (y = x + 2 rounds by at most 2^-23, so no rounding moves a value across a midpoint).
+TEST(Adamw4Maps, MBucketsHoldOneMidpointAwayFromTheEdges) {
+  for (int i = 0; i < adamw4::kMBuckets; ++i) {
+    const float lo = adamw4::m_bucket_x(i), hi = i + 1 < adamw4::kMBuckets ? adamw4::m_bucket_x(i + 1) : 2.0f;
+    int inside = 0;
+    for (int k = 0; k + 1 < adamw4::kCodes; ++k) {
+      const float mid = adamw4::m_mid(k);
+      inside += mid >= lo && mid < hi;
+      EXPECT_GT(std::fabs(mid - lo), std::ldexp(1.0f, -22)) << "midpoint " << k << " near bucket " << i;
+    }
+    EXPECT_LE(inside, 1) << "bucket " << i;
+    EXPECT_EQ(adamw4::m_bucket_of(lo), i) << "bucket " << i;
+  }
+  EXPECT_FLOAT_EQ(adamw4::m_bucket_x(0), -1.0f);
+  EXPECT_FLOAT_EQ(adamw4::m_bucket_x(adamw4::kMBuckets - 1), 1.0f);
+}
+
 TEST(Adamw4Maps, FastEncodersEqualTheDefinitions) {
-  float mids[16] = {};
-  for (int k = 0; k + 1 < adamw4::kCodes; ++k) mids[k] = adamw4::m_mid(k);
+  std::vector<adamw4::MBucket> table(adamw4::kMBuckets);  // what encode_m_table reads
+  for (int i = 0; i < adamw4::kMBuckets; ++i) table[i] = adamw4::m_bucket(i);
   std::vector<float> xs = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, 1e30f, -1e30f, std::numeric_limits<float>::infinity(),
                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
   for (int k = 0; k + 1 < adamw4::kCodes; ++k) {
@@ -96,18 +114,26 @@ TEST(Adamw4Maps, FastEncodersEqualTheDefinitions) {
       }
     }
   }
+  for (int i = 0; i < adamw4::kMBuckets; ++i) {  // every bucket edge and its neighbouring floats
+    float lo = adamw4::m_bucket_x(i), hi = lo;
+    for (int u = 0; u < 4; ++u) {
+      xs.push_back(lo), xs.push_back(hi);
+      lo = std::nextafter(lo, -1e30f), hi = std::nextafter(hi, 1e30f);
+    }
+  }
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (int i = 0; i < 20000; ++i) xs.push_back(u(rng));
+  for (int i = 0; i < 5000; ++i) xs.push_back(u(rng) * 0.05f);  // where most normalized moments lie
   for (float s : {1.0f, 3.7f, 0.1f, 1e-30f, 2e30f, 1.2e-38f, 1e-40f, 0.0f, -1.0f, std::numeric_limits<float>::infinity(),
                   std::numeric_limits<float>::quiet_NaN()}) {
     for (float x : xs) {
       const float m = x * (std::isfinite(s) && s > 0.0f ? s : 1.0f);
       const float r = 1.0f / s;
-      EXPECT_EQ(adamw4::encode_m_table(m, s, r, mids), adamw4::encode_m(m, s)) << "m " << m << " scale " << s;
+      EXPECT_EQ(adamw4::encode_m_table(m, s, r, table.data()), adamw4::encode_m(m, s)) << "m " << m << " scale " << s;
       const float v = std::fabs(m);
       EXPECT_EQ(adamw4::encode_v_fast(v, s, r), adamw4::encode_v(v, s)) << "v " << v << " scale " << s;
-      EXPECT_EQ(adamw4::encode_m_table(x, s, r, mids), adamw4::encode_m(x, s)) << "m " << x << " scale " << s;
+      EXPECT_EQ(adamw4::encode_m_table(x, s, r, table.data()), adamw4::encode_m(x, s)) << "m " << x << " scale " << s;
       EXPECT_EQ(adamw4::encode_v_fast(std::fabs(x), s, r), adamw4::encode_v(std::fabs(x), s)) << x << " " << s;
     }
   }

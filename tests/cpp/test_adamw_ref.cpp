@@ -277,6 +277,30 @@ TEST(AdamwRef, StochasticRoundingIsUnbiased) {
   EXPECT_EQ(adamw::bf16_sr(NAN, 0u) & 0x7FC0, 0x7FC0);
 }
 
+// The kernels' quad form: four bf16_sr, bit for bit, on quads that take the fast path and quads that
+// hold one value near the top of the range, +-Inf, a NaN (payloads that would carry into the sign)
+// or the largest finite values.
+TEST(AdamwRef, StochasticRoundingQuadEqualsFourSingles) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  const float specials[] = {3.4028235e38f, -3.4028235e38f, std::nextafter(3.3895314e38f, 0.0f), 3.3895314e38f,
+                            std::nextafter(3.3895314e38f, 4e38f), INFINITY, -INFINITY, NAN,
+                            float_of(0x7FFFFFFFu), float_of(0xFFFFFFFFu), float_of(0x7F800001u), 0.0f, -0.0f,
+                            1e-45f, -1e-40f};
+  for (int trial = 0; trial < 4000; ++trial) {
+    float x[4];
+    for (float& v : x) v = u(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 200) - 100);
+    if (trial % 2) x[trial % 4] = specials[(trial / 2) % (sizeof(specials) / sizeof(float))];
+    const uint64_t r = adamw::sr_bits(5, trial, rng());
+    uint32_t lo, hi;
+    adamw::bf16_sr_quad(x, r, lo, hi);
+    const uint32_t want[4] = {adamw::bf16_sr(x[0], static_cast<uint32_t>(r)), adamw::bf16_sr(x[1], static_cast<uint32_t>(r >> 16)),
+                              adamw::bf16_sr(x[2], static_cast<uint32_t>(r >> 32)), adamw::bf16_sr(x[3], static_cast<uint32_t>(r >> 48))};
+    EXPECT_EQ(lo, want[0] | (want[1] << 16)) << "trial " << trial;
+    EXPECT_EQ(hi, want[2] | (want[3] << 16)) << "trial " << trial;
+  }
+}
+
 TEST(AdamwRef, RejectsBadArguments) {
   Slot s(10);
   s.p32.assign(10, 1.0f); s.g32.assign(10, 1.0f);
