@@ -3,15 +3,15 @@
 // is compiled with -ftz=true and keeps fma, and takes square roots, divisions and the encoders'
 // reciprocals from the hardware (adamw4_math.h says what that changes against the reference).
 //
-// Work: a warp per group of 128 elements, a lane per 4 consecutive elements (one stochastic-
-// rounding quad). The step is instruction-bound before it is memory-bound, so the common case
-// takes a lean path: a whole group of a tensor whose buffers allow vector access loads and stores
-// 4 elements at once, decodes m through a 16-entry table in shared memory, encodes m through a
-// table of buckets (one load and one comparison) and v arithmetically (adamw4_math.h), and works
-// with 32-bit offsets, rows and columns. Groups at a tensor's end, misaligned views and rank-1 tensors
-// with cols % 4 != 0 take the element-wise path. The rank-1 statistics pass walks column strips
-// (128 columns x 16 rows per warp) so that column maxima are reduced in registers and reach memory
-// once per strip.
+// Work: a warp per group of 128 elements (the step: per pair of groups), a lane per 4 consecutive
+// elements (one stochastic-rounding quad). The step waits on instructions and on memory latency,
+// so the common case takes a lean path: whole groups of a tensor whose buffers allow vector access
+// load 4 elements a lane at once, two groups' operands before either is used; m decodes through a
+// 16-entry table in shared memory and encodes through a table of buckets (one load and one
+// comparison), v arithmetically (adamw4_math.h), with 32-bit offsets, rows and columns. Groups at
+// a tensor's end, misaligned views and rank-1 tensors with cols % 4 != 0 take the element-wise
+// path. The rank-1 statistics pass walks column strips (128 columns x 16 rows per warp) so that
+// column maxima are reduced in registers and reach memory once per strip.
 #include <cstdint>
 #include <type_traits>
 
@@ -29,6 +29,10 @@ constexpr int kPer = G / 32;  // elements per lane, consecutive
 static_assert(kPer == 4, "a lane's elements are one stochastic-rounding quad");
 constexpr int kStripRows = 16;  // rows of a statistics strip
 constexpr int kBatch = 4;       // rows of a strip loaded before any is reduced
+// Blocks per SM of the step kernel, which holds two groups' operands: 3 (80 registers, a few
+// spilled) was the faster with bf16_sr, 2 (120, none spilled) with an fp32 master, whose loads are
+// twice the bytes (benchmarks/RESULTS.md section 49).
+constexpr int step_blocks(MasterKind m) { return m == MasterKind::kFp32 ? 2 : 3; }
 
 using adamw4::groups_of;
 using cuda::aligned;
@@ -55,6 +59,26 @@ __device__ __forceinline__ void load4(const T* p, float (&v)[kPer]) {
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
   } else {
     const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) v[k] = Elem<T>::load(e[k]);
+  }
+}
+
+// The same four as loaded (16 or 8 bytes), converted later: half the registers for 2-byte types.
+template <typename T>
+using Raw4 = std::conditional_t<sizeof(T) == 4, float4, uint2>;
+
+template <typename T>
+__device__ __forceinline__ Raw4<T> load4_raw(const T* p) {
+  return *reinterpret_cast<const Raw4<T>*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack4(const Raw4<T>& raw, float (&v)[kPer]) {
+  if constexpr (sizeof(T) == 4) {
+    v[0] = raw.x, v[1] = raw.y, v[2] = raw.z, v[3] = raw.w;
+  } else {
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) v[k] = Elem<T>::load(e[k]);
@@ -99,6 +123,16 @@ __device__ __forceinline__ bool vectorizable(const Adamw4Tensor& d) {
   return ok;
 }
 
+// A rank-1 tensor's buffers for step t.
+struct Rank1 {
+  const float* old_r;  // rows, then cols: what step t - 1 wrote
+  float* new_r;
+};
+
+__device__ __forceinline__ Rank1 rank1_of(const Adamw4Tensor& d, uint64_t t) {
+  return {d.v_scale + adamw4::old_buffer(t) * (d.rows + d.cols), d.v_scale + adamw4::new_buffer(t) * (d.rows + d.cols)};
+}
+
 // The descriptor of a warp's current group and its step's scalars, in shared memory (a slot per
 // warp): in registers they would take ~40 of them and halve the occupancy. A warp's next group is
 // usually in the same tensor, and the scalars cost ~20 fp64 operations (beta^t).
@@ -111,6 +145,8 @@ struct Current {
   bool vec;
   uint32_t cols_magic;  // rank-1 with vec: row = div_cols(element), no division instruction
   int cols_shift;
+  uint32_t rows;        // rank-1 with vec: the row count, and
+  Rank1 r1;             // the old and new statistics buffers of this step (every group reads both)
 };
 
 __device__ __forceinline__ void init(Current& cur) {
@@ -137,8 +173,12 @@ __device__ __forceinline__ void seek(Current& cur, const Adamw4Tensor* tensors, 
     cur.end = d.group_begin + groups_of(d.numel);
     cur.full_end = d.group_begin + d.numel / G;
     cur.vec = vectorizable<P, Gr, M>(d);
-    if (cur.vec && d.kind == Adamw4Kind::kRank1) adamw4::make_magic(static_cast<uint32_t>(d.cols), cur.cols_magic, cur.cols_shift);
     cur.t = adamw::step_count(*d.step);
+    if (cur.vec && d.kind == Adamw4Kind::kRank1) {
+      adamw4::make_magic(static_cast<uint32_t>(d.cols), cur.cols_magic, cur.cols_shift);
+      cur.rows = static_cast<uint32_t>(d.rows);
+      cur.r1 = rank1_of(d, cur.t);
+    }
     cur.s = adamw::make_scalars(lr, c, cur.t);
   }
   __syncwarp();
@@ -181,16 +221,6 @@ __global__ void clear_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n
 }
 
 // ---- pass one: the rank-1 maxima of the new v ------------------------------------------------
-
-// A rank-1 tensor's buffers for step t.
-struct Rank1 {
-  const float* old_r;  // rows, then cols: what step t - 1 wrote
-  float* new_r;
-};
-
-__device__ __forceinline__ Rank1 rank1_of(const Adamw4Tensor& d, uint64_t t) {
-  return {d.v_scale + adamw4::old_buffer(t) * (d.rows + d.cols), d.v_scale + adamw4::new_buffer(t) * (d.rows + d.cols)};
-}
 
 // Whether a rank-1 tensor's statistics can walk strips: whole groups per row, and gradients and
 // codes aligned for a lane's 4 elements.
@@ -420,54 +450,84 @@ __device__ __noinline__ void step_group(const Adamw4Tensor& d, int64_t lg, uint6
   if (n > 0) store_params<P, M>(d, e0, n, p, t, false, pmax);
 }
 
-// The vector path: a whole group of a vectorizable tensor.
+// The vector path: whole groups of a vectorizable tensor, a group's operands loaded first
+// (load_vec) and used after (finish_vec), so that a warp can have two groups' loads in flight
+// before it waits on any: the step waits on memory latency as much as on instructions. 32-bit
+// offsets (vectorizable: numel < 2^31): a pointer is one wide multiply-add from its base.
+// kWithFull: the instantiation also handles kFull tensors (their fp32 moments cost 8 registers).
 template <typename P, typename Gr, MasterKind M>
-__device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, float inv_gs, const Tables& tb,
-                                               float& pmax) {
+struct VecIn {
+  using Src = std::conditional_t<M == MasterKind::kFp32, float, P>;
+  uint32_t e0, ug;            // the lane's first element, the group
+  Raw4<Src> p;                // parameter (or master) and gradient, as loaded
+  Raw4<Gr> g;
+  float m[kPer], v[kPer];     // kFull: the moments
+  uint32_t mw, vw;            // otherwise: the lane's codes,
+  float ms, vs;               // m's block absmax, v's block absmax (kBlock) or row maximum (kRank1),
+  float4 cs;                  // kRank1: the old column maxima of the lane's columns
+  uint32_t i, j;              // kRank1: row and first column
+};
+
+template <typename P, typename Gr, MasterKind M, bool kWithFull>
+__device__ __forceinline__ VecIn<P, Gr, M> load_vec(const Current& cur, int64_t lg) {
   const Adamw4Tensor& d = cur.d;
-  const uint64_t t = cur.t;
-  const adamw::Scalars& s = cur.s;
-  // 32-bit offsets (vectorizable: numel < 2^31): a pointer is one wide multiply-add from its base
-  const uint32_t e0 = static_cast<uint32_t>(lg) * G + (threadIdx.x & 31) * kPer;
-  const uint32_t ug = static_cast<uint32_t>(lg);
-  float p[kPer], g[kPer], m[kPer], v[kPer];
-  if constexpr (M == MasterKind::kFp32) load4(d.master + e0, p);
-  else load4(static_cast<const P*>(d.param) + e0, p);
-  load4(static_cast<const Gr*>(d.grad) + e0, g);
-  uint32_t i = 0, j = 0;  // rank-1: the lane's row and first column (all 4 in that row)
-  if (d.kind == Adamw4Kind::kRank1) {
-    const uint32_t cols = static_cast<uint32_t>(d.cols);
-    i = adamw4::div_magic(e0, cols, cur.cols_magic, cur.cols_shift);
-    j = e0 - i * cols;
+  VecIn<P, Gr, M> in;
+  in.ug = static_cast<uint32_t>(lg);
+  in.e0 = in.ug * G + (threadIdx.x & 31) * kPer;
+  if constexpr (M == MasterKind::kFp32) in.p = load4_raw(d.master + in.e0);
+  else in.p = load4_raw(static_cast<const P*>(d.param) + in.e0);
+  in.g = load4_raw(static_cast<const Gr*>(d.grad) + in.e0);
+  if constexpr (kWithFull) {
+    if (d.kind == Adamw4Kind::kFull) {
+      load4(static_cast<const float*>(d.m) + in.e0, in.m);
+      load4(static_cast<const float*>(d.v) + in.e0, in.v);
+      return in;
+    }
   }
-  if (d.kind == Adamw4Kind::kFull) {
-    load4(static_cast<const float*>(d.m) + e0, m);
-    load4(static_cast<const float*>(d.v) + e0, v);
-  } else {
-    const uint32_t mw = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(d.m) + e0 / 2);
-    const uint32_t vw = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(d.v) + e0 / 2);
-    const float ms = d.m_scale[ug];
+  in.mw = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(d.m) + in.e0 / 2);
+  in.vw = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(d.v) + in.e0 / 2);
+  in.ms = d.m_scale[in.ug];
+  if (d.kind == Adamw4Kind::kBlock) {
+    in.vs = d.v_scale[in.ug];
+  } else {  // rank-1: the lane's 4 elements share a row
+    const uint32_t cols = static_cast<uint32_t>(d.cols);
+    in.i = adamw4::div_magic(in.e0, cols, cur.cols_magic, cur.cols_shift);
+    in.j = in.e0 - in.i * cols;
+    in.vs = cur.r1.old_r[in.i];
+    in.cs = *reinterpret_cast<const float4*>(cur.r1.old_r + (cur.rows + in.j));
+  }
+  return in;
+}
+
+template <typename P, typename Gr, MasterKind M, bool kWithFull>
+__device__ __forceinline__ void finish_vec(const Current& cur, VecIn<P, Gr, M>& in, float inv_gs, const Tables& tb,
+                                           float& pmax) {
+  const Adamw4Tensor& d = cur.d;
+  float p[kPer], g[kPer];
+  unpack4<typename VecIn<P, Gr, M>::Src>(in.p, p);
+  unpack4<Gr>(in.g, g);
+  const bool full = kWithFull && d.kind == Adamw4Kind::kFull;
+  float* m = in.m;
+  float* v = in.v;
+  if (!full) {
     float vs[kPer];
     if (d.kind == Adamw4Kind::kBlock) {
-      vs[0] = vs[1] = vs[2] = vs[3] = d.v_scale[ug];
+      vs[0] = vs[1] = vs[2] = vs[3] = in.vs;
     } else {
-      const float* old_r = d.v_scale + (adamw4::old_buffer(t) ? static_cast<uint32_t>(d.rows + d.cols) : 0u);
-      const float r = old_r[i];
-      const float4 cs = *reinterpret_cast<const float4*>(old_r + (static_cast<uint32_t>(d.rows) + j));
-      vs[0] = adamw4::rank1_scale(r, cs.x), vs[1] = adamw4::rank1_scale(r, cs.y);
-      vs[2] = adamw4::rank1_scale(r, cs.z), vs[3] = adamw4::rank1_scale(r, cs.w);
+      vs[0] = adamw4::rank1_scale(in.vs, in.cs.x), vs[1] = adamw4::rank1_scale(in.vs, in.cs.y);
+      vs[2] = adamw4::rank1_scale(in.vs, in.cs.z), vs[3] = adamw4::rank1_scale(in.vs, in.cs.w);
     }
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
-      m[k] = tb.level[(mw >> (4 * k)) & 0xF] * ms;  // decode_m
-      v[k] = adamw4::decode_v((vw >> (4 * k)) & 0xF, vs[k]);
+      m[k] = tb.level[(in.mw >> (4 * k)) & 0xF] * in.ms;  // decode_m
+      v[k] = adamw4::decode_v((in.vw >> (4 * k)) & 0xF, vs[k]);
     }
   }
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) p[k] = adamw::update(p[k], g[k] * inv_gs, m[k], v[k], s);
-  if (d.kind == Adamw4Kind::kFull) {
-    store4(static_cast<float*>(d.m) + e0, m);
-    store4(static_cast<float*>(d.v) + e0, v);
+  for (int k = 0; k < kPer; ++k) p[k] = adamw::update(p[k], g[k] * inv_gs, m[k], v[k], cur.s);
+  if (full) {
+    store4(static_cast<float*>(d.m) + in.e0, in.m);
+    store4(static_cast<float*>(d.v) + in.e0, in.v);
   } else {
     uint32_t mk = 0, vk = 0;
 #pragma unroll
@@ -480,17 +540,16 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
     if (d.kind == Adamw4Kind::kBlock) {
       vs[0] = vs[1] = vs[2] = vs[3] = float_of(__reduce_max_sync(0xFFFFFFFFu, vk));
       rv[0] = rv[1] = rv[2] = rv[3] = adamw4::recip(vs[0]);
-      if ((threadIdx.x & 31) == 0) d.v_scale[ug] = vs[0];
+      if ((threadIdx.x & 31) == 0) d.v_scale[in.ug] = vs[0];
     } else {
-      const float* new_r = d.v_scale + (adamw4::new_buffer(t) ? static_cast<uint32_t>(d.rows + d.cols) : 0u);
-      const float r = new_r[i];
-      const float4 cs = *reinterpret_cast<const float4*>(new_r + (static_cast<uint32_t>(d.rows) + j));
+      const float r = cur.r1.new_r[in.i];
+      const float4 cs = *reinterpret_cast<const float4*>(cur.r1.new_r + (cur.rows + in.j));
       vs[0] = adamw4::rank1_scale(r, cs.x), vs[1] = adamw4::rank1_scale(r, cs.y);
       vs[2] = adamw4::rank1_scale(r, cs.z), vs[3] = adamw4::rank1_scale(r, cs.w);
 #pragma unroll
       for (int k = 0; k < kPer; ++k) rv[k] = adamw4::recip(vs[k]);
     }
-    if ((threadIdx.x & 31) == 0) d.m_scale[ug] = ms;
+    if ((threadIdx.x & 31) == 0) d.m_scale[in.ug] = ms;
     const float rm = adamw4::recip(ms);
     uint32_t mc = 0, vc = 0;
 #pragma unroll
@@ -498,17 +557,17 @@ __device__ __forceinline__ void step_group_vec(const Current& cur, int64_t lg, f
       mc |= static_cast<uint32_t>(adamw4::encode_m_table(m[k], ms, rm, tb.bucket)) << (4 * k);
       vc |= static_cast<uint32_t>(adamw4::encode_v_fast(v[k], vs[k], rv[k])) << (4 * k);
     }
-    *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.m) + e0 / 2) = static_cast<uint16_t>(mc);
-    *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.v) + e0 / 2) = static_cast<uint16_t>(vc);
+    *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.m) + in.e0 / 2) = static_cast<uint16_t>(mc);
+    *reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(d.v) + in.e0 / 2) = static_cast<uint16_t>(vc);
   }
-  store_params<P, M>(d, e0, kPer, p, t, true, pmax);
+  store_params<P, M>(d, in.e0, kPer, p, cur.t, true, pmax);
 }
 
-// Pass two: a warp per group decodes the old moments, applies the update, encodes the new moments
-// and writes the parameter (and master). Per element: param and grad (2-4 B each), master (8 B if
+// Pass two: a warp per pair of groups decodes the old moments, applies the update, encodes the new
+// moments and writes the parameter (and master). Per element: param and grad (2-4 B each), master (8 B if
 // any), codes 2 x 0.5 B read and written (kFull: 16 B of fp32).
 template <typename P, typename Gr, MasterKind M>
-__global__ void __launch_bounds__(kThreads, 4) step_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
+__global__ void __launch_bounds__(kThreads, step_blocks(M)) step_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
                                                         int64_t n_groups, AdamwConfig c) {
   __shared__ Tables tb;
   __shared__ Current slots[kWarps];
@@ -520,15 +579,29 @@ __global__ void __launch_bounds__(kThreads, 4) step_kernel(const Adamw4Tensor* _
   Current& cur = slots[threadIdx.x >> 5];
   init(cur);
   float pmax = 0.0f;  // this lane's largest |parameter| written in the current tensor (param_amax)
-  for (int64_t g = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); g < n_groups; g += n_warps) {
-    if (g < cur.d.group_begin || g >= cur.end) {  // warp-uniform: a new tensor
-      flush_pmax(cur, pmax);
-      pmax = 0.0f;
+  // A warp per pair of groups 2q, 2q + 1: together on the vector path where both are whole groups
+  // of one tensor with codes, one after the other otherwise.
+  for (int64_t q = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); 2 * q < n_groups; q += n_warps) {
+    for (int64_t g = 2 * q; g < 2 * q + 2 && g < n_groups; ++g) {
+      if (g < cur.d.group_begin || g >= cur.end) {  // warp-uniform: a new tensor
+        flush_pmax(cur, pmax);
+        pmax = 0.0f;
+      }
+      seek<P, Gr, M>(cur, tensors, n_tensors, g, lr, c);
+      const int64_t lg = g - cur.d.group_begin;
+      if (g == 2 * q && cur.vec && g + 1 < cur.full_end && cur.d.kind != Adamw4Kind::kFull) {
+        auto a = load_vec<P, Gr, M, false>(cur, lg), b = load_vec<P, Gr, M, false>(cur, lg + 1);
+        finish_vec<P, Gr, M, false>(cur, a, inv_gs, tb, pmax);
+        finish_vec<P, Gr, M, false>(cur, b, inv_gs, tb, pmax);
+        break;
+      }
+      if (cur.vec && g < cur.full_end) {
+        auto a = load_vec<P, Gr, M, true>(cur, lg);
+        finish_vec<P, Gr, M, true>(cur, a, inv_gs, tb, pmax);
+      } else {
+        step_group<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb, pmax);
+      }
     }
-    seek<P, Gr, M>(cur, tensors, n_tensors, g, lr, c);
-    const int64_t lg = g - cur.d.group_begin;
-    if (cur.vec && g < cur.full_end) step_group_vec<P, Gr, M>(cur, lg, inv_gs, tb, pmax);
-    else step_group<P, Gr, M>(cur.d, lg, cur.t, cur.s, inv_gs, tb, pmax);
   }
   flush_pmax(cur, pmax);
 }
@@ -539,12 +612,14 @@ void launch(const Adamw4Tensor* tensors, int64_t n_tensors, int64_t n_groups, co
   const unsigned clear_grid = static_cast<unsigned>(n_tensors < 1024 ? n_tensors : 1024);
   clear_kernel<<<clear_grid, 256, 0, stream>>>(tensors, n_tensors, c);
   COAT_CHECK_LAUNCH();
-  // A warp per group (or strip); as many blocks as fit at once (4 per SM at 64 registers), so the
-  // grid-stride loops end together instead of in a second, partial wave.
+  // A warp per group or strip (statistics) or pair of groups (step); as many blocks as fit at once
+  // (4 per SM at 64 registers, step_blocks at the step's), so the grid-stride loops end together
+  // instead of in a second, partial wave.
   const unsigned grid = cuda::grid_for(n_groups, kWarps, 4);
   stats_kernel<Gr><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, c);
   COAT_CHECK_LAUNCH();
-  step_kernel<P, Gr, M><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);
+  const unsigned step_grid = cuda::grid_for((n_groups + 1) / 2, kWarps, step_blocks(M));
+  step_kernel<P, Gr, M><<<step_grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);
   COAT_CHECK_LAUNCH();
 }
 
