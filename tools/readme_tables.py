@@ -243,7 +243,7 @@ def e2e_side(data: dict[str, Any], source: str) -> str:
             used += [side] + list(ok.values())
     return "\n".join(lines + ["", f"Measured on one H200 at {_commits(used)}: `python benchmarks/bench_e2e.py --setups "
                               "coat+side coat+side+graph coat+lora coat+lora+graph bf16+lora qlora ...` (benchmarks/"
-                              "RESULTS.md sections 13 and 42)."])
+                              "RESULTS.md sections 13, 42 and 49)."])
 
 
 def e2e_4bit(data: dict[str, Any], source: str) -> str:
@@ -258,8 +258,8 @@ def e2e_4bit(data: dict[str, Any], source: str) -> str:
                 lines.append(f"| {MODEL_NAMES[model]} | 1 | {setup} | {r['peak_gib']:.1f} GiB ({r['estimate_gib']:.1f}) "
                              f"| {_tok(r)} |")
                 used.append(r)
-    return "\n".join(lines + ["", f"One H200, sequence 2048, {_commits(used)} (benchmarks/RESULTS.md sections 13 and "
-                              "25)."])
+    return "\n".join(lines + ["", f"One H200, sequence 2048, {_commits(used)} (benchmarks/RESULTS.md sections 13, "
+                              "25 and 49)."])
 
 
 def train_scaling(data: dict[str, Any], source: str) -> str:
