@@ -38,7 +38,12 @@ COAT_HD double pow_int(double b, uint64_t e) {
 
 // t comes from a float32 step tensor; anything below 1 (never written by coat) counts as 1 so that
 // no bias correction divides by zero.
-COAT_HD uint64_t step_count(float t) { return t >= 1.0f ? static_cast<uint64_t>(t) : 1u; }
+// The step count t as an integer: below 1 (and NaN) 1; from 2^64 (and +Inf) the largest count,
+// where a plain cast would be undefined (beta^t is 0 there either way).
+COAT_HD uint64_t step_count(float t) {
+  if (!(t >= 1.0f)) return 1u;
+  return t < 18446744073709551616.0f ? static_cast<uint64_t>(t) : ~uint64_t{0};
+}
 
 COAT_HD Scalars make_scalars(double lr, const AdamwConfig& c, uint64_t t) {
   Scalars s;

@@ -301,6 +301,18 @@ TEST(AdamwRef, StochasticRoundingQuadEqualsFourSingles) {
   }
 }
 
+// The float step count as an integer, defined for every float (the cast alone is not past 2^64).
+TEST(AdamwRef, StepCountIsDefinedForEveryFloat) {
+  EXPECT_EQ(adamw::step_count(0.0f), 1u);
+  EXPECT_EQ(adamw::step_count(-3.0f), 1u);
+  EXPECT_EQ(adamw::step_count(NAN), 1u);
+  EXPECT_EQ(adamw::step_count(7.0f), 7u);
+  EXPECT_EQ(adamw::step_count(16777216.0f), 16777216u);
+  EXPECT_EQ(adamw::step_count(std::ldexp(1.0f, 63)), uint64_t{1} << 63);
+  EXPECT_EQ(adamw::step_count(std::ldexp(1.0f, 64)), ~uint64_t{0});
+  EXPECT_EQ(adamw::step_count(INFINITY), ~uint64_t{0});
+}
+
 TEST(AdamwRef, RejectsBadArguments) {
   Slot s(10);
   s.p32.assign(10, 1.0f); s.g32.assign(10, 1.0f);
