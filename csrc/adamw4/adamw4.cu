@@ -226,7 +226,7 @@ __global__ void clear_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n
 // codes aligned for a lane's 4 elements.
 template <typename Gr>
 __device__ __forceinline__ bool strips_ok(const Adamw4Tensor& d) {
-  return d.cols % G == 0 && aligned(d.grad, kPer * sizeof(Gr)) && aligned(d.v, 2);
+  return d.cols % G == 0 && aligned(d.grad, kPer * sizeof(Gr)) && aligned(d.v, 2) && d.numel < (int64_t{1} << 31);
 }
 
 // One strip: rows [r0, r0 + 16) x columns [cg 128, cg 128 + 128). A lane keeps its 4 columns'
@@ -235,29 +235,33 @@ __device__ __forceinline__ bool strips_ok(const Adamw4Tensor& d) {
 template <typename Gr>
 __device__ __forceinline__ void stats_strip(const Adamw4Tensor& d, const Rank1& r1, int64_t u, int64_t per_row,
                                             const adamw::Scalars& s, float inv_gs) {
-  const int lane = threadIdx.x & 31;
-  const int64_t rb = u / per_row, j = (u - rb * per_row) * G + lane * kPer;
-  const int64_t r0 = rb * kStripRows, r_end = r0 + kStripRows < d.rows ? r0 + kStripRows : d.rows;
+  // 32-bit rows, columns and offsets (strips_ok: numel < 2^31): a row's pointers are one wide
+  // multiply-add each from their base, where 64-bit indices took ~20 instructions a row.
+  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t rows = static_cast<uint32_t>(d.rows), cols = static_cast<uint32_t>(d.cols);
+  const uint32_t rb = static_cast<uint32_t>(u / per_row);
+  const uint32_t j = (static_cast<uint32_t>(u) - rb * static_cast<uint32_t>(per_row)) * G + lane * kPer;
+  const uint32_t r0 = rb * kStripRows, r_end = r0 + kStripRows < rows ? r0 + kStripRows : rows;
   float oc[kPer];
   uint32_t ck[kPer] = {};
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) oc[k] = r1.old_r[d.rows + j + k];
+  for (int k = 0; k < kPer; ++k) oc[k] = r1.old_r[rows + j + k];
   const auto* grad = static_cast<const Gr*>(d.grad);
   const auto* vq = static_cast<const uint8_t*>(d.v);
-  for (int64_t i0 = r0; i0 < r_end; i0 += kBatch) {
+  for (uint32_t i0 = r0; i0 < r_end; i0 += kBatch) {
     float g[kBatch][kPer];
     uint32_t vw[kBatch];
     float ro[kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int64_t i = i0 + b < r_end ? i0 + b : r_end - 1;  // past the strip: reload its last row (no effect on maxima)
-      const int64_t e = i * d.cols + j;
+    for (uint32_t b = 0; b < kBatch; ++b) {
+      const uint32_t i = i0 + b < r_end ? i0 + b : r_end - 1;  // past the strip: reload its last row (no effect on maxima)
+      const uint32_t e = i * cols + j;
       load4(grad + e, g[b]);
       vw[b] = *reinterpret_cast<const uint16_t*>(vq + e / 2);
       ro[b] = r1.old_r[i];
     }
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
+    for (uint32_t b = 0; b < kBatch; ++b) {
       uint32_t rk = 0;
 #pragma unroll
       for (int k = 0; k < kPer; ++k) {
@@ -267,12 +271,12 @@ __device__ __forceinline__ void stats_strip(const Adamw4Tensor& d, const Rank1& 
         ck[k] = adamw4::umax(ck[k], key);
       }
       rk = __reduce_max_sync(0xFFFFFFFFu, rk);
-      if (lane == 0 && rk != 0 && i0 + b < r_end) atomicMax(reinterpret_cast<unsigned int*>(r1.new_r + i0 + b), rk);
+      if (lane == 0 && rk != 0 && i0 + b < r_end) atomicMax(reinterpret_cast<unsigned int*>(r1.new_r + (i0 + b)), rk);
     }
   }
 #pragma unroll
   for (int k = 0; k < kPer; ++k)
-    if (ck[k] != 0) max_into(r1.new_r + d.rows + j + k, ck[k]);  // the buffers start at 0
+    if (ck[k] != 0) max_into(r1.new_r + (rows + j + k), ck[k]);  // the buffers start at 0
 }
 
 // One group of a rank-1 tensor that cannot walk strips, element by element.
