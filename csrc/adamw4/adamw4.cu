@@ -222,8 +222,8 @@ __global__ void clear_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n
 
 // ---- pass one: the rank-1 maxima of the new v ------------------------------------------------
 
-// Whether a rank-1 tensor's statistics can walk strips: whole groups per row, and gradients and
-// codes aligned for a lane's 4 elements.
+// Whether a rank-1 tensor's statistics can walk strips: whole groups per row, gradients and codes
+// aligned for a lane's 4 elements, and fewer than 2^31 elements (the strips' 32-bit offsets).
 template <typename Gr>
 __device__ __forceinline__ bool strips_ok(const Adamw4Tensor& d) {
   return d.cols % G == 0 && aligned(d.grad, kPer * sizeof(Gr)) && aligned(d.v, 2) && d.numel < (int64_t{1} << 31);
