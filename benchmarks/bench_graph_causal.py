@@ -7,7 +7,6 @@ graph step per round.
     python benchmarks/bench_graph_causal.py [--batches 1 2] [--rounds 4] [--out FILE.json]
 """
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment  # noqa: E402
+from common import environment, write_json  # noqa: E402
 
 import coat  # noqa: E402
 import coat.optim  # noqa: E402
@@ -81,9 +80,7 @@ def main() -> None:
     for b, r in res["rows"].items():
         print(f"| {b} | {r['on']['ms']:.2f} | {r['off']['ms']:.2f} | {r['eager']['ms']:.2f} | "
               f"{r['off']['ms'] / r['on']['ms']:.3f}x |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

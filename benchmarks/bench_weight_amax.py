@@ -16,7 +16,6 @@ so only time differs), in alternating rounds on one GPU:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment  # noqa: E402
+from common import environment, write_json  # noqa: E402
 
 import coat  # noqa: E402
 import coat.optim  # noqa: E402
@@ -149,9 +148,7 @@ def main() -> None:
         for r in res["step"]:
             print(f"| {r['recipe']} | {r['batch']} | {r['off_ms']:.2f} | {r['on_ms']:.2f} | {r['speedup']:.4f}x | "
                   f"{r['peak_gib']:.2f} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":
