@@ -14,26 +14,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, write_json  # noqa: E402
+from common import back_to_back_ms, environment, write_json  # noqa: E402
 
 import coat  # noqa: E402
 import coat.optim  # noqa: E402
 from coat import graphs  # noqa: E402
 from coat.cli.bench_worker import build_model  # noqa: E402
 from coat.memory_shapes import PRESETS  # noqa: E402
-
-
-def _ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
 
 
 def main() -> None:
@@ -63,11 +50,11 @@ def main() -> None:
             for r in range(args.rounds + 1):  # round 0 warms up
                 for mode in t:
                     if mode == "eager":
-                        ms = _ms(eager, args.reps)
+                        ms = back_to_back_ms(eager, args.reps, warmup=3)
                     else:
                         graphs.CudaGraphStep._unpadded = plain if mode == "on" else (lambda self, b: False)
                         g = graphs.CudaGraphStep(model, opt, warmup_steps=1)
-                        ms = _ms(lambda: g(input_ids=ids, labels=ids, use_cache=False), args.reps)
+                        ms = back_to_back_ms(lambda: g(input_ids=ids, labels=ids, use_cache=False), args.reps, warmup=3)
                         del g
                         torch.cuda.empty_cache()
                     if r:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, write_json  # noqa: E402
+from common import back_to_back_ms, environment, write_json  # noqa: E402
 
 import coat  # noqa: E402
 import coat.optim  # noqa: E402
@@ -31,16 +31,6 @@ from coat.cli.bench_worker import build_model  # noqa: E402
 from coat.memory_shapes import PRESETS  # noqa: E402
 from coat.nn import weight_amax as WA  # noqa: E402
 from coat.nn import weights as W  # noqa: E402
-
-
-def _time(fn, reps: int) -> float:
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
 
 
 def paired(make_step, rounds: int, reps: int, warm: int = 3) -> dict:
@@ -56,7 +46,7 @@ def paired(make_step, rounds: int, reps: int, warm: int = 3) -> dict:
                 step()
             torch.cuda.synchronize()
             before = W.stats["optimizer_amax"]
-            t = _time(step, reps)
+            t = back_to_back_ms(step, reps)
             used[str(flag)] = W.stats["optimizer_amax"] - before
             if r:
                 times[flag].append(t)

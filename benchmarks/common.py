@@ -35,6 +35,21 @@ def time_ms(fn, *, warmup: int = 3, reps: int = 20, inputs=None, graph: bool = T
     return _median_events(lambda: [fn(*args) for args in inputs], reps) / len(inputs)
 
 
+def back_to_back_ms(fn, reps: int, warmup: int = 0) -> float:
+    """Mean device milliseconds of fn over reps calls issued back to back (the host queues ahead, as in
+    training: whole steps, where time_ms's synchronized single calls would add the host's work)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / reps
+
+
 def _median_events(run, reps: int) -> float:
     times = []
     for _ in range(reps):
