@@ -10,8 +10,10 @@
 // 16-entry table in shared memory and encodes through a table of buckets (one load and one
 // comparison), v arithmetically (adamw4_math.h), with 32-bit offsets, rows and columns. Groups at
 // a tensor's end, misaligned views and rank-1 tensors with cols % 4 != 0 take the element-wise
-// path. The rank-1 statistics pass walks column strips (128 columns x 16 rows per warp) so that
-// column maxima are reduced in registers and reach memory once per strip.
+// path; a warp whose next pairs stay inside its tensor steps them in a tight loop. Block, row and
+// column maxima are taken on floats (nan_max) and reduced as raw bits, turned into keys once. The
+// rank-1 statistics pass walks column strips (128 columns x 16 rows per warp) so that column maxima
+// are reduced in registers and row maxima in lanes, and both reach memory once per strip.
 #include <cstdint>
 #include <type_traits>
 
@@ -31,7 +33,7 @@ constexpr int kStripRows = 16;  // rows of a statistics strip
 constexpr int kBatch = 4;       // rows of a strip loaded before any is reduced
 // Blocks per SM of the step kernel, which holds two groups' operands: 3 (80 registers, a few
 // spilled) was the faster with bf16_sr, 2 (120, none spilled) with an fp32 master, whose loads are
-// twice the bytes (benchmarks/RESULTS.md section 49).
+// twice the bytes (benchmarks/RESULTS.md sections 49 and 51).
 constexpr int step_blocks(MasterKind m) { return m == MasterKind::kFp32 ? 2 : 3; }
 
 using adamw4::groups_of;
@@ -49,6 +51,12 @@ __device__ __forceinline__ void fill_tables(Tables& tb) {
   for (int i = threadIdx.x; i < adamw4::kMBuckets; i += blockDim.x) tb.bucket[i] = adamw4::m_bucket(i);
   if (threadIdx.x < adamw4::kCodes) tb.level[threadIdx.x] = adamw4::m_level(threadIdx.x);
   __syncthreads();
+}
+
+// m's map value at byte offset o (= 4 x code): the offset is extracted from the packed codes
+// directly (a shift and a mask), where an index took a third instruction to scale.
+__device__ __forceinline__ float level_at(const Tables& tb, uint32_t o) {
+  return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(tb.level) + o);
 }
 
 // Four consecutive elements of T as fp32 (a 16-byte or 8-byte access; p aligned to it).
@@ -86,16 +94,21 @@ __device__ __forceinline__ void unpack4(const Raw4<T>& raw, float (&v)[kPer]) {
 }
 
 template <typename T>
-__device__ __forceinline__ void store4(T* p, const float (&v)[kPer]) {
+__device__ __forceinline__ Raw4<T> pack4(const float (&v)[kPer]) {
   if constexpr (sizeof(T) == 4) {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    return make_float4(v[0], v[1], v[2], v[3]);
   } else {
     uint2 raw;
     T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) e[k] = Elem<T>::store(v[k]);
-    *reinterpret_cast<uint2*>(p) = raw;
+    return raw;
   }
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[kPer]) {
+  *reinterpret_cast<Raw4<T>*>(p) = pack4<T>(v);
 }
 
 // The last descriptor whose first group is <= g (warp-uniform).
@@ -152,7 +165,8 @@ struct Current {
 __device__ __forceinline__ void init(Current& cur) {
   if ((threadIdx.x & 31) == 0) {
     cur.d.group_begin = 0;
-    cur.end = -1;
+    cur.end = cur.full_end = -1;
+    cur.vec = false;
   }
   __syncwarp();
 }
@@ -243,7 +257,8 @@ __device__ __forceinline__ void stats_strip(const Adamw4Tensor& d, const Rank1& 
   const uint32_t j = (static_cast<uint32_t>(u) - rb * static_cast<uint32_t>(per_row)) * G + lane * kPer;
   const uint32_t r0 = rb * kStripRows, r_end = r0 + kStripRows < rows ? r0 + kStripRows : rows;
   float oc[kPer];
-  uint32_t ck[kPer] = {};
+  float cx[kPer] = {};  // the lane's columns' maxima so far (nan_max; keys at the end)
+  uint32_t row_bits = 0;  // lane l < kStripRows: the maximum of row r0 + l (raw bits), its atomic at the end
 #pragma unroll
   for (int k = 0; k < kPer; ++k) oc[k] = r1.old_r[rows + j + k];
   const auto* grad = static_cast<const Gr*>(d.grad);
@@ -262,21 +277,28 @@ __device__ __forceinline__ void stats_strip(const Adamw4Tensor& d, const Rank1& 
     }
 #pragma unroll
     for (uint32_t b = 0; b < kBatch; ++b) {
-      uint32_t rk = 0;
+      float rx = 0.0f;
 #pragma unroll
       for (int k = 0; k < kPer; ++k) {
         const float v_old = adamw4::decode_v((vw[b] >> (4 * k)) & 0xF, adamw4::rank1_scale(ro[b], oc[k]));
-        const uint32_t key = adamw4::max_key(adamw4::new_v(v_old, g[b][k] * inv_gs, s));
-        rk = adamw4::umax(rk, key);
-        ck[k] = adamw4::umax(ck[k], key);
+        const float v_new = fabsf(adamw4::new_v(v_old, g[b][k] * inv_gs, s));
+        rx = adamw4::nan_max(rx, v_new);
+        cx[k] = adamw4::nan_max(cx[k], v_new);
       }
-      rk = __reduce_max_sync(0xFFFFFFFFu, rk);
-      if (lane == 0 && rk != 0 && i0 + b < r_end) atomicMax(reinterpret_cast<unsigned int*>(r1.new_r + (i0 + b)), rk);
+      const uint32_t rb_bits = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(rx));
+      row_bits = lane == i0 + b - r0 ? rb_bits : row_bits;
     }
   }
+  static_assert(kStripRows <= 32, "a lane holds each row's maximum");
+  if (lane < r_end - r0) {  // the strip's rows, one atomic each, all at once (rows past r_end were reloads)
+    const uint32_t rk = adamw4::key_of_bits(row_bits);
+    if (rk != 0) atomicMax(reinterpret_cast<unsigned int*>(r1.new_r + (r0 + lane)), rk);
+  }
 #pragma unroll
-  for (int k = 0; k < kPer; ++k)
-    if (ck[k] != 0) max_into(r1.new_r + (rows + j + k), ck[k]);  // the buffers start at 0
+  for (int k = 0; k < kPer; ++k) {
+    const uint32_t ck = adamw4::max_key(cx[k]);
+    if (ck != 0) max_into(r1.new_r + (rows + j + k), ck);  // the buffers start at 0
+  }
 }
 
 // One group of a rank-1 tensor that cannot walk strips, element by element.
@@ -385,11 +407,13 @@ __device__ __forceinline__ void store_params(const Adamw4Tensor& d, I e0, int n,
     uint32_t lo, hi;  // the four bf16 values, two to a word
     adamw::bf16_sr_quad(p, adamw::sr_bits(d.seed, t, static_cast<uint64_t>(e0 / 4)), lo, hi);
     if (d.param_amax != nullptr) {
-      const float b[kPer] = {__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), __uint_as_float(hi << 16),
-                             __uint_as_float(hi & 0xFFFF0000u)};
-#pragma unroll
-      for (int k = 0; k < kPer; ++k)
-        if (k < n) pmax = fmaxf(pmax, finite_abs(b[k]));
+      if (n == kPer) {
+        pmax = fmaxf(pmax, bf16x4_finite_amax(lo, hi));
+      } else {
+        const float b[kPer] = {__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), __uint_as_float(hi << 16),
+                               __uint_as_float(hi & 0xFFFF0000u)};
+        for (int k = 0; k < n; ++k) pmax = fmaxf(pmax, finite_abs(b[k]));
+      }
     }
     auto* out = reinterpret_cast<uint16_t*>(param) + e0;
     if (vec) {
@@ -402,7 +426,12 @@ __device__ __forceinline__ void store_params(const Adamw4Tensor& d, I e0, int n,
   } else {
     if (vec) {
       if constexpr (M == MasterKind::kFp32) store4(d.master + e0, p);
-      store4(param + e0, p);
+      const Raw4<P> raw = pack4<P>(p);
+      *reinterpret_cast<Raw4<P>*>(param + e0) = raw;
+      if constexpr (std::is_same_v<P, bf16_t>) {
+        if (d.param_amax != nullptr) pmax = fmaxf(pmax, bf16x4_finite_amax(raw.x, raw.y));
+        return;
+      }
     } else {
       for (int k = 0; k < n; ++k) {
         if constexpr (M == MasterKind::kFp32) d.master[e0 + k] = p[k];
@@ -523,7 +552,7 @@ __device__ __forceinline__ void finish_vec(const Current& cur, VecIn<P, Gr, M>& 
     }
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
-      m[k] = tb.level[(in.mw >> (4 * k)) & 0xF] * in.ms;  // decode_m
+      m[k] = level_at(tb, ((in.mw << 2) >> (4 * k)) & 0x3C) * in.ms;  // decode_m
       v[k] = adamw4::decode_v((in.vw >> (4 * k)) & 0xF, vs[k]);
     }
   }
@@ -533,16 +562,16 @@ __device__ __forceinline__ void finish_vec(const Current& cur, VecIn<P, Gr, M>& 
     store4(static_cast<float*>(d.m) + in.e0, in.m);
     store4(static_cast<float*>(d.v) + in.e0, in.v);
   } else {
-    uint32_t mk = 0, vk = 0;
+    float mx = 0.0f, vx = 0.0f;
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
-      mk = adamw4::umax(mk, adamw4::max_key(m[k]));
-      vk = adamw4::umax(vk, adamw4::max_key(v[k]));
+      mx = adamw4::nan_max(mx, fabsf(m[k]));
+      vx = adamw4::nan_max(vx, fabsf(v[k]));
     }
-    const float ms = float_of(__reduce_max_sync(0xFFFFFFFFu, mk));
+    const float ms = float_of(adamw4::key_of_bits(__reduce_max_sync(0xFFFFFFFFu, __float_as_uint(mx))));
     float vs[kPer], rv[kPer];  // v's scales and their reciprocals
     if (d.kind == Adamw4Kind::kBlock) {
-      vs[0] = vs[1] = vs[2] = vs[3] = float_of(__reduce_max_sync(0xFFFFFFFFu, vk));
+      vs[0] = vs[1] = vs[2] = vs[3] = float_of(adamw4::key_of_bits(__reduce_max_sync(0xFFFFFFFFu, __float_as_uint(vx))));
       rv[0] = rv[1] = rv[2] = rv[3] = adamw4::recip(vs[0]);
       if ((threadIdx.x & 31) == 0) d.v_scale[in.ug] = vs[0];
     } else {
@@ -586,6 +615,23 @@ __global__ void __launch_bounds__(kThreads, step_blocks(M)) step_kernel(const Ad
   // A warp per pair of groups 2q, 2q + 1: together on the vector path where both are whole groups
   // of one tensor with codes, one after the other otherwise.
   for (int64_t q = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); 2 * q < n_groups; q += n_warps) {
+    if (2 * q >= cur.d.group_begin && 2 * q + 1 < cur.full_end && cur.vec && cur.d.kind != Adamw4Kind::kFull) {
+      // The common case: this pair and the warp's next ones are whole vector groups of the tensor
+      // it already describes. Stepped in a loop of 32-bit local indices (vectorizable: < 2^31
+      // elements) that checks only the tensor's end, where the general loop below re-tests the
+      // tensor, the path and the pair for every group (about a tenth of the step's instructions).
+      const int64_t first = cur.d.group_begin;
+      const uint32_t stride = static_cast<uint32_t>(2 * n_warps), lim = static_cast<uint32_t>(cur.full_end - first);
+      uint32_t lg = static_cast<uint32_t>(2 * q - first);
+      do {
+        auto a = load_vec<P, Gr, M, false>(cur, lg), b = load_vec<P, Gr, M, false>(cur, lg + 1);
+        finish_vec<P, Gr, M, false>(cur, a, inv_gs, tb, pmax);
+        finish_vec<P, Gr, M, false>(cur, b, inv_gs, tb, pmax);
+        lg += stride;
+      } while (lg + 1 < lim);
+      q = (first + lg) / 2 - n_warps;  // the pair after the last one stepped, less the loop's increment
+      continue;
+    }
     for (int64_t g = 2 * q; g < 2 * q + 2 && g < n_groups; ++g) {
       if (g < cur.d.group_begin || g >= cur.end) {  // warp-uniform: a new tensor
         flush_pmax(cur, pmax);

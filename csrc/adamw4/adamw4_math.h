@@ -137,8 +137,20 @@ COAT_HD int encode_v_fast(float v, float s, float r) {
   return usable_scale(s) ? c : 0;
 }
 
+// v_level(c) in one fused multiply-add on the float 2^23 + c (bits 0x4B000000 | c): (2^23 + c) / 16
+// - (2^19 - 1/16) = (c + 1) / 16 exactly, so it equals v_level; the kernels decode with it where an
+// integer add and a conversion took two more instructions (c in [0, 15]; the mask and the or are
+// one instruction).
+COAT_HD float v_level_of_bits(uint32_t c) { return fmaf(float_of(0x4B000000u | c), 0.0625f, -524287.9375f); }
+
 COAT_HD float decode_m(int c, float s) { return m_level(c) * s; }
-COAT_HD float decode_v(int c, float s) { return v_level(c) * s; }
+COAT_HD float decode_v(int c, float s) {
+#if defined(__CUDA_ARCH__)
+  return v_level_of_bits(static_cast<uint32_t>(c)) * s;
+#else
+  return v_level(c) * s;  // the host's fmaf may be a library call
+#endif
+}
 
 // A moment's contribution to a max: the bits of |x| for finite x, of the canonical NaN otherwise.
 // Maxima are taken on these bits as unsigned integers (the order of non-negative floats), so a
@@ -150,6 +162,24 @@ COAT_HD uint32_t max_key(float x) {
 }
 
 COAT_HD uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+// max(a, b), NaN if either is NaN. A block's maximum is taken on floats with it and turned into a
+// key once (max_key of the result is the max of the elements' keys: NaN and +Inf both give the
+// NaN key, as they do element by element), where a key per element took four instructions.
+COAT_HD float nan_max(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  if (a != a || b != b) return float_of(kNanBits);
+  return a > b ? a : b;
+#endif
+}
+
+// max_key of a value in [+0, +Inf] or NaN from its bits: unsigned order of such bits is value order
+// with NaN on top, so the kernels reduce a warp's raw bits (one redux) and take the key once.
+COAT_HD uint32_t key_of_bits(uint32_t u) { return u >= 0x7F800000u ? kNanBits : u; }
 
 // min(row max, column max), NaN if either is NaN (both are >= +0 or the canonical NaN). On the
 // device one min.NaN instead of two comparisons and two selects (the step takes eight per lane).

@@ -214,6 +214,32 @@ COAT_HD float finite_abs(float v) {
   return a <= 3.4028234663852886e38f ? a : 0.0f;  // NaN and inf compare false
 }
 
+// finite_abs's maximum over four bf16 values packed two to a word (value bits in each 16-bit half),
+// as a float. A half's |value| bits plus 0x80 are below 0x8000 exactly when the value is finite, so
+// as signed 16-bit integers the non-finite ones sort below every finite one and one packed max
+// (max.s16x2 on the device) orders a pair of values; no carry crosses a half. The optimizer kernels
+// fold the values they write into a weight's amax with this, where a select chain per value took
+// four instructions.
+COAT_HD uint32_t max_s16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("max.s16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  const auto half = [](uint32_t x, int sh) { return static_cast<int16_t>(static_cast<uint16_t>(x >> sh)); };
+  const uint32_t lo = static_cast<uint16_t>(half(a, 0) > half(b, 0) ? half(a, 0) : half(b, 0));
+  const uint32_t hi = static_cast<uint16_t>(half(a, 16) > half(b, 16) ? half(a, 16) : half(b, 16));
+  return lo | (hi << 16);
+#endif
+}
+
+COAT_HD float bf16x4_finite_amax(uint32_t lo, uint32_t hi) {
+  const uint32_t w = max_s16x2((lo & 0x7FFF7FFFu) + 0x00800080u, (hi & 0x7FFF7FFFu) + 0x00800080u);
+  const int32_t a = static_cast<int32_t>(w << 16), b = static_cast<int32_t>(w & 0xFFFF0000u);
+  const int32_t top = a > b ? a : b;  // (the largest finite |value| + 0x80) << 16; below 0x80 << 16: none
+  return top >= 0x00800000 ? float_of(static_cast<uint32_t>(top - 0x00800000)) : 0.0f;
+}
+
 // fp32 per-tensor / per-group scale: max(amax / fmt_max, 2^-126), 1 when amax is 0 (or not
 // finite). The floor keeps 1 / scale finite: below it a tiny amax would give an infinite inverse,
 // zeros would become NaN codes (0 * inf) and everything else would saturate.

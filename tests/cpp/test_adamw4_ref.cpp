@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -157,6 +158,30 @@ TEST(Adamw4Maps, DivisionByMagicIsExact) {
           << n << " / " << d;
     }
   }
+}
+
+TEST(Adamw4Maps, FastDecodersAndMaximaEqualTheDefinitions) {
+  for (uint32_t c = 0; c < adamw4::kCodes; ++c)
+    EXPECT_EQ(bits_of(adamw4::v_level_of_bits(c)), bits_of(adamw4::v_level(static_cast<int>(c)))) << c;
+  // The key of a nan_max over |x| equals the umax of the elements' keys (the kernels' block, row
+  // and column maxima), whatever mix of zeros, subnormals, infinities and NaN a block holds.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const float pool[] = {0.0f, -0.0f, 1e-40f, -1e-40f, 1.0f, -3.5f, 2e38f, inf, -inf, nan, 7e-3f, FLT_MAX};
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 6);
+    float acc = 0.0f;
+    uint32_t want = 0;
+    for (int i = 0; i < n; ++i) {
+      const float x = rng() % 2 ? pool[rng() % 12] : std::ldexp(static_cast<float>(rng() % 1000) - 500.0f, -static_cast<int>(rng() % 140));
+      acc = adamw4::nan_max(acc, std::fabs(x));
+      want = adamw4::umax(want, adamw4::max_key(x));
+    }
+    ASSERT_EQ(adamw4::max_key(acc), want) << "trial " << trial;
+    ASSERT_EQ(adamw4::key_of_bits(bits_of(acc)), want) << "trial " << trial;
+  }
+  EXPECT_TRUE(std::isnan(adamw4::nan_max(1.0f, nan)));
+  EXPECT_TRUE(std::isnan(adamw4::nan_max(nan, 1.0f)));
 }
 
 TEST(Adamw4Maps, UnusableScales) {

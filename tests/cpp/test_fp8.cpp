@@ -1,6 +1,7 @@
 // Host FP8 / bf16 / fp16 conversions and the deterministic log2/exp2.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -86,6 +87,29 @@ TEST(Bf16, RoundTripsAndRounds) {
   }
   EXPECT_EQ(host_float_to_bf16(1.0f + 1.0f / 256.0f), 0x3F80);  // tie -> even
   EXPECT_TRUE(std::isnan(host_bf16_to_float(host_float_to_bf16(NAN))));
+}
+
+// The optimizer kernels' packed amax of four bf16 values against finite_abs, value by value: every
+// bf16 pattern in every slot (the other three random, NaN, Inf, zeros and large finite values among
+// them), and quads with no finite value.
+TEST(Bf16, PackedFiniteAmaxEqualsFiniteAbs) {
+  std::mt19937 rng(5);
+  const uint16_t special[] = {0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F7F, 0xFF7F, 0x0001, 0x3F80};
+  auto draw = [&]() -> uint16_t { return rng() % 3 == 0 ? special[rng() % 10] : static_cast<uint16_t>(rng()); };
+  for (int slot = 0; slot < 4; ++slot) {
+    for (uint32_t b = 0; b < 65536; ++b) {
+      uint16_t h[4] = {draw(), draw(), draw(), draw()};
+      h[slot] = static_cast<uint16_t>(b);
+      float want = 0.0f;
+      for (uint16_t x : h) want = std::max(want, finite_abs(host_bf16_to_float(x)));
+      const uint32_t lo = h[0] | (uint32_t{h[1]} << 16), hi = h[2] | (uint32_t{h[3]} << 16);
+      ASSERT_EQ(bits_of(bf16x4_finite_amax(lo, hi)), bits_of(want)) << std::hex << h[0] << " " << h[1] << " " << h[2]
+                                                                     << " " << h[3];
+    }
+  }
+  EXPECT_EQ(bf16x4_finite_amax(0x7F80FF80u, 0x7FC0FFFFu), 0.0f);  // Inf, -Inf, NaN, -NaN
+  EXPECT_EQ(bf16x4_finite_amax(0x80000000u, 0x00000000u), 0.0f);
+  EXPECT_EQ(bf16x4_finite_amax(0x7F80FF7Fu, 0x7FC00001u), host_bf16_to_float(0x7F7F));
 }
 
 TEST(DetMath, Log2AndExp2AreAccurate) {
