@@ -32,9 +32,10 @@ static_assert(kPer == 4, "a lane's elements are one stochastic-rounding quad");
 constexpr int kStripRows = 16;  // rows of a statistics strip
 constexpr int kBatch = 4;       // rows of a strip loaded before any is reduced
 // Blocks per SM of the step kernel, which holds two groups' operands: 3 (80 registers, a few
-// spilled) was the faster with bf16_sr, 2 (120, none spilled) with an fp32 master, whose loads are
-// twice the bytes (benchmarks/RESULTS.md sections 49 and 51).
-constexpr int step_blocks(MasterKind m) { return m == MasterKind::kFp32 ? 2 : 3; }
+// spilled) is the faster with every master. With an fp32 master, whose loads are twice the bytes,
+// 2 (120 registers, none spilled) was the faster until the tight pair loop (benchmarks/RESULTS.md
+// sections 49 and 51).
+constexpr int kStepBlocks = 3;
 
 using adamw4::groups_of;
 using cuda::aligned;
@@ -600,7 +601,7 @@ __device__ __forceinline__ void finish_vec(const Current& cur, VecIn<P, Gr, M>& 
 // moments and writes the parameter (and master). Per element: param and grad (2-4 B each), master (8 B if
 // any), codes 2 x 0.5 B read and written (kFull: 16 B of fp32).
 template <typename P, typename Gr, MasterKind M>
-__global__ void __launch_bounds__(kThreads, step_blocks(M)) step_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
+__global__ void __launch_bounds__(kThreads, kStepBlocks) step_kernel(const Adamw4Tensor* __restrict__ tensors, int64_t n_tensors,
                                                         int64_t n_groups, AdamwConfig c) {
   __shared__ Tables tb;
   __shared__ Current slots[kWarps];
@@ -663,12 +664,12 @@ void launch(const Adamw4Tensor* tensors, int64_t n_tensors, int64_t n_groups, co
   clear_kernel<<<clear_grid, 256, 0, stream>>>(tensors, n_tensors, c);
   COAT_CHECK_LAUNCH();
   // A warp per group or strip (statistics) or pair of groups (step); as many blocks as fit at once
-  // (4 per SM at 64 registers, step_blocks at the step's), so the grid-stride loops end together
+  // (4 per SM at 64 registers, kStepBlocks for the step), so the grid-stride loops end together
   // instead of in a second, partial wave.
   const unsigned grid = cuda::grid_for(n_groups, kWarps, 4);
   stats_kernel<Gr><<<grid, kThreads, 0, stream>>>(tensors, n_tensors, c);
   COAT_CHECK_LAUNCH();
-  const unsigned step_grid = cuda::grid_for((n_groups + 1) / 2, kWarps, step_blocks(M));
+  const unsigned step_grid = cuda::grid_for((n_groups + 1) / 2, kWarps, kStepBlocks);
   step_kernel<P, Gr, M><<<step_grid, kThreads, 0, stream>>>(tensors, n_tensors, n_groups, c);
   COAT_CHECK_LAUNCH();
 }

@@ -126,11 +126,12 @@ void run_combo(const Combo& cb) {
                           {129, 257, Adamw4Kind::kRank1},  {600, 700, Adamw4Kind::kRank1}, {129, 257, Adamw4Kind::kBlock},
                           {1, 70001, Adamw4Kind::kBlock},  {1, 1, Adamw4Kind::kFull},    {7, 300, Adamw4Kind::kFull},
                           // The kernel's vector paths (whole groups, aligned views: the even slots):
-                          // statistics strips (cols % 128 == 0, a partial last strip, rows % 4 != 0),
+                          // statistics strips (cols % 128 == 0, partial last strips, rows % 4 != 0),
                           // rank-1 with cols % 4 == 0 only, blocks, full states.
                           {48, 384, Adamw4Kind::kRank1},   {48, 384, Adamw4Kind::kRank1},
                           {40, 256, Adamw4Kind::kRank1},   {40, 256, Adamw4Kind::kRank1},
                           {37, 384, Adamw4Kind::kRank1},   {37, 384, Adamw4Kind::kRank1},
+                          {37, 512, Adamw4Kind::kRank1},   {37, 512, Adamw4Kind::kRank1},
                           {64, 100, Adamw4Kind::kRank1},   {64, 100, Adamw4Kind::kRank1},
                           {3, 8196, Adamw4Kind::kBlock},   {3, 8196, Adamw4Kind::kBlock},
                           {16, 256, Adamw4Kind::kFull},    {16, 256, Adamw4Kind::kFull}};
