@@ -252,14 +252,14 @@ def e2e_4bit(data: dict[str, Any], source: str) -> str:
     used = []
     for model in ("llama2-7b",):
         recs = _records(data, H200, model)
-        for setup in ("coat-lean+release", "coat4bit-lean+release"):
+        for setup in ("coat", "coat4bit", "coat-lean+release", "coat4bit-lean+release"):
             r = recs.get((setup, 1))
             if r is not None and r["status"] == "ok":
                 lines.append(f"| {MODEL_NAMES[model]} | 1 | {setup} | {r['peak_gib']:.1f} GiB ({r['estimate_gib']:.1f}) "
                              f"| {_tok(r)} |")
                 used.append(r)
     return "\n".join(lines + ["", f"One H200, sequence 2048, {_commits(used)} (benchmarks/RESULTS.md sections 13, "
-                              "25 and 49)."])
+                              "25, 49 and 51)."])
 
 
 def train_scaling(data: dict[str, Any], source: str) -> str:
