@@ -243,7 +243,7 @@ def e2e_side(data: dict[str, Any], source: str) -> str:
             used += [side] + list(ok.values())
     return "\n".join(lines + ["", f"Measured on one H200 at {_commits(used)}: `python benchmarks/bench_e2e.py --setups "
                               "coat+side coat+side+graph coat+lora coat+lora+graph bf16+lora qlora ...` (benchmarks/"
-                              "RESULTS.md sections 13, 42 and 49)."])
+                              "RESULTS.md sections 13, 42, 49 and 52)."])
 
 
 def e2e_4bit(data: dict[str, Any], source: str) -> str:
