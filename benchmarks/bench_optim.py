@@ -9,6 +9,7 @@ Configurations, run one after another with memory freed in between:
   coat  fp32 params + fp32 grads
   4bit  bf16 params + fp32 master + bf16 grads  (coat.optim.AdamW4bit)
   4bit  bf16 params, bf16_sr (no master) + bf16 grads
+  4bit  the same two with v_scaling="block" (v in blocks of 128 on the matrices too: no first pass)
   torch AdamW(fused=True), fp32 params + fp32 grads   (the baseline; needs ~108 GB at full size)
   snsm  bf16 params, bf16_sr + bf16 grads  (coat.optim.SubsetNormSM: rank 128 on the matrices, FP8 AdamW
         on the embedding and norms; its first step, every projection's SVD, reported apart), with the
@@ -45,6 +46,8 @@ STATE_B = 2 * 2 * (1 + 5 / 128)  # m and v, read and written: codes + gmax + k16
 # and column maxima, ~0), plus the first pass over the rank-1 tensors (nearly every parameter of this
 # set), which reads the bf16 gradient and v's codes once more to find the new maxima.
 STATE4_B = 2 * 2 * (0.5 + 4 / 128) + 2 + 0.5
+# AdamW4bit(v_scaling="block"): both moments in blocks of 128, no first pass.
+STATE4_BLOCK_B = 2 * 2 * (0.5 + 4 / 128)
 # Bytes per parameter each configuration must move at least.
 BYTES = {
     "coat bf16+fp32 master, bf16 grads": 2 + 8 + 2 + STATE_B,  # param write, master r/w, grad read
@@ -52,6 +55,8 @@ BYTES = {
     "coat fp32, fp32 grads": 8 + 4 + STATE_B,                  # param r/w, grad read
     "4bit bf16+fp32 master, bf16 grads": 2 + 8 + 2 + STATE4_B,
     "4bit bf16_sr, bf16 grads": 4 + 2 + STATE4_B,
+    "4bit v block, bf16+fp32 master, bf16 grads": 2 + 8 + 2 + STATE4_BLOCK_B,
+    "4bit v block, bf16_sr, bf16 grads": 4 + 2 + STATE4_BLOCK_B,
     "torch fused AdamW fp32": 8 + 4 + 16,                      # param r/w, grad read, fp32 m and v r/w
     # SubsetNormSM (torch ops, not a fused kernel): param r/w, grad read, its ~0.2 B/param of states
     # r/w; it moves several times more (fp32 temporaries). Its first step refreshes every projection
@@ -107,7 +112,8 @@ def bench(name: str, shapes, warmup: int, iters: int) -> dict:
     elif name.startswith("4bit"):
         params = make_params(shapes, torch.bfloat16, torch.bfloat16)
         master = "bf16_sr" if "bf16_sr" in name else "fp32"
-        opt = co.AdamW4bit(params, lr=1e-4, weight_decay=0.01, master_weights=master)
+        opt = co.AdamW4bit(params, lr=1e-4, weight_decay=0.01, master_weights=master,
+                           v_scaling="block" if "v block" in name else "rank1")
     elif name.startswith("snsm"):
         params = make_params(shapes, torch.bfloat16, torch.bfloat16)
         matrices = [p for p in params[1:] if p.dim() == 2]  # params[0]: the embedding (AdamW, FP8 states)

@@ -46,6 +46,7 @@ def _sub_flags(flags: TrainConfig, parts: tuple[str, str], out: Path) -> TrainCo
                    fp8_grad_format=flags.fp8_grad_format if act == "fp8" else None,
                    fp8_fast_accum=flags.fp8_fast_accum if act == "fp8" else True,
                    dre=flags.dre if opt == "coat" else True,
+                   v_scaling=flags.v_scaling if opt == "coat4bit" else "rank1",
                    release_grads=flags.release_grads and opt in COAT_OPTIMIZERS,
                    frozen_fp8=flags.frozen_fp8 and act == "fp8", fp8_stats=flags.fp8_stats and act == "fp8")
 

@@ -35,6 +35,7 @@ MASTER_WEIGHTS = ("fp32", "bf16_sr")
 SNSM_PROJ = ("svd", "randomized")
 from coat.nn.recipe import GRANULARITIES as FP8_GRANULARITIES  # noqa: E402  (the FP8 layers' scaling choices)
 from coat.nn.recipe import Fp8Recipe  # noqa: E402
+from coat.optim._state4 import V_SCALINGS  # noqa: E402  (--v-scaling: coat.optim.AdamW4bit's v_scaling)
 
 #: The FP8 layers' output-gradient formats (--fp8-grad-format).
 FP8_GRAD_FORMATS = ("e5m2", "e4m3")
@@ -48,7 +49,8 @@ RESUME_OVERRIDES = ("steps", "save_every", "keep_last", "save", "quiet", "thread
 #: What a checkpoint's state belongs to, beyond its run id and model (coat.cli.checkpoint.run_identity):
 #: these flags, and the later ones only where away from their default (older checkpoints lack them).
 IDENTITY_FLAGS = ("recipe", "activations", "optim", "master_weights", "lora", "lora_targets", "release_grads")
-LATER_IDENTITY_FLAGS = ("side_tuning", "snsm_proj", "fp8_granularity", "fp8_grad_format", "fp8_fast_accum", "dre")
+LATER_IDENTITY_FLAGS = ("side_tuning", "snsm_proj", "fp8_granularity", "fp8_grad_format", "fp8_fast_accum", "dre",
+                        "v_scaling")
 MODEL_FLAGS = ("model", "hidden_size", "layers", "heads", "intermediate_size", "max_positions")
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -147,6 +149,7 @@ class TrainConfig:
     fp8_grad_format: str | None = None  # the FP8 layers' output-gradient format; None: the recipe's default
     fp8_fast_accum: bool = True  # the FP8 forward GEMMs' fast accumulation (Fp8Recipe.fast_accum_fwd)
     dre: bool = True  # coat.optim.AdamW's Dynamic Range Expansion of the FP8 states (its ``expansion``)
+    v_scaling: str = "rank1"  # coat.optim.AdamW4bit's normalization of v on matrices (its ``v_scaling``)
     release_grads: bool = False
     # under torchrun: decoder layers per fully_shard unit (coat.integrations.fsdp.shard); "auto":
     # coat.memory.auto_fsdp_unit for the model, batch and GPU (distributed_train.shard resolves it)
@@ -493,7 +496,7 @@ def _validate_side_tuning(cfg: TrainConfig) -> None:
 
 
 def _validate_recipe_flags(cfg: TrainConfig) -> None:
-    """--fp8-grad-format, --fp8-fast-accum and --dre: valid, and only where they change something."""
+    """--fp8-grad-format, --fp8-fast-accum, --dre and --v-scaling: valid, and only where they change something."""
     if cfg.fp8_grad_format not in (None, *FP8_GRAD_FORMATS):
         raise ConfigError("--fp8-grad-format", f"invalid choice {cfg.fp8_grad_format!r} (choose from "
                                                f"{', '.join(FP8_GRAD_FORMATS)})")
@@ -513,6 +516,11 @@ def _validate_recipe_flags(cfg: TrainConfig) -> None:
     if not cfg.dre and cfg.optim != "coat":
         raise ConfigError("--no-dre", f"Dynamic Range Expansion is coat.optim.AdamW's (--optim coat), not "
                                       f"--optim {cfg.optim}'s")
+    if cfg.v_scaling not in V_SCALINGS:
+        raise ConfigError("--v-scaling", f"invalid choice {cfg.v_scaling!r} (choose from {', '.join(V_SCALINGS)})")
+    if cfg.v_scaling != "rank1" and cfg.optim != "coat4bit":
+        raise ConfigError("--v-scaling", f"v's scaling is coat.optim.AdamW4bit's (--optim coat4bit), not "
+                                         f"--optim {cfg.optim}'s")
 
 
 def fp8_recipe(cfg: TrainConfig) -> Fp8Recipe:

@@ -92,7 +92,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     if cfg.optim == "coat4bit":
         from coat.optim import AdamW4bit
 
-        return AdamW4bit(groups, master_weights=cfg.master_weights, **kwargs)
+        return AdamW4bit(groups, master_weights=cfg.master_weights, v_scaling=cfg.v_scaling, **kwargs)
     if cfg.optim == "snsm":
         return _snsm_optimizer(model, params, cfg, kwargs)
     # capturable: a CUDA graph replays the step (--cuda-graph), reading its step count on the device
@@ -233,8 +233,10 @@ def describe_precision(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      f"{optimizer.param_groups[0]['rank']} momentum and projection); FP8 AdamW states on embeddings, "
                      "norms and biases")
     elif cfg.optim == "coat4bit":
-        other.append("AdamW states in 4 bits (m: dynamic-exponent map, v: linear map without zero, rank-1 or "
-                     "128-element scales; tensors of <= 4096 elements fp32)")
+        v_scales = ("rank-1 (row and column) scales on matrices, 128-element ones elsewhere"
+                    if optimizer.v_scaling == "rank1" else "128-element scales")
+        other.append(f"AdamW states in 4 bits (m: dynamic-exponent map, v: linear map without zero, {v_scales}; "
+                     "tensors of <= 4096 elements fp32)")
     else:
         other.append("AdamW states (fp32 m and v)")
     if cfg.lora:

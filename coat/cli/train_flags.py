@@ -8,7 +8,7 @@ import argparse
 
 from coat.cli.config import (ACTIVATIONS, DEVICE_DEFAULTS, DEVICES, DTYPES, FP8_GRAD_FORMATS, FP8_GRANULARITIES, INIT_LR, LORA_LR,
                              MASTER_WEIGHTS, MODEL_PRESETS, OPTIM_DEFAULTS, OPTIMIZERS, RESUME_OVERRIDES, SCHEDULES, SIDE_LR, SIDE_R,
-                             SNSM_PROJ, TRAIN_SETUPS, TrainConfig, flag, fsdp_unit_arg)
+                             SNSM_PROJ, TRAIN_SETUPS, V_SCALINGS, TrainConfig, flag, fsdp_unit_arg)
 from coat.cli.data import TOKENIZERS
 
 
@@ -121,6 +121,10 @@ def _optimization_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dre", action=argparse.BooleanOptionalAction,
                    help="with --optim coat: Dynamic Range Expansion of the FP8 optimizer states (off: plain "
                         "per-group FP8 scaling)" + _default("dre"))
+    g.add_argument("--v-scaling", choices=V_SCALINGS,
+                   help="with --optim coat4bit: how the 4-bit v of a matrix is normalized: rank1 (by the maxima of "
+                        "its row and column, the paper's) or block (by the max of each 128 elements: no extra pass "
+                        "over the gradients, a faster step; docs/optimizers.md)" + _default("v_scaling"))
     g.add_argument("--frozen-fp8", action="store_true", help="with --lora and the FP8 layers: keep the frozen "
                    "base weights only as FP8 codes (1 byte per parameter instead of 2)")
     g.add_argument("--release-grads", action="store_true",

@@ -47,15 +47,19 @@ def rank1_shape(local: torch.Tensor) -> tuple[int, int]:
     return rows, local.numel() // rows
 
 
-def kind_of(p: torch.Tensor, local: torch.Tensor) -> str:
+#: AdamW4bit's ``v_scaling`` choices: how v of a matrix is normalized.
+V_SCALINGS = ("rank1", "block")
+
+
+def kind_of(p: torch.Tensor, local: torch.Tensor, v_scaling: str = "rank1") -> str:
     """The state kind of a parameter. Rank-1 v needs a contiguous matrix (rows and columns in memory
     order) that is not a shard (a DTensor's column maxima would span ranks: sharded parameters take
     blocks of 128), and pays off where its two buffers of row and column maxima are no larger than
-    the block scales they replace; else blocks of 128."""
+    the block scales they replace; else, or with ``v_scaling="block"``, blocks of 128."""
     n = local.numel()
     if n < _ops.MIN_NUMEL:
         return "full"
-    if local.dim() < 2 or not local.is_contiguous() or _is_dtensor(p):
+    if v_scaling == "block" or local.dim() < 2 or not local.is_contiguous() or _is_dtensor(p):
         return "block"
     rows, cols = rank1_shape(local)
     return "rank1" if 2 * (rows + cols) <= groups(n) else "block"
@@ -257,6 +261,9 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, mast
         hint = (" (a torch.optim.AdamW state has this form: AdamW4bit keeps full-precision moments only for "
                 f"tensors of at most {_ops.MIN_NUMEL - 1} elements, so it cannot take one for this tensor; start "
                 "its optimizer state fresh)") if got == "full" else ""
+        if {got, kind} == {"rank1", "block"}:
+            hint = (f" (v is normalized by row and column maxima in 'rank1' states, in blocks of 128 in 'block' "
+                    f"states: load it into an AdamW4bit with v_scaling={got!r}, the one that saved it)")
         raise ValueError(f"{where}: a {got!r} state (keys {sorted(saved)}) does not fit a parameter of shape "
                          f"{tuple(local.shape)}, which takes {kind!r} states{hint}")
     missing = [k for k in ("step", *_KEYS[kind]) if k not in saved]

@@ -26,7 +26,9 @@ class AdamW4bit(FusedOptimizer):
       decodes to 0. Matrices (dim 0 against the rest, contiguous, not sharded) are rank-1
       normalized: element (i, j) is scaled by min(max of row i, max of column j); the row and
       column maxima of the new v are computed by the kernel in a first pass, without an fp32 copy
-      of v. Other tensors, and matrices too thin for that to save bytes, take blocks of 128;
+      of v. Other tensors, and matrices too thin for that to save bytes, take blocks of 128, as
+      every tensor does with ``v_scaling="block"`` (no first pass: a faster step, 1/32 byte more
+      per parameter; docs/optimizers.md compares the two);
     - tensors of at most 4096 elements keep fp32 m and v.
 
     That is about 1.03-1.06 bytes per parameter for large tensors, plus the master weights (fp32
@@ -50,7 +52,8 @@ class AdamW4bit(FusedOptimizer):
     display_name = "coat.optim.AdamW4bit"
     _desc_words = _ops.DESC_WORDS
     _amax_word = _ops.AMAX_WORD
-    _settings = ("master_weights", "nonfinite", "seed")
+    _settings = ("master_weights", "nonfinite", "seed", "v_scaling")
+    v_scaling = "rank1"  # what optimizers pickled before the setting existed used
 
     def __init__(
         self,
@@ -69,8 +72,12 @@ class AdamW4bit(FusedOptimizer):
         master_weights: str = "fp32",
         nonfinite: str = "propagate",
         seed: int = 0,
+        v_scaling: str = "rank1",
     ) -> None:
         _hyper.check_settings(master_weights, nonfinite, seed)
+        if v_scaling not in _state4.V_SCALINGS:
+            raise ValueError(f"v_scaling must be one of {', '.join(map(repr, _state4.V_SCALINGS))} (row and column "
+                             f"maxima, or blocks of 128), got {v_scaling!r}")
         flags = {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "capturable": capturable,
                  "differentiable": differentiable, "fused": fused}
         _compat.check_constructor(lr, betas, flags)
@@ -78,6 +85,7 @@ class AdamW4bit(FusedOptimizer):
         self.master_weights = master_weights
         self.nonfinite = nonfinite
         self.seed = seed
+        self.v_scaling = v_scaling
         super().__init__(params, defaults)
 
     # ---- validation ----------------------------------------------------------------------------
@@ -95,8 +103,8 @@ class AdamW4bit(FusedOptimizer):
     # ---- state (layout: coat/optim/_state4.py) ---------------------------------------------------
 
     def _new_state(self, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any], index: int) -> dict[str, Any]:
-        return _state4.new_state(local, _state4.kind_of(p, local), self._master_kind(local.dtype),
-                                 _state.param_seed(self.seed, index))
+        return _state4.new_state(local, _state4.kind_of(p, local, self.v_scaling),
+                                 self._master_kind(local.dtype), _state.param_seed(self.seed, index))
 
     def _check_state(self, state: dict[str, Any], local: torch.Tensor) -> None:
         _state4.check_state(state, local, _state4.state_kind(state))
@@ -110,8 +118,8 @@ class AdamW4bit(FusedOptimizer):
                     what: str) -> dict[str, Any]:
         index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
         layout = _state4.shard_layout(p) if _state._is_dtensor(p) and _state.is_sharded(p) else None
-        return _state4.load_param_state(saved, local, _state4.kind_of(p, local), self._master_kind(local.dtype),
-                                        _state.param_seed(self.seed, index), what, layout, tuple(p.shape))
+        return _state4.load_param_state(saved, local, _state4.kind_of(p, local, self.v_scaling),
+                                        self._master_kind(local.dtype), _state.param_seed(self.seed, index), what, layout, tuple(p.shape))
 
     def _dtensor_state(self, state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
         return _state4.to_dtensor_state(state, p)

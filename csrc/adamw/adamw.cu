@@ -491,9 +491,13 @@ __device__ __forceinline__ GroupMeta step_pair(const AdamwTensor& d, const LaneP
     pack<P>(p, pw);
   }
   if (d.param_amax != nullptr) {  // the written values' max |.| (AdamwTensor::param_amax); warp-uniform
+    if constexpr (kFull && std::is_same_v<P, bf16_t>) {  // one packed 16-bit max per pair (common/fp8.h)
+      pmax = fmaxf(pmax, fmaxf(bf16x4_finite_amax(pw[0], pw[1]), bf16x4_finite_amax(pw[2], pw[3])));
+    } else {
 #pragma unroll
-    for (int j = 0; j < kE; ++j)
-      if (kFull || (at.ok && at.i0 + elem_offset(j) < d.numel)) pmax = fmaxf(pmax, finite_abs(unpack<P>(pw, j)));
+      for (int j = 0; j < kE; ++j)
+        if (kFull || (at.ok && at.i0 + elem_offset(j) < d.numel)) pmax = fmaxf(pmax, finite_abs(unpack<P>(pw, j)));
+    }
   }
   if constexpr (kFull) {
     if constexpr (M == MasterKind::kFp32) {

@@ -70,17 +70,17 @@ def _pow_int(b: float, e: int) -> float:  # the kernel's beta^t (repeated squari
 class RefAdamW4:
     """The algorithm of coat/adamw4.h restated over whole tensors, with fp32 copies of m and v."""
 
-    def __init__(self, params, lr, betas, eps, wd):
+    def __init__(self, params, lr, betas, eps, wd, v_scaling="rank1"):
         self.params, self.lr, self.betas, self.eps, self.wd = params, lr, betas, eps, wd
+        self.v_scaling = v_scaling
         self.t = 0
         self.st = [self._init(p) for p in params]
 
-    @staticmethod
-    def _kind(p):
+    def _kind(self, p):
         n = p.numel()
         if n <= 4096:
             return "full"
-        if p.dim() >= 2 and 2 * (p.shape[0] + n // p.shape[0]) <= -(-n // 128):
+        if self.v_scaling == "rank1" and p.dim() >= 2 and 2 * (p.shape[0] + n // p.shape[0]) <= -(-n // 128):
             return "rank1"
         return "block"
 
@@ -161,13 +161,15 @@ def _set_grads(params, step, scale=1e-2):
         p.grad = (torch.randn(p.shape, generator=g) * scale * (1 + i % 3)).to(p.device, p.dtype)
 
 
-def test_matches_pure_torch_reference():
+@pytest.mark.parametrize("v_scaling", ["rank1", "block"])
+def test_matches_pure_torch_reference(v_scaling):
     params = _params()
     mine = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    ref = RefAdamW4(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, wd=0.1)
-    opt = co.AdamW4bit(mine, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    kinds = [co.adamw4bit._state4.kind_of(p, p) for p in mine]
-    assert kinds == ["rank1", "block", "block", "block", "full", "full", "block"]
+    ref = RefAdamW4(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, wd=0.1, v_scaling=v_scaling)
+    opt = co.AdamW4bit(mine, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, v_scaling=v_scaling)
+    first = "rank1" if v_scaling == "rank1" else "block"
+    assert [co.adamw4bit._state4.state_kind(opt._new_state(p, p, opt.param_groups[0], i)) for i, p in
+            enumerate(mine)] == [first, "block", "block", "block", "full", "full", "block"]
     for step in range(1, 6):
         _set_grads(params, step)
         for p, q in zip(params, mine):
@@ -411,9 +413,34 @@ def test_nonfinite_gradients():
     assert torch.equal(q, before)
 
 
+def test_v_scaling_block_saves_and_loads_only_its_own_states():
+    """v_scaling="block" steps every matrix with blocks of 128 for v (no statistics pass); a state saved
+    under one scaling is refused by an optimizer with the other, naming the setting; copies keep it."""
+    import copy
+
+    batches = list(_batches(4, seed=6))
+    a, b = _mlp(), _mlp()
+    opt_a = co.AdamW4bit(a.parameters(), lr=1e-3, v_scaling="block")
+    opt_b = co.AdamW4bit(b.parameters(), lr=1e-3)
+    _train(a, opt_a, batches[:2])
+    _train(b, opt_b, batches[:2])
+    assert sorted(co.adamw4bit._state4.state_kind(s) for s in opt_a.state.values()) == ["block"] * 3 + ["full"] * 3
+    assert not torch.equal(_flat(a), _flat(b))  # the 1024 x 1024 matrix's v took other scales
+    for src, dst, want in [(opt_b, co.AdamW4bit(a.parameters(), v_scaling="block"), "v_scaling='rank1'"),
+                           (opt_a, co.AdamW4bit(b.parameters()), "v_scaling='block'")]:
+        with pytest.raises(ValueError, match=want):
+            dst.load_state_dict(src.state_dict())
+    twin = copy.deepcopy((a, opt_a))
+    assert twin[1].v_scaling == "block"
+    _train(a, opt_a, batches[2:])
+    _train(twin[0], twin[1], batches[2:])
+    assert torch.equal(_flat(a), _flat(twin[0]))
+
+
 def test_bad_arguments():
     p = [torch.nn.Parameter(torch.zeros(10))]
     for kwargs, match in [({"master_weights": "fp16"}, "master_weights"), ({"nonfinite": "ignore"}, "nonfinite"),
+                          ({"v_scaling": "row"}, "v_scaling"),
                           ({"seed": -1}, "seed"), ({"lr": -1.0}, "learning rate"), ({"betas": (1.0, 0.9)}, "beta"),
                           ({"eps": float("nan")}, "epsilon"), ({"weight_decay": -1.0}, "weight_decay"),
                           ({"amsgrad": True}, "amsgrad"), ({"differentiable": True}, "differentiable"),
@@ -436,9 +463,10 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,master", [(F32, "fp32"), (torch.bfloat16, "fp32"), (torch.float16, "fp32"),
-                                          (torch.bfloat16, "bf16_sr")])
-def test_cuda_matches_cpu(dtype, master):
+@pytest.mark.parametrize("dtype,master,v_scaling", [(F32, "fp32", "rank1"), (torch.bfloat16, "fp32", "rank1"),
+                                                    (torch.float16, "fp32", "rank1"), (torch.bfloat16, "bf16_sr", "rank1"),
+                                                    (torch.bfloat16, "bf16_sr", "block")])
+def test_cuda_matches_cpu(dtype, master, v_scaling):
     """The contract of coat/adamw4.h: the kernel keeps fma, flushes subnormals and takes sqrt,
     division and the encoders' reciprocals from the hardware; the CPU path is IEEE. From the same
     state, one step: parameters within an ulp of their dtype plus a few ulp of the update, scales,
@@ -447,8 +475,8 @@ def test_cuda_matches_cpu(dtype, master):
     cpu = _params(dtype=dtype)
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
     lr = 1e-2
-    oc = co.AdamW4bit(cpu, lr=lr, weight_decay=0.1, master_weights=master)
-    og = co.AdamW4bit(gpu, lr=lr, weight_decay=0.1, master_weights=master)
+    oc = co.AdamW4bit(cpu, lr=lr, weight_decay=0.1, master_weights=master, v_scaling=v_scaling)
+    og = co.AdamW4bit(gpu, lr=lr, weight_decay=0.1, master_weights=master, v_scaling=v_scaling)
     ulp = {F32: 2.0**-18, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
     for step in range(1, 5):
         _set_grads(cpu, step)

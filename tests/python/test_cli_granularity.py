@@ -88,12 +88,29 @@ def test_the_recipe_flags_reach_the_layers_and_the_optimizer(tmp_path: Path, cap
     assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 0
 
 
+def test_v_scaling_reaches_adamw4bit_and_stays_on_resume(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from coat.cli.config import TrainConfig, resolve_config
+    from coat.cli.model import build_model, build_optimizer
+
+    cfg = resolve_config(TrainConfig(recipe="coat4bit", model="tiny", device="cpu", v_scaling="block"))
+    assert build_optimizer(build_model(cfg), cfg).v_scaling == "block"
+    run = tmp_path / "run"
+    train(tiny(tmp_path, "run", steps=4, save_every=2, recipe="coat4bit", v_scaling="block"))
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["train"]["v_scaling"] == "block"
+    assert "v: linear map without zero, 128-element scales" in " ".join(saved["precision"]["not_fp8"])
+    err = usage_error(capsys, "--resume", str(run), "--steps", "6", "--v-scaling", "rank1")
+    assert "argument --v-scaling: cannot change when resuming (the run in" in err
+    assert main(["train", "--resume", str(run), "--steps", "6", "--quiet"]) == 0
+
+
 def test_bad_recipe_flag_values_from_python_are_config_errors() -> None:
     from coat.cli.config import ConfigError, TrainConfig, resolve_config, validate
 
     for bad, message in (({"fp8_grad_format": "e3m4"}, "argument --fp8-grad-format: invalid choice 'e3m4'"),
                          ({"dre": 0}, "argument --dre: must be True or False"),
-                         ({"fp8_fast_accum": 1}, "argument --fp8-fast-accum: must be True or False")):
+                         ({"fp8_fast_accum": 1}, "argument --fp8-fast-accum: must be True or False"),
+                         ({"v_scaling": "row"}, "argument --v-scaling: invalid choice 'row'")):
         with pytest.raises(ConfigError, match=message):
             validate(resolve_config(TrainConfig(recipe="coat", model="tiny", device="cpu", **bad)))
 
@@ -104,6 +121,7 @@ def test_bad_recipe_flag_values_from_python_are_config_errors() -> None:
     (["--recipe", "coat+block", "--no-fp8-fast-accum"], "block-scaled GEMMs always accumulate in split fp32"),
     (["--recipe", "fp8", "--no-dre"], "argument --no-dre: Dynamic Range Expansion is coat.optim.AdamW's"),
     (["--recipe", "coat4bit", "--no-dre"], "not --optim coat4bit's"),
+    (["--recipe", "coat", "--v-scaling", "block"], "argument --v-scaling: v's scaling is coat.optim.AdamW4bit's"),
 ])
 def test_the_recipe_flags_are_refused_where_they_do_nothing(tmp_path: Path, capsys: pytest.CaptureFixture, flags,
                                                            message) -> None:
