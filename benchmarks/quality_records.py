@@ -49,6 +49,8 @@ def label(run: Mapping[str, Any]) -> str:
     name = run["recipe"] + (" lean" if run.get("master_weights") == "bf16_sr" else "")
     if run.get("fp8_granularity", "tensor") != "tensor":  # the FP8 layers' scaling (issue 28)
         name += f" {run['fp8_granularity']}"
+    if run.get("v_scaling", "rank1") != "rank1":  # AdamW4bit's v in blocks of 128 (issue 29)
+        name += f" v {run['v_scaling']}"
     for key, part in ABLATIONS.items():  # one FP8 part changed (issue 25 item 5)
         if key in run:
             name += f" {part(run[key])}"
@@ -144,6 +146,8 @@ def run_from_dir(out: Path) -> dict[str, Any]:
         run["release_grads"] = True
     if train.get("fp8_granularity", "tensor") != "tensor":
         run["fp8_granularity"] = train["fp8_granularity"]
+    if train.get("v_scaling", "rank1") != "rank1":
+        run["v_scaling"] = train["v_scaling"]
     for key, default in ABLATION_DEFAULTS.items():
         value = train.get(key, default)
         if key == "fp8_grad_format" and value == Fp8Recipe(granularity=train.get("fp8_granularity", "tensor")).grad_format:

@@ -24,7 +24,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
     for name, recipe, more in (("X0", "bf16", {}), ("X0r", "coat-lean+release", {}),
-                               ("X0g", "coat", {"fp8_grad_format": "e4m3", "dre": False})):
+                               ("X0g", "coat", {"fp8_grad_format": "e4m3", "dre": False}),
+                               ("X0v", "coat4bit", {"v_scaling": "block"})):
         cfg = tiny(tmp, name, steps=4, eval_every=2, save_every=None, recipe=recipe, compare=False, **more)
         assert main(_argv(cfg)) == 0
         out[name] = Path(cfg.out)
@@ -59,6 +60,12 @@ def test_an_ablation_is_its_own_cell(runs: dict[str, Path]) -> None:
         cfg_path.write_text(json.dumps(cfg))
     assert qr.label(dict(abl, fp8_fast_accum=False, fp8_granularity="row")) == \
         "coat row e4m3 gradients no fast accumulation no DRE"
+
+
+def test_v_in_blocks_is_its_own_cell(runs: dict[str, Path]) -> None:
+    run = qr.run_from_dir(runs["X0v"])
+    assert run["v_scaling"] == "block" and qr.label(run) == "coat4bit v block"
+    assert "v_scaling" not in qr.run_from_dir(runs["X0r"])
 
 
 def test_an_unfinished_run_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
