@@ -262,8 +262,9 @@ def load_param_state(saved: dict[str, Any], local: torch.Tensor, kind: str, mast
                 f"tensors of at most {_ops.MIN_NUMEL - 1} elements, so it cannot take one for this tensor; start "
                 "its optimizer state fresh)") if got == "full" else ""
         if {got, kind} == {"rank1", "block"}:
-            hint = (f" (v is normalized by row and column maxima in 'rank1' states, in blocks of 128 in 'block' "
-                    f"states: load it into an AdamW4bit with v_scaling={got!r}, the one that saved it)")
+            hint = (" (v is normalized by row and column maxima in 'rank1' states and per 128 elements in 'block' "
+                    "ones, which AdamW4bit(v_scaling='block'), FSDP2 shards and non-contiguous matrices take: load "
+                    "it into an optimizer and parameter like the ones that saved it)")
         raise ValueError(f"{where}: a {got!r} state (keys {sorted(saved)}) does not fit a parameter of shape "
                          f"{tuple(local.shape)}, which takes {kind!r} states{hint}")
     missing = [k for k in ("step", *_KEYS[kind]) if k not in saved]
