@@ -31,7 +31,7 @@ from typing import Any
 
 from coat.memory_activations import (ACTIVATION_TABLES, GiB, MiB, NotModeled, fused_loss_transient,
                                      layer_saved, outside_saved, saved_constants)
-from coat.memory_recipes import (ADAMW4_STATE_BYTES, COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe,
+from coat.memory_recipes import (ADAMW4_BLOCK_STATE_BYTES, ADAMW4_STATE_BYTES, COAT_STATE_BYTES, LORA_RANK, RECIPES, Recipe, recipe,
                                  snsm_state_bytes, snsm_step_transient)
 from coat.memory_shapes import MODEL_TYPES, PRESETS, ModelShape, load_shape
 from coat.memory_side import side_params, side_plan_parts
@@ -397,7 +397,10 @@ OPTIMIZER_BYTES = {"amp": 28.0, "bf16": 14.0, "coat": 4 + 2 + COAT_STATE_BYTES +
                    # AdamW4bit reads the gradient and v's codes once more to find v's new row and
                    # column maxima (2.5 B with bf16 gradients)
                    "coat4bit": 4 + 2 + ADAMW4_STATE_BYTES + 4 + 2 + ADAMW4_STATE_BYTES + 2.5,
-                   "coat4bit-lean": 2 + 2 + ADAMW4_STATE_BYTES + 2 + ADAMW4_STATE_BYTES + 2.5}
+                   "coat4bit-lean": 2 + 2 + ADAMW4_STATE_BYTES + 2 + ADAMW4_STATE_BYTES + 2.5,
+                   # +v-block: no statistics pass
+                   "coat4bit+v-block": 4 + 2 + ADAMW4_BLOCK_STATE_BYTES + 4 + 2 + ADAMW4_BLOCK_STATE_BYTES,
+                   "coat4bit-lean+v-block": 2 + 2 + ADAMW4_BLOCK_STATE_BYTES + 2 + ADAMW4_BLOCK_STATE_BYTES}
 
 
 def flops_base(setup: str) -> str:
@@ -437,7 +440,8 @@ def step_time_floor(shape: ModelShape, rec: Recipe | str, batch: int, seq: int, 
     elif rec.side:  # the side network's optimizer only (the base is frozen)
         opt_s = OPTIMIZER_BYTES.get(rec.name.split("+")[0], 14.0) * side_params(shape) / rates["bw"]
     else:
-        opt_s = OPTIMIZER_BYTES.get(rec.name.split("+")[0], 14.0) * shape.n_params / gpus / rates["bw"]
+        base = rec.name.split("+")[0] + ("+v-block" if rec.v_scaling == "block" else "")
+        opt_s = OPTIMIZER_BYTES.get(base, 14.0) * shape.n_params / gpus / rates["bw"]
     total = gemm_s + opt_s
     return {"step_ms": total * 1e3, "gemm_ms": gemm_s * 1e3, "optimizer_ms": opt_s * 1e3,
             "tokens_per_s": t / total, "tflops": (dec + head + attn) / 1e12}

@@ -18,6 +18,8 @@ COAT_STATE_BYTES = 2 * (1 + 5 / 128)
 #: rank-1 (row and column) maxima on the matrices, two buffers of them: ~8 (rows + cols) / (rows cols)
 #: B/param, 0.002-0.004 on Llama-2-7B's matrices; the few small tensors (norms) keep fp32 states.
 ADAMW4_STATE_BYTES = 1 + 4 / 128 + 0.004
+#: The same with ``v_scaling="block"`` (``+v-block``): both moments with an fp32 absmax per 128.
+ADAMW4_BLOCK_STATE_BYTES = 1 + 8 / 128
 #: coat.optim.SubsetNormSM's rank in the snsm setups (its default, and coat train's).
 SNSM_RANK = 128
 
@@ -97,6 +99,17 @@ class Recipe:
     # The FP8 layers' scaling (coat.nn.recipe.GRANULARITIES): "block" adds the o_proj input's 128x1
     # scales to what a layer saves (fp32 per 128 tokens per channel: 1/32 byte per element).
     fp8_granularity: str = "tensor"
+    # coat.optim.AdamW4bit's v_scaling (``+v-block``: "block", state_bytes ADAMW4_BLOCK_STATE_BYTES).
+    v_scaling: str = "rank1"
+
+    def with_v_block(self) -> "Recipe":
+        """This 4-bit recipe with v in blocks of 128 on the matrices too (``+v-block``)."""
+        base, *mods = self.name.split("+")
+        if base not in names.ADAMW4_RECIPES:
+            raise ValueError(f"--recipe {self.name}+v-block: +v-block is coat.optim.AdamW4bit's: recipes "
+                             f"{', '.join(names.ADAMW4_RECIPES)}")
+        return replace(self, v_scaling="block", state_bytes=ADAMW4_BLOCK_STATE_BYTES,
+                       name=names.Setup(base, tuple(m for m in names.MODES if m in {*mods, "v-block"})).name)
 
     def with_granularity(self, granularity: str) -> "Recipe":
         """This recipe with its FP8 layers scaled at ``granularity`` (only FP8 recipes have one)."""
@@ -127,7 +140,7 @@ class Recipe:
         default_fused = RECIPES[base].fused_loss if base in RECIPES else self.fused_loss
         mods = {"release": r.grad_release, "fused-loss": r.fused_loss and not default_fused,
                 "hf-loss": default_fused and not r.fused_loss, "graph": r.graph, "lora": r.lora, "side": r.side,
-                r.fp8_granularity: r.fp8_granularity != "tensor"}
+                r.fp8_granularity: r.fp8_granularity != "tensor", "v-block": r.v_scaling == "block"}
         r = replace(r, name=names.Setup(base, tuple(m for m in names.MODES if mods.get(m))).name)  # the setup asked for
         if r.side and not self.side:
             if base not in names.SIDE_RECIPES or r.lora or r.grad_release or not r.fused_loss:
@@ -186,6 +199,8 @@ def recipe(name: str) -> Recipe:
     for g in ("row", "block"):
         if s.has(g):
             r = r.with_granularity(g)
+    if s.has("v-block"):
+        r = r.with_v_block()
     if not s.modes:
         return r
     fused = True if s.has("fused-loss") else False if s.has("hf-loss") else None

@@ -473,7 +473,7 @@ def add_arguments(p: argparse.ArgumentParser, json_default: str | None, png_defa
                    "coat-lean+graph (the step replayed from CUDA graphs); peers torchao (needs torchao and a GPU); "
                    "LoRA: bf16+lora (PEFT), coat+lora, coat+lora+graph, qlora (PEFT + bitsandbytes 4-bit); side tuning "
                    "(QST on the FP8 frozen base, r=16): coat+side, coat+side+graph; 4-bit optimizer states (coat.optim.AdamW4bit): coat4bit, "
-                   "coat4bit-lean, coat4bit-lean+release; Subset-Norm + Subspace-Momentum (coat.optim.SubsetNormSM, "
+                   "coat4bit-lean, coat4bit-lean+release, coat4bit-lean+v-block+release (v in blocks of 128); Subset-Norm + Subspace-Momentum (coat.optim.SubsetNormSM, "
                    "one GPU): snsm, snsm-lean, snsm-lean+release; the FP8 layers at finer scaling (sm_90): coat+row, "
                    "coat+block, coat-lean+block+release; or all "
                    "(default: " + " ".join(DEFAULT_SETUPS) + "); " + recipes.alias_help())

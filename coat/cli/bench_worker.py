@@ -128,12 +128,12 @@ def _prep_bf16(model, ctx):
 
 
 def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, graphed: bool = False,
-               optim: str = "AdamW", granularity: str = "tensor"):
+               optim: str = "AdamW", granularity: str = "tensor", v_scaling: str = "rank1"):
     # coat.convert's defaults (FP8 layers, fused LM head + loss); ``release``: the optimizer steps
     # inside backward (coat.optim.step_in_backward); ``fused_loss=False``: Hugging Face's loss path;
     # ``graphed``: the step replayed from CUDA graphs (coat.CudaGraphStep); ``optim``: the class in
     # coat.optim (AdamW: FP8 states, AdamW4bit: 4-bit states, SubsetNormSM); ``granularity``: the
-    # FP8 layers' scaling (Fp8Recipe.granularity).
+    # FP8 layers' scaling (Fp8Recipe.granularity); ``v_scaling``: AdamW4bit's.
     def prepare(model, ctx):
         import coat
         import coat.optim
@@ -146,6 +146,8 @@ def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, grap
         # SN-SM refreshes with the randomized range finder: a full SVD of a 7B model's 225 matrices
         # takes ~4 minutes at the first step (benchmarks/RESULTS.md section 19), longer than a bench.
         kw = {"proj_type": "randomized"} if optim == "SubsetNormSM" else {}
+        if optim == "AdamW4bit":
+            kw["v_scaling"] = v_scaling
         opt = getattr(coat.optim, optim)(params, lr=ctx.lr, master_weights=master, **kw)
         if release:
             coat.optim.step_in_backward(opt, model)
@@ -273,6 +275,9 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           torch.bfloat16, _prep_coat("bf16_sr", optim="AdamW4bit")),
     Setup("coat4bit-lean+release", "coat4bit-lean with the optimizer step inside backward", torch.bfloat16,
           _prep_coat("bf16_sr", release=True, optim="AdamW4bit")),
+    Setup("coat4bit-lean+v-block+release", "coat4bit-lean+release with v in blocks of 128 on the matrices too "
+          "(AdamW4bit(v_scaling='block'))", torch.bfloat16,
+          _prep_coat("bf16_sr", release=True, optim="AdamW4bit", v_scaling="block")),
     Setup("snsm", "bf16 weights, coat.convert, coat.optim.SubsetNormSM (SN-SM rank 128 on the matrices, randomized "
           "refresh, FP8 AdamW on the rest, fp32 master)", torch.bfloat16, _prep_coat("fp32", optim="SubsetNormSM"), fsdp=False),
     Setup("snsm-lean", "bf16 weights, coat.convert, coat.optim.SubsetNormSM(master_weights='bf16_sr')", torch.bfloat16,

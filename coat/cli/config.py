@@ -252,7 +252,7 @@ TRAIN_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
 #: coat.recipes' modes that coat train runs, and the flags they set (+lora: with --lora RANK, and
 #: on the FP8 layers --frozen-fp8).
 TRAIN_MODES: dict[str, dict[str, Any]] = {"row": {"fp8_granularity": "row"}, "block": {"fp8_granularity": "block"},
-                                          "lora": {}, "side": {}, "release": {"release_grads": True},
+                                          "v-block": {"v_scaling": "block"}, "lora": {}, "side": {}, "release": {"release_grads": True},
                                           "graph": {"cuda_graph": True}}
 
 
@@ -269,7 +269,8 @@ def setup_name(cfg: TrainConfig) -> str:
         base = cfg.optim + ("-lean" if cfg.master_weights == "bf16_sr" else "")
     else:
         return recipe_name(cfg.activations, cfg.optim)
-    on = {"row": cfg.fp8_granularity == "row", "block": cfg.fp8_granularity == "block", "lora": bool(cfg.lora),
+    on = {"row": cfg.fp8_granularity == "row", "block": cfg.fp8_granularity == "block",
+          "v-block": cfg.v_scaling == "block", "lora": bool(cfg.lora),
           "side": bool(cfg.side_tuning), "release": cfg.release_grads, "graph": cfg.cuda_graph}
     return recipes.Setup(base, tuple(m for m in recipes.MODES if on.get(m))).name
 

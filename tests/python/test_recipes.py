@@ -91,8 +91,31 @@ def test_train_refuses_names_it_cannot_run_naming_recipe():
         _train_config(recipe="coat-lean", activations="bf16")
 
 
+def test_v_block_names_adamw4bit_v_in_blocks_in_every_command():
+    """+v-block (coat.optim.AdamW4bit(v_scaling="block")): coat train's --v-scaling block is named by it,
+    the plan counts its 1/32 B/param of v scales and its step without the statistics pass, and it
+    combines only with the 4-bit recipes."""
+    cfg = _train_config(recipe="coat4bit-lean", v_scaling="block", release_grads=True)
+    assert setup_name(cfg) == "coat4bit-lean+v-block+release"
+    again = _train_config(recipe="coat4bit-lean+release+v-block")
+    assert (again.v_scaling, again.master_weights, again.release_grads) == ("block", "bf16_sr", True)
+    for bad in ("coat+v-block", "snsm-lean+v-block"):
+        with pytest.raises(ValueError, match=re.escape(f"--recipe {bad!r}: +v-block is coat.optim.AdamW4bit's")):
+            recipes.parse(bad)
+    rank1, block = memory.recipe("coat4bit-lean+release"), memory.recipe("coat4bit-lean+v-block+release")
+    assert (block.name, block.v_scaling, block.grad_release) == ("coat4bit-lean+v-block+release", "block", True)
+    assert block.state_bytes == 1 + 8 / 128 > rank1.state_bytes
+    shape = memory.PRESETS["llama2-7b"]
+    rates = memory.GPU_RATES["h100"]
+    opt = [memory.step_time_floor(shape, r, 1, 2048, rates)["optimizer_ms"] for r in (rank1, block)]
+    assert opt[1] < opt[0]  # no statistics pass: 2.5 B/param less to move
+    assert "coat4bit-lean+v-block+release" in SETUPS
+
+
 @pytest.mark.parametrize("argv,setup", [(["--recipe", "coat-lean+release"], "coat-lean+release"),
-                                        (["--recipe", "bf16", "--dtype", "bf16"], "amp")])
+                                        (["--recipe", "bf16", "--dtype", "bf16"], "amp"),
+                                        (["--recipe", "coat4bit-lean+release", "--v-scaling", "block"],
+                                         "coat4bit-lean+v-block+release")])
 def test_what_train_ran_is_handed_to_estimate_and_bench_as_is(tmp_path: Path, capsys, argv, setup):
     out = tmp_path / "run"
     assert main(["train", *argv, "--model", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
