@@ -167,7 +167,8 @@ def e2e_largest(data: dict[str, Any], source: str) -> str:
 MODEL_NAMES = {"llama2-7b": "Llama-2-7B", "llama3-8b": "Llama-3-8B", "llama2-13b": "Llama-2-13B",
                "codellama-34b": "CodeLlama-34B", "llama2-70b": "Llama-2-70B"}
 #: The order of setups in the tables that list several (the summary's, then the rest).
-SETUP_ORDER = [s for _, s in SUMMARY_SETUPS] + ["coat4bit", "coat4bit-lean", "coat4bit-lean+release"]
+SETUP_ORDER = [s for _, s in SUMMARY_SETUPS] + ["coat4bit", "coat4bit-lean", "coat4bit-lean+release",
+                                                "coat4bit-lean+v-block+release"]
 
 
 def _setup_rank(r: dict[str, Any]) -> int:
@@ -252,14 +253,14 @@ def e2e_4bit(data: dict[str, Any], source: str) -> str:
     used = []
     for model in ("llama2-7b",):
         recs = _records(data, H200, model)
-        for setup in ("coat", "coat4bit", "coat-lean+release", "coat4bit-lean+release"):
+        for setup in ("coat", "coat4bit", "coat-lean+release", "coat4bit-lean+release", "coat4bit-lean+v-block+release"):
             r = recs.get((setup, 1))
             if r is not None and r["status"] == "ok":
                 lines.append(f"| {MODEL_NAMES[model]} | 1 | {setup} | {r['peak_gib']:.1f} GiB ({r['estimate_gib']:.1f}) "
                              f"| {_tok(r)} |")
                 used.append(r)
     return "\n".join(lines + ["", f"One H200, sequence 2048, {_commits(used)} (benchmarks/RESULTS.md sections 13, "
-                              "25, 49 and 51)."])
+                              "25, 49, 51 and 54)."])
 
 
 def train_scaling(data: dict[str, Any], source: str) -> str:
