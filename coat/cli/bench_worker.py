@@ -22,8 +22,7 @@ What one configuration measures (a step = forward with labels -> loss, backward,
   ``resident_gib``: ``memory_allocated`` after the last ``zero_grad``. On a CPU both come from a
   tracker of live tensor storages (same meaning: bytes of tensors alive), over one step after warm-up.
 
-A setup is one entry of ``SETUPS``: a function that takes the freshly built model and returns the
-step function. New modes (gradient release, fused loss, LoRA) add an entry.
+A setup is one entry of ``SETUPS``: a function of the freshly built model that returns the step function.
 """
 
 from __future__ import annotations
@@ -128,12 +127,12 @@ def _prep_bf16(model, ctx):
 
 
 def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, graphed: bool = False,
-               optim: str = "AdamW", granularity: str = "tensor", v_scaling: str = "rank1"):
+               optim: str = "AdamW", granularity: str = "tensor", **opt_kw):
     # coat.convert's defaults (FP8 layers, fused LM head + loss); ``release``: the optimizer steps
     # inside backward (coat.optim.step_in_backward); ``fused_loss=False``: Hugging Face's loss path;
     # ``graphed``: the step replayed from CUDA graphs (coat.CudaGraphStep); ``optim``: the class in
     # coat.optim (AdamW: FP8 states, AdamW4bit: 4-bit states, SubsetNormSM); ``granularity``: the
-    # FP8 layers' scaling (Fp8Recipe.granularity); ``v_scaling``: AdamW4bit's.
+    # FP8 layers' scaling (Fp8Recipe.granularity); ``opt_kw``: more of the optimizer's arguments.
     def prepare(model, ctx):
         import coat
         import coat.optim
@@ -143,12 +142,7 @@ def _prep_coat(master: str, release: bool = False, fused_loss: bool = True, grap
             _shard(model, ctx)
         # SubsetNormSM: Subset-Norm + Subspace-Momentum on the projection matrices, FP8 AdamW on the rest
         params = coat.optim.snsm_param_groups(model) if optim == "SubsetNormSM" else model.parameters()
-        # SN-SM refreshes with the randomized range finder: a full SVD of a 7B model's 225 matrices
-        # takes ~4 minutes at the first step (benchmarks/RESULTS.md section 19), longer than a bench.
-        kw = {"proj_type": "randomized"} if optim == "SubsetNormSM" else {}
-        if optim == "AdamW4bit":
-            kw["v_scaling"] = v_scaling
-        opt = getattr(coat.optim, optim)(params, lr=ctx.lr, master_weights=master, **kw)
+        opt = getattr(coat.optim, optim)(params, lr=ctx.lr, master_weights=master, **opt_kw)
         if release:
             coat.optim.step_in_backward(opt, model)
         return _train_step(model, opt, nullcontext(), graphed)
@@ -258,6 +252,9 @@ def _prep_qlora(model, ctx):
     return _train_step(model, opt, nullcontext())
 
 
+# SN-SM refreshes with the randomized range finder: a full SVD of a 7B model's 225 matrices takes
+# ~4 minutes at the first step (benchmarks/RESULTS.md section 19), longer than a bench.
+_SNSM = dict(optim="SubsetNormSM", proj_type="randomized")
 SETUPS: dict[str, Setup] = {s.name: s for s in (
     Setup("amp", "fp32 weights, bf16 autocast, torch fused AdamW (FSDP2: MixedPrecisionPolicy bf16/fp32)",
           torch.float32, _prep_amp),
@@ -275,15 +272,14 @@ SETUPS: dict[str, Setup] = {s.name: s for s in (
           torch.bfloat16, _prep_coat("bf16_sr", optim="AdamW4bit")),
     Setup("coat4bit-lean+release", "coat4bit-lean with the optimizer step inside backward", torch.bfloat16,
           _prep_coat("bf16_sr", release=True, optim="AdamW4bit")),
-    Setup("coat4bit-lean+v-block+release", "coat4bit-lean+release with v in blocks of 128 on the matrices too "
-          "(AdamW4bit(v_scaling='block'))", torch.bfloat16,
-          _prep_coat("bf16_sr", release=True, optim="AdamW4bit", v_scaling="block")),
+    Setup("coat4bit-lean+v-block+release", "coat4bit-lean+release, v in blocks of 128 (AdamW4bit(v_scaling='block'))",
+          torch.bfloat16, _prep_coat("bf16_sr", release=True, optim="AdamW4bit", v_scaling="block")),
     Setup("snsm", "bf16 weights, coat.convert, coat.optim.SubsetNormSM (SN-SM rank 128 on the matrices, randomized "
-          "refresh, FP8 AdamW on the rest, fp32 master)", torch.bfloat16, _prep_coat("fp32", optim="SubsetNormSM"), fsdp=False),
+          "refresh, FP8 AdamW on the rest, fp32 master)", torch.bfloat16, _prep_coat("fp32", **_SNSM), fsdp=False),
     Setup("snsm-lean", "bf16 weights, coat.convert, coat.optim.SubsetNormSM(master_weights='bf16_sr')", torch.bfloat16,
-          _prep_coat("bf16_sr", optim="SubsetNormSM"), fsdp=False),
+          _prep_coat("bf16_sr", **_SNSM), fsdp=False),
     Setup("snsm-lean+release", "snsm-lean with the optimizer step inside backward", torch.bfloat16,
-          _prep_coat("bf16_sr", release=True, optim="SubsetNormSM"), fsdp=False),
+          _prep_coat("bf16_sr", release=True, **_SNSM), fsdp=False),
     Setup("coat+row", "coat with row scaling (per token, per weight channel)", torch.bfloat16,
           _prep_coat("fp32", granularity="row")),
     Setup("coat+block", "coat with block scaling (1x128 activations and gradients, 128x128 weights)", torch.bfloat16,
